@@ -1,0 +1,1 @@
+//! Tandem API types (`serving.tandem.dev/v1alpha1`).

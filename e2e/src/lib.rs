@@ -1,0 +1,1 @@
+//! Tandem end-to-end harness (see DESIGN §6).

@@ -1,0 +1,1 @@
+//! Tandem operator library (see DESIGN §4).

@@ -1,0 +1,1 @@
+//! Tandem data plane (see DESIGN §3). The crate has no Kubernetes dependency.
