@@ -3,3 +3,5 @@
 pub mod memory;
 pub mod model;
 pub mod pool;
+pub mod room;
+pub mod transfer;
