@@ -1,7 +1,11 @@
 //! Tandem data plane (see DESIGN §3). The crate has no Kubernetes dependency.
 
+pub mod health;
 pub mod memory;
 pub mod model;
 pub mod pool;
+pub mod registration;
 pub mod room;
+pub mod store_client;
+pub mod teardown;
 pub mod transfer;

@@ -94,11 +94,27 @@ pub struct AllocatorStats {
     pub frees: u64,
 }
 
+/// A hook called before every allocation and release of an allocator: the seam where tests inject
+/// faults at the external calls and record their order (DESIGN §6 "fault injection").
+pub trait AllocatorHook: Send + Sync + fmt::Debug {
+    /// Called before the backend allocates `len` bytes for `owner`; an error aborts the allocation.
+    ///
+    /// # Errors
+    /// Whatever the hook decides (tests return [`MemoryError::Injected`]).
+    fn before_allocate(&self, len: usize, owner: &str) -> Result<(), MemoryError>;
+    /// Called before the backend releases a buffer; an error aborts the release.
+    ///
+    /// # Errors
+    /// As above.
+    fn before_release(&self, buffer: BufferId, owner: &str) -> Result<(), MemoryError>;
+}
+
 #[derive(Debug)]
 struct AllocatorInner {
     id: AllocatorId,
     name: String,
-    backend: Box<dyn AllocatorBackend>,
+    backend: Arc<dyn AllocatorBackend>,
+    hook: Option<Arc<dyn AllocatorHook>>,
     live_buffers: AtomicU64,
     live_bytes: AtomicU64,
     quarantined_buffers: AtomicU64,
@@ -120,11 +136,31 @@ impl Allocator {
 
     /// As [`Allocator::new`] for an already boxed backend.
     pub fn from_boxed(name: impl Into<String>, backend: Box<dyn AllocatorBackend>) -> Self {
+        Self::build(name.into(), Arc::from(backend), None)
+    }
+
+    /// A new allocator over the same backend (same domain and memory source) with `hook` called
+    /// before each allocation and release. It is a distinct allocator: buffers it makes must be freed
+    /// by it, and it has its own counters.
+    pub fn with_hook(&self, hook: Arc<dyn AllocatorHook>) -> Self {
+        Self::build(
+            format!("{} (hooked)", self.inner.name),
+            self.inner.backend.clone(),
+            Some(hook),
+        )
+    }
+
+    fn build(
+        name: String,
+        backend: Arc<dyn AllocatorBackend>,
+        hook: Option<Arc<dyn AllocatorHook>>,
+    ) -> Self {
         Self {
             inner: Arc::new(AllocatorInner {
                 id: AllocatorId(NEXT_ALLOCATOR.fetch_add(1, Ordering::Relaxed)),
-                name: name.into(),
+                name,
                 backend,
+                hook,
                 live_buffers: AtomicU64::new(0),
                 live_bytes: AtomicU64::new(0),
                 quarantined_buffers: AtomicU64::new(0),
@@ -162,6 +198,10 @@ impl Allocator {
         if len == 0 {
             return Err(MemoryError::ZeroSize);
         }
+        let owner = owner.into();
+        if let Some(hook) = &self.inner.hook {
+            hook.before_allocate(len, &owner)?;
+        }
         let region = self.inner.backend.allocate(len)?;
         self.inner.live_buffers.fetch_add(1, Ordering::Relaxed);
         self.inner
@@ -172,7 +212,7 @@ impl Allocator {
             id: BufferId(NEXT_BUFFER.fetch_add(1, Ordering::Relaxed)),
             region,
             requested: len,
-            owner: owner.into(),
+            owner,
             allocator: self.clone(),
             placement,
             released: false,
@@ -208,7 +248,15 @@ impl Allocator {
         }
     }
 
-    fn release_region(&self, region: RawRegion) -> Result<(), MemoryError> {
+    fn release_region(
+        &self,
+        buffer: BufferId,
+        owner: &str,
+        region: RawRegion,
+    ) -> Result<(), MemoryError> {
+        if let Some(hook) = &self.inner.hook {
+            hook.before_release(buffer, owner)?;
+        }
         // SAFETY: `Buffer` is the only holder of `region`, it calls this exactly once (guarded by its
         // `released` flag), and byte views borrow the buffer, so none outlive it.
         unsafe { self.inner.backend.release(region) }?;
@@ -300,7 +348,10 @@ impl Buffer {
     /// The backend's release error; the memory is then treated as quarantined (it may still be mapped).
     pub fn free(mut self) -> Result<(), MemoryError> {
         self.released = true;
-        match self.allocator.release_region(self.region) {
+        match self
+            .allocator
+            .release_region(self.id, &self.owner, self.region)
+        {
             Ok(()) => Ok(()),
             Err(e) => {
                 self.count_quarantine();
@@ -342,7 +393,10 @@ impl Drop for Buffer {
         }
         self.released = true;
         tracing::warn!(buffer = %self.id, owner = %self.owner, "buffer dropped without free; freeing");
-        if let Err(e) = self.allocator.release_region(self.region) {
+        if let Err(e) = self
+            .allocator
+            .release_region(self.id, &self.owner, self.region)
+        {
             tracing::error!(buffer = %self.id, error = %e, "implicit free failed; memory quarantined");
             self.count_quarantine();
         }

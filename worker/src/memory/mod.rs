@@ -21,8 +21,8 @@ pub mod segment;
 pub mod shared;
 
 pub use allocator::{
-    Allocator, AllocatorBackend, AllocatorId, AllocatorStats, Buffer, BufferId, MemoryError,
-    RawRegion,
+    Allocator, AllocatorBackend, AllocatorHook, AllocatorId, AllocatorStats, Buffer, BufferId,
+    MemoryError, RawRegion,
 };
 pub use domain::AllocatorDomain;
 

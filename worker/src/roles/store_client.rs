@@ -1,0 +1,93 @@
+//! The `store-client` role: a standalone store client that creates and owns the shared-memory
+//! segments of its workers (DESIGN §2 `clientMode: Standalone`; server in
+//! `tandem_worker::store_client::server`). SIGTERM or SIGINT stops it and destroys every segment, so
+//! nothing of ours is left in /dev/shm (DESIGN contract 9).
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+
+use tandem_worker::memory::segment::{SEGMENT_NAME_PREFIX, SegmentBackend};
+use tandem_worker::store_client::server::{ServerConfig, StoreClientServer};
+
+use crate::RoleError;
+
+/// Segment backing, as a CLI value.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum BackendArg {
+    /// memfd_create (default): nothing in /dev/shm, freed with the last holder.
+    Memfd,
+    /// POSIX shm under /dev/shm, unlinked at shutdown.
+    PosixShm,
+}
+
+/// `tandem-worker store-client` arguments.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Unix socket to listen on.
+    #[arg(long, env = "TANDEM_STORE_CLIENT_SOCKET")]
+    pub socket: PathBuf,
+    /// Total bytes of segments this process may create.
+    #[arg(long, default_value_t = 64 << 30)]
+    pub budget_bytes: usize,
+    /// Segment backing.
+    #[arg(long, value_enum, default_value_t = BackendArg::Memfd)]
+    pub backend: BackendArg,
+    /// Segment name prefix (must start with `tandem-`); defaults to `tandem-sc-<pid>`.
+    #[arg(long)]
+    pub name_prefix: Option<String>,
+    /// Test-only negative control: leave POSIX shm names behind at shutdown.
+    #[arg(long, hide = true)]
+    pub leak_segments_for_test: bool,
+}
+
+/// Runs the store client until SIGTERM/SIGINT, then tears down.
+///
+/// # Errors
+/// [`RoleError::Failed`] when the socket cannot be bound or the signal handlers cannot be installed.
+pub fn run(args: Args) -> Result<(), RoleError> {
+    let mut config = ServerConfig::new(
+        args.socket,
+        match args.backend {
+            BackendArg::Memfd => SegmentBackend::Memfd,
+            BackendArg::PosixShm => SegmentBackend::PosixShm,
+        },
+        args.budget_bytes,
+    );
+    if let Some(prefix) = args.name_prefix {
+        config.name_prefix = prefix;
+    }
+    config.leak_segments_for_test = args.leak_segments_for_test;
+    let server = StoreClientServer::bind(config).map_err(|e| RoleError::Failed(e.to_string()))?;
+    let stop = server.stop_flag();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| RoleError::Failed(format!("tokio runtime: {e}")))?;
+    // Install the handlers before announcing readiness, so a SIGTERM right after start is not lost.
+    let signals = runtime.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok::<_, std::io::Error>((
+            signal(SignalKind::terminate())?,
+            signal(SignalKind::interrupt())?,
+        ))
+    });
+    let (mut term, mut int) =
+        signals.map_err(|e| RoleError::Failed(format!("signal handlers: {e}")))?;
+    let waiter = std::thread::spawn(move || {
+        runtime.block_on(async {
+            tokio::select! {
+                _ = term.recv() => tracing::info!("SIGTERM: stopping store client"),
+                _ = int.recv() => tracing::info!("SIGINT: stopping store client"),
+            }
+        });
+        stop.store(true, Ordering::Release);
+    });
+    tracing::info!(socket = %server.socket_path().display(), prefix = SEGMENT_NAME_PREFIX, "store client ready");
+    // `serve` returns Ok only after the waiter set the stop flag, so joining it cannot block.
+    let report = server
+        .serve()
+        .map_err(|e| RoleError::Failed(e.to_string()))?;
+    let _ = waiter.join();
+    tracing::info!(?report, "store client stopped; segments destroyed");
+    Ok(())
+}
