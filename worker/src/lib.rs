@@ -1,6 +1,7 @@
 //! Tandem data plane (see DESIGN §3). The crate has no Kubernetes dependency.
 
 pub mod health;
+pub mod cache;
 pub mod memory;
 pub mod model;
 pub mod pool;
