@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand};
 
 mod roles {
     //! One module per role.
+    pub mod cache;
     pub mod store_client;
 }
 
@@ -52,7 +53,7 @@ enum Role {
     /// Standalone store client: owns the shared-memory segments workers register (DESIGN §2).
     StoreClient(roles::store_client::Args),
     /// CacheTier store replica.
-    Cache(NotBuiltArgs),
+    Cache(roles::cache::Args),
 }
 
 fn main() -> ExitCode {
@@ -68,7 +69,7 @@ fn main() -> ExitCode {
         Role::Prefill(_) => Err(RoleError::NotBuilt("prefill")),
         Role::Decode(_) => Err(RoleError::NotBuilt("decode")),
         Role::StoreClient(args) => roles::store_client::run(args),
-        Role::Cache(_) => Err(RoleError::NotBuilt("cache")),
+        Role::Cache(args) => roles::cache::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -36,7 +36,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lru::LruCache;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3;
 
 use super::manifest::{
@@ -136,7 +136,7 @@ pub enum PutOutcome {
 
 /// Warmth of the store, reported in its health (`CacheWarm` is what the operator turns into the
 /// CacheTier condition).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum WarmState {
     /// Loadback is still verifying objects found on disk; gets of those answer misses.
     Warming,
@@ -145,7 +145,7 @@ pub enum WarmState {
 }
 
 /// Loadback progress.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct LoadbackProgress {
     /// Manifests found at open.
@@ -169,7 +169,7 @@ pub struct LoadbackProgress {
 }
 
 /// Counters of the serving path.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct L3Counters {
     /// Gets answered from memory.
@@ -191,7 +191,7 @@ pub struct L3Counters {
 }
 
 /// The health report of a store replica.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct L3Health {
     /// `Warming` or `CacheWarm`.
@@ -233,6 +233,7 @@ pub struct L3Store {
     tmp_dir: PathBuf,
     state: Mutex<State>,
     warm: AtomicBool,
+    stopping: AtomicBool,
     opened: Instant,
 }
 
@@ -312,6 +313,7 @@ impl L3Store {
                 },
             }),
             warm: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
             opened: Instant::now(),
             config,
         });
@@ -340,6 +342,13 @@ impl L3Store {
 
     fn manifest_path(&self, key: &ObjectKey) -> PathBuf {
         self.manifests_dir.join(format!("{}.json", key.file_stem()))
+    }
+
+    /// Asks loadback to stop after the object it is verifying (teardown, DESIGN contract 9); join
+    /// [`Loadback`] afterwards. The store keeps serving what is published. Nothing on disk changes:
+    /// the next start loads the rest.
+    pub fn stop_loadback(&self) {
+        self.stopping.store(true, Ordering::Release);
     }
 
     /// Whether loadback has finished.
@@ -637,6 +646,10 @@ impl L3Store {
         candidates.sort_by_key(|(_, m)| std::cmp::Reverse(m.committed_unix_ns));
         let mut last_log = Instant::now();
         for (path, manifest) in candidates {
+            if self.stopping.load(Ordering::Acquire) {
+                self.log_progress("L3 loadback stopped by shutdown; the rest loads at next start");
+                return;
+            }
             let verdict = self.verify(&path, &manifest);
             let mut state = self.lock();
             state.progress.scanned += 1;
@@ -661,8 +674,15 @@ impl L3Store {
                 }
                 Verdict::Stale(reason) => {
                     state.progress.identity_mismatch += 1;
+                    let first = state.progress.identity_mismatch == 1;
                     drop(state);
-                    tracing::warn!(object = %manifest.key, %reason, "L3 object of another identity: stale");
+                    // A changed identity makes every object stale: one warning, then debug lines;
+                    // the count is in the progress lines and the health report.
+                    if first {
+                        tracing::warn!(object = %manifest.key, %reason, "L3 objects of another identity found: moved to stale/, served as misses");
+                    } else {
+                        tracing::debug!(object = %manifest.key, %reason, "L3 object of another identity: stale");
+                    }
                     self.move_aside(&manifest.key, STALE);
                 }
                 Verdict::Corrupt(reason) => {

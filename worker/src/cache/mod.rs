@@ -5,8 +5,11 @@
 
 pub mod hit_accounting;
 pub mod host_locks;
+pub mod l3_client;
 pub mod l3_replay;
+pub mod l3_server;
 pub mod l3_store;
+pub mod l3_wire;
 pub mod load_order;
 pub mod manifest;
 pub mod page_key;
