@@ -1,7 +1,9 @@
 //! Tandem data plane (see DESIGN §3). The crate has no Kubernetes dependency.
 
-pub mod health;
+pub mod bench;
 pub mod cache;
+pub mod engine;
+pub mod health;
 pub mod memory;
 pub mod model;
 pub mod pool;

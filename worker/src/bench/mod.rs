@@ -1,0 +1,5 @@
+//! `tandem-bench` subcommands: speed and safety figures measured against a baseline in the same run
+//! (DESIGN §7), each in its own module.
+
+pub mod abort_stress;
+pub mod transfer;
