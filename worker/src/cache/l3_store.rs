@@ -554,9 +554,10 @@ impl L3Store {
                 }
             }
         };
-        match read_verified(&self.object_path(key), entry.len, entry.checksum) {
-            Ok(bytes) => {
-                let bytes: Arc<[u8]> = Arc::from(bytes);
+        let mut buf = Vec::new();
+        match read_verified(&self.object_path(key), entry.len, entry.checksum, &mut buf) {
+            Ok(()) => {
+                let bytes: Arc<[u8]> = Arc::from(buf);
                 let mut state = self.lock();
                 state.counters.hits_disk += 1;
                 self.admit_memory(&mut state, *key, Arc::clone(&bytes), false);
@@ -645,16 +646,17 @@ impl L3Store {
         // LRU order is oldest-least-recent, behind any put made while loading.
         candidates.sort_by_key(|(_, m)| std::cmp::Reverse(m.committed_unix_ns));
         let mut last_log = Instant::now();
+        let mut buf = Vec::new();
         for (path, manifest) in candidates {
             if self.stopping.load(Ordering::Acquire) {
                 self.log_progress("L3 loadback stopped by shutdown; the rest loads at next start");
                 return;
             }
-            let verdict = self.verify(&path, &manifest);
+            let verdict = self.verify(&path, &manifest, &mut buf);
             let mut state = self.lock();
             state.progress.scanned += 1;
             match verdict {
-                Verdict::Good(bytes) => {
+                Verdict::Good => {
                     state.progress.published += 1;
                     state.progress.bytes_verified += manifest.length;
                     let victims = if state.disk.contains(&manifest.key) {
@@ -668,7 +670,10 @@ impl L3Store {
                             true,
                         )
                     };
-                    self.admit_memory(&mut state, manifest.key, Arc::from(bytes), true);
+                    // Copy into memory only while the budget has room (newest first).
+                    if state.memory_bytes + manifest.length <= self.config.memory_budget_bytes {
+                        self.admit_memory(&mut state, manifest.key, Arc::from(&buf[..]), true);
+                    }
                     drop(state);
                     self.delete_victims(&victims);
                 }
@@ -722,7 +727,7 @@ impl L3Store {
         );
     }
 
-    fn verify(&self, path: &Path, m: &ObjectManifest) -> Verdict {
+    fn verify(&self, path: &Path, m: &ObjectManifest, buf: &mut Vec<u8>) -> Verdict {
         if m.format != MANIFEST_FORMAT {
             return Verdict::Stale(format!("manifest format {}", m.format));
         }
@@ -735,8 +740,8 @@ impl L3Store {
         if stem_with_ext(path, "json").as_deref() != Some(m.key.file_stem().as_str()) {
             return Verdict::Corrupt("manifest file name does not match its key".into());
         }
-        match read_verified(&self.object_path(&m.key), m.length, m.checksum) {
-            Ok(bytes) => Verdict::Good(bytes),
+        match read_verified(&self.object_path(&m.key), m.length, m.checksum, buf) {
+            Ok(()) => Verdict::Good,
             Err(ReadError::Missing) => Verdict::Corrupt("data file missing".into()),
             Err(ReadError::Bad(reason)) => Verdict::Corrupt(reason),
         }
@@ -750,7 +755,8 @@ enum PutFault {
 }
 
 enum Verdict {
-    Good(Vec<u8>),
+    /// Verified; the bytes are in the caller's buffer.
+    Good,
     Stale(String),
     Corrupt(String),
 }
@@ -773,8 +779,9 @@ impl From<String> for ReadError {
     }
 }
 
-/// Reads a whole object and checks its length and checksum; the error says what was wrong.
-fn read_verified(path: &Path, len: u64, want: u64) -> Result<Vec<u8>, ReadError> {
+/// Reads a whole object into `buf` (resized to its length; reused across calls by loadback) and
+/// checks its length and checksum; the error says what was wrong.
+fn read_verified(path: &Path, len: u64, want: u64, buf: &mut Vec<u8>) -> Result<(), ReadError> {
     let mut f = match File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(ReadError::Missing),
@@ -788,7 +795,7 @@ fn read_verified(path: &Path, len: u64, want: u64) -> Result<Vec<u8>, ReadError>
     }
     let size = usize::try_from(len)
         .map_err(|_| ReadError::Bad("object larger than the address space".to_owned()))?;
-    let mut buf = vec![0u8; size];
+    buf.resize(size, 0);
     let mut hasher = Xxh3::new();
     let mut done = 0;
     while done < size {
@@ -804,7 +811,7 @@ fn read_verified(path: &Path, len: u64, want: u64) -> Result<Vec<u8>, ReadError>
             "checksum {got:016x}, manifest says {want:016x}"
         )));
     }
-    Ok(buf)
+    Ok(())
 }
 
 fn stem_with_ext(path: &Path, ext: &str) -> Option<String> {
