@@ -1,0 +1,328 @@
+//! The `PodStatus` a runner reports, built from its view of the processes (pure).
+//!
+//! Conditions follow the kubelet (`PodScheduled`, `PodReadyToStartContainers`, `Initialized`,
+//! `ContainersReady`, `Ready`); a condition's `lastTransitionTime` changes only when its status
+//! does ([`ConditionClock`]). The phase rule is the API's (`PodStatus.phase` docs): `Pending` until
+//! every container started once, `Running` while any runs or will be restarted, `Succeeded` /
+//! `Failed` once all terminated for good.
+
+use std::collections::BTreeMap;
+
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::{
+    ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStateWaiting,
+    ContainerStatus, HostIP, PodCondition, PodIP, PodStatus,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+/// A container's state as the runner tracks it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ContainerRun {
+    /// Not running: preparing, image not mapped, config error, or back-off before a restart.
+    Waiting {
+        /// Machine-readable reason (`ContainerCreating`, `ErrImagePull`, `CrashLoopBackOff`, ...).
+        reason: String,
+        /// Human-readable detail.
+        message: String,
+    },
+    /// The process runs.
+    Running {
+        /// When it started.
+        started_at: Timestamp,
+        /// Its readiness (probe result, or `true` without a probe).
+        ready: bool,
+    },
+    /// The process exited.
+    Terminated(Exit),
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Exit {
+    /// Exit code (128 + signal when killed by a signal, as container runtimes report).
+    pub exit_code: i32,
+    /// The signal that ended it, if any.
+    pub signal: Option<i32>,
+    /// When it started.
+    pub started_at: Timestamp,
+    /// When it ended.
+    pub finished_at: Timestamp,
+}
+
+impl Exit {
+    /// `Completed` for exit code 0, else `Error` (the runtime's reasons).
+    pub fn reason(&self) -> &'static str {
+        if self.exit_code == 0 {
+            "Completed"
+        } else {
+            "Error"
+        }
+    }
+}
+
+/// What the status builder needs about one container.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ContainerView {
+    /// Container name.
+    pub name: String,
+    /// Image reference from the spec.
+    pub image: String,
+    /// Current pid (for `containerID`).
+    pub pid: Option<i32>,
+    /// Restarts so far.
+    pub restart_count: i32,
+    /// Current state.
+    pub run: ContainerRun,
+    /// The previous termination, if it restarted.
+    pub last_exit: Option<Exit>,
+}
+
+impl ContainerView {
+    /// A container that has not started yet.
+    pub fn creating(name: &str, image: &str) -> Self {
+        Self {
+            name: name.to_owned(),
+            image: image.to_owned(),
+            pid: None,
+            restart_count: 0,
+            run: ContainerRun::Waiting {
+                reason: "ContainerCreating".into(),
+                message: String::new(),
+            },
+            last_exit: None,
+        }
+    }
+
+    /// Running and ready.
+    pub fn ready(&self) -> bool {
+        matches!(self.run, ContainerRun::Running { ready: true, .. })
+    }
+}
+
+/// Remembers when each condition last changed.
+#[derive(Debug, Clone, Default)]
+pub struct ConditionClock {
+    seen: BTreeMap<&'static str, (bool, Timestamp)>,
+}
+
+impl ConditionClock {
+    /// Records `value` for `kind` at `now`; returns the last transition time.
+    pub fn observe(&mut self, kind: &'static str, value: bool, now: Timestamp) -> Timestamp {
+        match self.seen.get(kind) {
+            Some((v, t)) if *v == value => *t,
+            _ => {
+                self.seen.insert(kind, (value, now));
+                now
+            }
+        }
+    }
+}
+
+/// Everything [`pod_status`] reports.
+#[derive(Debug, Clone)]
+pub struct PodView<'a> {
+    /// `Pending`, `Running`, `Succeeded` or `Failed`.
+    pub phase: &'a str,
+    /// Assigned pod IP, once there is one.
+    pub pod_ip: Option<&'a str>,
+    /// The node's IP.
+    pub host_ip: &'a str,
+    /// When the runner accepted the pod.
+    pub start_time: Timestamp,
+    /// Init containers completed (or none declared).
+    pub initialized: bool,
+    /// Sandbox ready: the pod dir, IP and volumes are in place.
+    pub sandbox_ready: bool,
+    /// Init containers' views.
+    pub init_containers: &'a [ContainerView],
+    /// App containers' views.
+    pub containers: &'a [ContainerView],
+    /// A pod-level reason/message (e.g. a config error), if any.
+    pub message: Option<(&'a str, &'a str)>,
+}
+
+/// Builds the status object to patch into `pods/status`.
+pub fn pod_status(view: &PodView<'_>, clock: &mut ConditionClock, now: Timestamp) -> PodStatus {
+    let all_ready = !view.containers.is_empty() && view.containers.iter().all(ContainerView::ready);
+    let mut cond = |kind: &'static str, value: bool| PodCondition {
+        type_: kind.to_owned(),
+        status: if value { "True" } else { "False" }.to_owned(),
+        last_transition_time: Some(Time(clock.observe(kind, value, now))),
+        ..Default::default()
+    };
+    let conditions = vec![
+        cond("PodReadyToStartContainers", view.sandbox_ready),
+        cond("Initialized", view.initialized),
+        cond("ContainersReady", all_ready),
+        cond("Ready", all_ready),
+        cond("PodScheduled", true),
+    ];
+    PodStatus {
+        phase: Some(view.phase.to_owned()),
+        conditions: Some(conditions),
+        host_ip: Some(view.host_ip.to_owned()),
+        host_ips: Some(vec![HostIP {
+            ip: view.host_ip.to_owned(),
+        }]),
+        pod_ip: view.pod_ip.map(str::to_owned),
+        pod_ips: view.pod_ip.map(|ip| vec![PodIP { ip: ip.to_owned() }]),
+        start_time: Some(Time(view.start_time)),
+        init_container_statuses: (!view.init_containers.is_empty())
+            .then(|| view.init_containers.iter().map(container_status).collect()),
+        container_statuses: Some(view.containers.iter().map(container_status).collect()),
+        reason: view.message.map(|(r, _)| r.to_owned()),
+        message: view.message.map(|(_, m)| m.to_owned()),
+        qos_class: Some("BestEffort".into()),
+        ..Default::default()
+    }
+}
+
+fn container_status(c: &ContainerView) -> ContainerStatus {
+    let (state, started, ready) = match &c.run {
+        ContainerRun::Waiting { reason, message } => (
+            ContainerState {
+                waiting: Some(ContainerStateWaiting {
+                    reason: Some(reason.clone()),
+                    message: (!message.is_empty()).then(|| message.clone()),
+                }),
+                ..Default::default()
+            },
+            false,
+            false,
+        ),
+        ContainerRun::Running { started_at, ready } => (
+            ContainerState {
+                running: Some(ContainerStateRunning {
+                    started_at: Some(Time(*started_at)),
+                }),
+                ..Default::default()
+            },
+            true,
+            *ready,
+        ),
+        ContainerRun::Terminated(exit) => (
+            ContainerState {
+                terminated: Some(terminated(exit)),
+                ..Default::default()
+            },
+            false,
+            false,
+        ),
+    };
+    ContainerStatus {
+        name: c.name.clone(),
+        image: c.image.clone(),
+        image_id: format!("tandem-e2e-runner://{}", c.image),
+        container_id: c.pid.map(|p| format!("process://{p}")),
+        ready,
+        started: Some(started),
+        restart_count: c.restart_count,
+        state: Some(state),
+        last_state: c.last_exit.as_ref().map(|e| ContainerState {
+            terminated: Some(terminated(e)),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn terminated(e: &Exit) -> ContainerStateTerminated {
+    ContainerStateTerminated {
+        exit_code: e.exit_code,
+        signal: e.signal,
+        reason: Some(e.reason().to_owned()),
+        started_at: Some(Time(e.started_at)),
+        finished_at: Some(Time(e.finished_at)),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ts(s: i64) -> Timestamp {
+        Timestamp::from_second(s).unwrap()
+    }
+
+    #[test]
+    fn ready_only_when_every_container_is_ready_and_transitions_are_stable() {
+        let mut a = ContainerView::creating("a", "img");
+        let b = ContainerView {
+            run: ContainerRun::Running {
+                started_at: ts(10),
+                ready: true,
+            },
+            pid: Some(42),
+            ..ContainerView::creating("b", "img")
+        };
+        let mut clock = ConditionClock::default();
+        let cs = vec![a.clone(), b.clone()];
+        let s = pod_status(&view(&cs), &mut clock, ts(20));
+        let ready = |s: &PodStatus| {
+            let conds = s.conditions.as_ref().unwrap();
+            conds.iter().find(|c| c.type_ == "Ready").cloned().unwrap()
+        };
+        assert_eq!(ready(&s).status, "False");
+        assert_eq!(s.pod_ip.as_deref(), Some("127.100.0.2"));
+        let st = s.container_statuses.unwrap();
+        assert_eq!(st[1].container_id.as_deref(), Some("process://42"));
+        assert!(st[1].ready && !st[0].ready);
+
+        a.run = ContainerRun::Running {
+            started_at: ts(25),
+            ready: true,
+        };
+        let cs = vec![a, b];
+        let s1 = pod_status(&view(&cs), &mut clock, ts(30));
+        assert_eq!(ready(&s1).status, "True");
+        assert_eq!(ready(&s1).last_transition_time, Some(Time(ts(30))));
+        let s2 = pod_status(&view(&cs), &mut clock, ts(40));
+        assert_eq!(
+            ready(&s2).last_transition_time,
+            Some(Time(ts(30))),
+            "unchanged status keeps its time"
+        );
+    }
+
+    fn view(containers: &[ContainerView]) -> PodView<'_> {
+        PodView {
+            phase: "Running",
+            pod_ip: Some("127.100.0.2"),
+            host_ip: "127.100.0.1",
+            start_time: ts(1),
+            initialized: true,
+            sandbox_ready: true,
+            init_containers: &[],
+            containers,
+            message: None,
+        }
+    }
+
+    #[test]
+    fn terminated_state_and_last_state() {
+        let exit = Exit {
+            exit_code: 137,
+            signal: Some(9),
+            started_at: ts(1),
+            finished_at: ts(2),
+        };
+        let c = ContainerView {
+            run: ContainerRun::Terminated(exit.clone()),
+            last_exit: Some(Exit {
+                exit_code: 0,
+                ..exit
+            }),
+            restart_count: 1,
+            ..ContainerView::creating("a", "i")
+        };
+        let st = container_status(&c);
+        let t = st.state.unwrap().terminated.unwrap();
+        assert_eq!((t.exit_code, t.reason.as_deref()), (137, Some("Error")));
+        assert_eq!(
+            st.last_state.unwrap().terminated.unwrap().reason.as_deref(),
+            Some("Completed")
+        );
+        assert_eq!(st.restart_count, 1);
+    }
+}
