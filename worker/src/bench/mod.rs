@@ -2,4 +2,6 @@
 //! (DESIGN §7), each in its own module.
 
 pub mod abort_stress;
+pub mod pool;
+pub mod registration;
 pub mod transfer;

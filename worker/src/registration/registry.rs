@@ -66,7 +66,18 @@ struct Entry {
 #[derive(Debug, Default)]
 struct Table {
     entries: BTreeMap<RegistrationId, Entry>,
+    /// Start address → id. Registrations never overlap, so the neighbours of an address are the only
+    /// candidates for an overlap: checks are O(log n).
+    by_addr: BTreeMap<usize, RegistrationId>,
     next: u64,
+}
+
+impl Table {
+    fn remove(&mut self, id: RegistrationId) {
+        if let Some(e) = self.entries.remove(&id) {
+            self.by_addr.remove(&e.info.addr);
+        }
+    }
 }
 
 /// Registration table over one store client.
@@ -183,25 +194,26 @@ impl Registry {
         if range.len == 0 {
             return Err(RegisterError::ZeroSize(range.buffer));
         }
-        for e in table.entries.values() {
+        let before = table.by_addr.range(..=range.addr).next_back();
+        let after = table.by_addr.range(range.addr..).next();
+        for (_, id) in before.into_iter().chain(after) {
+            let Some(e) = table.entries.get(id) else {
+                continue;
+            };
+            let overlap = RegisterError::Overlap {
+                buffer: range.buffer,
+                addr: range.addr,
+                len: range.len,
+                existing: e.info.id,
+            };
             if e.info.addr == range.addr && e.info.len == range.len {
                 if e.info.state == RegistrationState::Quarantined {
-                    return Err(RegisterError::Overlap {
-                        buffer: range.buffer,
-                        addr: range.addr,
-                        len: range.len,
-                        existing: e.info.id,
-                    });
+                    return Err(overlap);
                 }
                 return Ok(Some(e.info.id));
             }
             if range.overlaps(e.info.addr, e.info.len) {
-                return Err(RegisterError::Overlap {
-                    buffer: range.buffer,
-                    addr: range.addr,
-                    len: range.len,
-                    existing: e.info.id,
-                });
+                return Err(overlap);
             }
         }
         client.check_registrable(range)?;
@@ -223,6 +235,7 @@ impl Registry {
         let handle = self.client.register_buffer(range)?;
         table.next += 1;
         let id = RegistrationId(table.next);
+        table.by_addr.insert(range.addr, id);
         table.entries.insert(
             id,
             Entry {
@@ -289,7 +302,7 @@ impl Registry {
                 if let Err(source) = self.client.unregister_buffer(handle) {
                     return Err(DeregisterError::Store { id, done, source });
                 }
-                table.entries.remove(&id);
+                table.remove(id);
             }
             done.push(id);
         }

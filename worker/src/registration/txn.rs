@@ -522,6 +522,32 @@ impl Registrar {
             .collect()
     }
 
+    /// Adds the memory steps to the process teardown (DESIGN contract 9): in `Deregister`, detach every
+    /// pool (deregister in reverse, destroy with its allocator); in `FreeMemory`, shut the store client
+    /// down (segments released, POSIX shm names unlinked).
+    pub fn install_teardown(self: &Arc<Self>, teardown: &crate::teardown::Teardown) {
+        use crate::teardown::TeardownPhase;
+        let me = self.clone();
+        teardown.register(TeardownPhase::Deregister, "detach KV pools", move || {
+            let errors = me.detach_all();
+            if errors.is_empty() {
+                Ok(())
+            } else {
+                Err(errors
+                    .iter()
+                    .map(|(role, e)| format!("{role}: {e}"))
+                    .collect::<Vec<_>>()
+                    .join("; "))
+            }
+        });
+        let me = self.clone();
+        teardown.register(
+            TeardownPhase::FreeMemory,
+            "shut down store client",
+            move || me.client().shutdown().map_err(|e| e.to_string()),
+        );
+    }
+
     /// Health with the registration counters filled in.
     pub fn health_report(&self) -> crate::health::HealthReport {
         let mut report = self.health.report();

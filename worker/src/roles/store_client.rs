@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
-use tandem_worker::memory::segment::{SEGMENT_NAME_PREFIX, SegmentBackend};
+use tandem_worker::memory::segment::SegmentBackend;
 use tandem_worker::store_client::server::{ServerConfig, StoreClientServer};
 
 use crate::RoleError;
@@ -32,7 +32,8 @@ pub struct Args {
     /// Segment backing.
     #[arg(long, value_enum, default_value_t = BackendArg::Memfd)]
     pub backend: BackendArg,
-    /// Segment name prefix (must start with `tandem-`); defaults to `tandem-sc-<pid>`.
+    /// Segment name prefix (must start with `tandem-`, so leak checks find it); defaults to
+    /// `tandem-sc-<pid>`.
     #[arg(long)]
     pub name_prefix: Option<String>,
     /// Test-only negative control: leave POSIX shm names behind at shutdown.
@@ -82,7 +83,7 @@ pub fn run(args: Args) -> Result<(), RoleError> {
         });
         stop.store(true, Ordering::Release);
     });
-    tracing::info!(socket = %server.socket_path().display(), prefix = SEGMENT_NAME_PREFIX, "store client ready");
+    tracing::info!(socket = %server.socket_path().display(), "store client ready");
     // `serve` returns Ok only after the waiter set the stop flag, so joining it cannot block.
     let report = server
         .serve()

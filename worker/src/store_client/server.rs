@@ -70,7 +70,7 @@ pub enum ServerError {
 pub struct ServeReport {
     /// Connections accepted.
     pub connections: u64,
-    /// Segments destroyed at shutdown (those whose worker was still connected).
+    /// Segments destroyed when their worker disconnected or at shutdown.
     pub segments_released: usize,
     /// Registrations dropped at shutdown.
     pub registrations_dropped: usize,
@@ -181,7 +181,7 @@ impl StoreClientServer {
     /// [`ServerError::Socket`] when accepting fails for a reason other than an interrupted call.
     pub fn serve(self) -> Result<ServeReport, ServerError> {
         let mut report = ServeReport::default();
-        let mut workers: Vec<JoinHandle<()>> = Vec::new();
+        let mut workers: Vec<JoinHandle<usize>> = Vec::new();
         let result = loop {
             if self.shared.stop.load(Ordering::Acquire) {
                 break Ok(());
@@ -206,12 +206,13 @@ impl StoreClientServer {
             }
         };
         self.shared.stop.store(true, Ordering::Release);
+        let mut released_by_connections = 0;
         for w in workers {
-            let _ = w.join();
+            released_by_connections += w.join().unwrap_or(0);
         }
         let mut state = self.shared.state();
         report.registrations_dropped = state.registrations.len();
-        report.segments_released = state.segments.len();
+        report.segments_released = released_by_connections + state.segments.len();
         state.registrations.clear();
         for (_, owned) in std::mem::take(&mut state.segments) {
             if self.shared.config.leak_segments_for_test {
@@ -230,7 +231,8 @@ impl StoreClientServer {
     }
 }
 
-fn serve_connection(shared: &Shared, conn_id: u64, conn: OwnedFd) {
+/// Serves one worker until it disconnects or the server stops; returns the segments released.
+fn serve_connection(shared: &Shared, conn_id: u64, conn: OwnedFd) -> usize {
     let mut worker = String::from("?");
     loop {
         if shared.stop.load(Ordering::Acquire) {
@@ -285,6 +287,7 @@ fn serve_connection(shared: &Shared, conn_id: u64, conn: OwnedFd) {
         .filter(|(_, s)| s.conn == conn_id)
         .map(|(&id, _)| id)
         .collect();
+    let released = mine.len();
     for id in mine {
         if let Some(owned) = state.segments.remove(&id) {
             state.used_bytes -= owned.segment.len();
@@ -293,7 +296,8 @@ fn serve_connection(shared: &Shared, conn_id: u64, conn: OwnedFd) {
             }
         }
     }
-    tracing::info!(worker = %worker, "store-client connection closed; its segments released");
+    tracing::info!(worker = %worker, released, "store-client connection closed; its segments released");
+    released
 }
 
 /// Handles one request; returns the reply and, for a created segment, its id so the fd is attached.
