@@ -142,11 +142,17 @@ pub enum RemoteError {
         available: usize,
     },
     /// An OS call failed in the store client.
-    #[error("store client OS error: {0}")]
-    Os(String),
+    #[error("store client OS error: {message}")]
+    Os {
+        /// The error.
+        message: String,
+    },
     /// The request could not be decoded.
-    #[error("malformed request: {0}")]
-    Malformed(String),
+    #[error("malformed request: {message}")]
+    Malformed {
+        /// The decoder's error.
+        message: String,
+    },
 }
 
 /// Sends one JSON message, with `fd` attached as SCM_RIGHTS if given.
@@ -247,6 +253,42 @@ mod tests {
     use super::*;
 
     #[test]
+    fn every_refusal_serialises() {
+        // Internally tagged enums cannot carry bare strings: each variant must round-trip.
+        let all = [
+            RemoteError::UnknownSegment { segment: 1 },
+            RemoteError::NotInSegment {
+                segment: 1,
+                offset: 2,
+                len: 3,
+                segment_len: 4,
+            },
+            RemoteError::ZeroSize,
+            RemoteError::Overlap { existing: 5 },
+            RemoteError::UnknownRegistration { handle: 6 },
+            RemoteError::SegmentBusy {
+                segment: 7,
+                registrations: 8,
+            },
+            RemoteError::Capacity {
+                requested: 9,
+                available: 10,
+            },
+            RemoteError::Os {
+                message: "enospc".into(),
+            },
+            RemoteError::Malformed {
+                message: "bad".into(),
+            },
+        ];
+        for e in all {
+            let json = serde_json::to_string(&Response::Error(e.clone())).unwrap();
+            let back: Response = serde_json::from_str(&json).unwrap();
+            assert_eq!(back, Response::Error(e));
+        }
+    }
+
+    #[test]
     fn request_and_fd_cross_a_socketpair() {
         let (a, b) = seqpacket_pair().unwrap();
         let memfd =
@@ -264,6 +306,9 @@ mod tests {
         let (resp, fd): (Response, _) = recv(b.as_fd()).unwrap().unwrap();
         assert_eq!(resp, Response::Error(RemoteError::ZeroSize));
         assert!(fd.is_none());
+        rustix::net::send(&a, b"{not json", rustix::net::SendFlags::empty()).unwrap();
+        let e = recv::<Request>(b.as_fd()).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e:?}");
         drop(a);
         assert!(recv::<Request>(b.as_fd()).unwrap().is_none());
     }

@@ -248,7 +248,9 @@ fn serve_connection(shared: &Shared, conn_id: u64, conn: OwnedFd) -> usize {
             Ok(Some(m)) => m,
             Ok(None) => break,
             Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
-                let reply = Response::Error(RemoteError::Malformed(e.to_string()));
+                let reply = Response::Error(RemoteError::Malformed {
+                    message: e.to_string(),
+                });
                 if protocol::send(conn.as_fd(), &reply, None).is_err() {
                     break;
                 }
@@ -333,7 +335,12 @@ fn handle(shared: &Shared, conn: u64, request: Request) -> (Response, Option<u64
                     state.segments.insert(id, OwnedSegment { conn, segment });
                     (Response::SegmentCreated(info), Some(id))
                 }
-                Err(e) => (Response::Error(RemoteError::Os(e.to_string())), None),
+                Err(e) => (
+                    Response::Error(RemoteError::Os {
+                        message: e.to_string(),
+                    }),
+                    None,
+                ),
             }
         }
         Request::Register {
