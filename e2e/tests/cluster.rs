@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, Secret};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::{Api, Client};
@@ -101,6 +101,13 @@ async fn scenario(cluster: &RunningCluster) -> Result<(), String> {
         )
         .await
         .map_err(|e| format!("create namespace: {e}"))?;
+    // ServiceAccount admission rejects pods until KCM created the namespace's `default` SA.
+    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), NS);
+    poll(Duration::from_secs(30), || async {
+        sas.get_opt("default").await.ok().flatten()
+    })
+    .await
+    .ok_or("no default ServiceAccount in the test namespace")?;
     deployment_on_kwok(&client).await?;
 
     let runner_dir = cluster.config.runner_dir();

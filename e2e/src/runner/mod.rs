@@ -176,11 +176,16 @@ async fn register(
         .patch(&spec.name, &pp, &Patch::Apply(&node))
         .await
         .map_err(err)?;
-    let status_patch = serde_json::json!({"apiVersion": "v1", "kind": "Node", "status": status});
+    let status_patch = status_apply(&spec.name, &status);
     api.patch_status(&spec.name, &pp, &Patch::Apply(&status_patch))
         .await
         .map_err(err)?;
     Ok(created.metadata.uid.unwrap_or_default())
+}
+
+/// The server-side-apply body of a Node's status.
+fn status_apply<S: serde::Serialize>(name: &str, status: &S) -> serde_json::Value {
+    serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}, "status": status})
 }
 
 /// Renews the node Lease every [`LEASE_RENEW`] and re-posts status every [`STATUS_REFRESH`].
@@ -191,6 +196,7 @@ async fn heartbeat(
     uid: String,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let since = Timestamp::now();
     let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-node-lease");
     let nodes: Api<Node> = Api::all(client);
     let pp = PatchParams::apply(FIELD_MANAGER).force();
@@ -206,8 +212,8 @@ async fn heartbeat(
                 }
             }
             _ = status_tick.tick() => {
-                let status = node_status(&spec, ip, Timestamp::now());
-                let patch = serde_json::json!({"apiVersion": "v1", "kind": "Node", "status": status});
+                let status = node_status(&spec, ip, since, Timestamp::now());
+                let patch = status_apply(&spec.name, &status);
                 if let Err(e) = nodes.patch_status(&spec.name, &pp, &Patch::Apply(&patch)).await {
                     tracing::warn!(node = %spec.name, "status heartbeat: {e}");
                 }

@@ -55,19 +55,25 @@ pub fn runner_node(spec: &NodeSpecification, ip: Ipv4Addr, now: Timestamp) -> No
             ..Default::default()
         },
         spec: None,
-        status: Some(node_status(spec, ip, now)),
+        status: Some(node_status(spec, ip, now, now)),
     }
 }
 
-/// The node status: capacity, Ready and the pressure conditions, addresses, system info.
-pub fn node_status(spec: &NodeSpecification, ip: Ipv4Addr, now: Timestamp) -> NodeStatus {
+/// The node status: capacity, Ready and the pressure conditions (heartbeat `now`, unchanged since
+/// `since`, the registration), addresses, system info.
+pub fn node_status(
+    spec: &NodeSpecification,
+    ip: Ipv4Addr,
+    since: Timestamp,
+    now: Timestamp,
+) -> NodeStatus {
     let cond = |kind: &str, status: &str, reason: &str, message: &str| NodeCondition {
         type_: kind.to_owned(),
         status: status.to_owned(),
         reason: Some(reason.to_owned()),
         message: Some(message.to_owned()),
         last_heartbeat_time: Some(Time(now)),
-        last_transition_time: Some(Time(now)),
+        last_transition_time: Some(Time(since)),
     };
     NodeStatus {
         capacity: Some(node_capacity(spec.gpus)),

@@ -93,7 +93,6 @@ struct Supervisor {
     clock: ConditionClock,
     prepared: bool,
     prepare_retry_at: Option<Instant>,
-    pod_message: Option<(String, String)>,
     tokens: Option<TokenState>,
     init: Vec<Slot>,
     app: Vec<Slot>,
@@ -147,7 +146,6 @@ pub(crate) async fn supervise(
         clock: ConditionClock::default(),
         prepared: false,
         prepare_retry_at: None,
-        pod_message: None,
         tokens: None,
         failed: false,
         last_status: None,
@@ -197,10 +195,7 @@ impl Supervisor {
                 return;
             }
             match self.prepare().await {
-                Ok(()) => {
-                    self.prepared = true;
-                    self.pod_message = None;
-                }
+                Ok(()) => self.prepared = true,
                 Err(message) => {
                     tracing::warn!(pod = %self.name, "prepare: {message}");
                     for s in self.init.iter_mut().chain(self.app.iter_mut()) {
@@ -418,10 +413,7 @@ impl Supervisor {
             sandbox_ready: self.prepared,
             init_containers: &init_views,
             containers: &app_views,
-            message: self
-                .pod_message
-                .as_ref()
-                .map(|(r, m)| (r.as_str(), m.as_str())),
+            message: None,
         };
         let status = pod_status(&view, &mut self.clock, Timestamp::now());
         let Ok(value) = serde_json::to_value(&status) else {
