@@ -5,6 +5,7 @@
 //! assert the undo order, that destroy happened exactly once and that nothing leaked. Attach it to an
 //! allocator with [`crate::memory::Allocator::with_hook`] and wrap a store client in [`FaultyClient`].
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::memory::{Allocator, AllocatorDomain, AllocatorHook, BufferId, MemoryError};
@@ -62,7 +63,7 @@ struct State {
     counts: [usize; 4],
     log: Vec<Call>,
     /// Address of each handle, to log unregisters by address.
-    handles: Vec<(StoreHandle, usize)>,
+    handles: BTreeMap<StoreHandle, usize>,
 }
 
 /// Counts, fails and records external calls.
@@ -187,7 +188,7 @@ impl StoreClient for FaultyClient {
             )));
         }
         let handle = self.inner.register_buffer(range)?;
-        self.faults.state().handles.push((handle, range.addr));
+        self.faults.state().handles.insert(handle, range.addr);
         Ok(handle)
     }
     fn unregister_buffer(&self, handle: StoreHandle) -> Result<(), StoreError> {
@@ -195,13 +196,15 @@ impl StoreClient for FaultyClient {
             .faults
             .state()
             .handles
-            .iter()
-            .find(|(h, _)| *h == handle)
-            .map_or(0, |&(_, a)| a);
+            .get(&handle)
+            .copied()
+            .unwrap_or(0);
         if self.faults.hit(3, Call::Unregister { handle, addr }) {
             return Err(StoreError::Injected(format!("unregister {handle:?}")));
         }
-        self.inner.unregister_buffer(handle)
+        self.inner.unregister_buffer(handle)?;
+        self.faults.state().handles.remove(&handle);
+        Ok(())
     }
     fn registered_count(&self) -> usize {
         self.inner.registered_count()
