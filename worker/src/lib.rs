@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod cache;
+pub mod control;
 pub mod engine;
 pub mod health;
 pub mod memory;

@@ -1,0 +1,98 @@
+//! gRPC control between workers (tonic; `proto/tandem/transfer/v1/transfer.proto`, compiled by protox
+//! in `build.rs`, no `protoc`).
+//!
+//! - [`prefill`]: the prefill worker's `Transfer` service — opens sender rooms, runs the simulated
+//!   engine, posts KV writes over the data transport, and answers aborts through the sender room table
+//!   (one ack per room, generation and decode rank, only when nothing can land any more).
+//! - [`decode`]: the decode worker's side — owns the KV region and its TCP receiver, opens rooms on a
+//!   prefill peer, waits for the KV with a deadline, and frees pages only through the release gate.
+//!
+//! Every room-scoped message carries `(room id, generation)` ([`pb::RoomRef`]).
+
+pub mod decode;
+pub mod prefill;
+
+/// Generated protobuf types, client and server.
+#[allow(missing_docs, clippy::all, clippy::pedantic)]
+pub mod pb {
+    tonic::include_proto!("tandem.transfer.v1");
+}
+
+use crate::room::RoomKey;
+
+impl From<RoomKey> for pb::RoomRef {
+    fn from(k: RoomKey) -> Self {
+        pb::RoomRef {
+            room_id: k.room.0,
+            generation: k.generation.0,
+        }
+    }
+}
+
+impl From<pb::RoomRef> for RoomKey {
+    fn from(r: pb::RoomRef) -> Self {
+        RoomKey::new(r.room_id, r.generation)
+    }
+}
+
+/// The room of an optional wire field; `None` when the sender left it out (malformed).
+pub fn room_of(r: Option<pb::RoomRef>) -> Option<RoomKey> {
+    r.map(RoomKey::from)
+}
+
+/// KV layout of a page: `layers` chunks of `page_tokens × token_bytes` bytes, page-first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Layers per page.
+    pub layers: u32,
+    /// Tokens per page.
+    pub page_tokens: u32,
+    /// Bytes per token per layer.
+    pub token_bytes: u32,
+}
+
+impl KvLayout {
+    /// Bytes of one (page, layer) chunk.
+    pub fn chunk_bytes(&self) -> u64 {
+        u64::from(self.page_tokens) * u64::from(self.token_bytes)
+    }
+
+    /// Bytes of one page.
+    pub fn page_bytes(&self) -> u64 {
+        self.chunk_bytes() * u64::from(self.layers)
+    }
+
+    /// The simulated engine's chunk for `(request, page index in the request, layer)`.
+    pub fn chunk(&self, request: u64, page_index: u32, layer: u32) -> crate::engine::ChunkSpec {
+        crate::engine::ChunkSpec {
+            request,
+            layer,
+            first_token: page_index * self.page_tokens,
+            tokens: self.page_tokens,
+            token_bytes: self.token_bytes as usize,
+        }
+    }
+}
+
+impl From<KvLayout> for pb::KvLayout {
+    fn from(l: KvLayout) -> Self {
+        pb::KvLayout {
+            layers: l.layers,
+            page_tokens: l.page_tokens,
+            token_bytes: l.token_bytes,
+        }
+    }
+}
+
+impl From<pb::KvLayout> for KvLayout {
+    fn from(l: pb::KvLayout) -> Self {
+        KvLayout {
+            layers: l.layers,
+            page_tokens: l.page_tokens,
+            token_bytes: l.token_bytes,
+        }
+    }
+}
+
+/// gRPC metadata key naming the calling worker on the signal stream.
+pub const WORKER_ID_HEADER: &str = "tandem-worker-id";

@@ -1,0 +1,259 @@
+//! Prefill and decode workers over real gRPC control and TCP data on loopback (DESIGN contract 3).
+//!
+//! - A prefill peer killed mid-transfer: the room fails within its deadline, the gate decides the
+//!   pages' fate (freed on the receiver-fence proof; quarantined with an alarm when no proof is
+//!   allowed), and the next transfer to a restarted peer works.
+//! - A decode timeout with no transport proof frees the pages only on the prefill ack.
+
+use std::net::TcpListener as StdListener;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tandem_worker::control::KvLayout;
+use tandem_worker::control::decode::{DecodeConfig, DecodeNode, TransferOutcome};
+use tandem_worker::control::pb::RequestSpec;
+use tandem_worker::control::prefill::{PrefillConfig, PrefillNode, PrefillService};
+use tandem_worker::room::receiver::{FailureCause, GateMode};
+use tandem_worker::transfer::tcp::{TcpConfig, TcpTransport};
+use tokio::runtime::Runtime;
+use tokio_stream::wrappers::TcpListenerStream;
+
+const LAYOUT: KvLayout = KvLayout {
+    layers: 4,
+    page_tokens: 16,
+    token_bytes: 256,
+};
+const PAGES: u32 = 64;
+
+struct Prefill {
+    runtime: Option<Runtime>,
+    addr: String,
+    node: Arc<PrefillNode>,
+}
+
+impl Prefill {
+    /// A prefill worker on its own runtime (so that it can be killed without touching the test's).
+    fn start(compute_per_page: Duration) -> Prefill {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = StdListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let cfg = PrefillConfig {
+            worker_id: format!("prefill-{addr}"),
+            rank: 0,
+            layout: LAYOUT,
+            compute_per_page,
+        };
+        let node = PrefillNode::new(cfg, Arc::new(TcpTransport::new(TcpConfig::default())));
+        let service = PrefillService::new(node.clone()).into_server();
+        runtime.spawn(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            let _ = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(TcpListenerStream::new(listener))
+                .await;
+        });
+        Prefill {
+            runtime: Some(runtime),
+            addr,
+            node,
+        }
+    }
+
+    /// Kills the worker: every task stops and every connection closes, with no goodbye.
+    fn kill(&mut self) {
+        self.node.transport().shutdown();
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Drop for Prefill {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn decode(fence_is_proof: bool, ack_timeout: Duration) -> Arc<DecodeNode> {
+    DecodeNode::start(DecodeConfig {
+        worker_id: "decode-0".into(),
+        rank: 0,
+        pages: PAGES,
+        layout: LAYOUT,
+        data_bind: "127.0.0.1:0".into(),
+        ack_timeout,
+        heartbeat: Duration::from_millis(100),
+        fence_is_proof,
+        gate: GateMode::Safe,
+    })
+    .unwrap()
+}
+
+fn request(id: u64, pages: u32) -> RequestSpec {
+    RequestSpec {
+        request_id: id,
+        input_tokens: pages * LAYOUT.page_tokens,
+        output_tokens: 8,
+        hash_ids: vec![],
+    }
+}
+
+async fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !ok() {
+        assert!(t0.elapsed() < limit, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfer_completes_and_verifies() {
+    let d = decode(true, Duration::from_secs(2));
+    let p = Prefill::start(Duration::from_millis(1));
+    let link = d.connect(&p.addr, Duration::from_secs(2)).await.unwrap();
+    let out = d
+        .transfer(&link, request(11, 8), Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            out,
+            TransferOutcome::Completed {
+                corrupt_chunks: 0,
+                ..
+            }
+        ),
+        "{out:?}"
+    );
+    assert_eq!(d.pages().free, PAGES as usize);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_killed_mid_transfer_fails_room_frees_on_proof_and_restarted_peer_works() {
+    let d = decode(true, Duration::from_secs(5));
+    let mut p = Prefill::start(Duration::from_millis(20));
+    let link = d.connect(&p.addr, Duration::from_secs(2)).await.unwrap();
+    let d2 = d.clone();
+    let l2 = link.clone();
+    let t0 = Instant::now();
+    let transfer = tokio::spawn(async move {
+        d2.transfer(&l2, request(21, 32), Duration::from_secs(30))
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(d.pages().held > 0, "transfer in progress");
+    p.kill();
+    let out = transfer.await.unwrap().unwrap();
+    let failed_after = t0.elapsed();
+    assert!(
+        matches!(
+            out,
+            TransferOutcome::Failed {
+                cause: FailureCause::HeartbeatLost,
+                ..
+            }
+        ),
+        "{out:?}"
+    );
+    assert!(
+        failed_after < Duration::from_secs(2),
+        "room must fail within the heartbeat deadline, took {failed_after:?}"
+    );
+    // The receiver fence proves no write can land: pages return without any ack.
+    wait_until("pages released", Duration::from_secs(3), || {
+        d.pages().free == PAGES as usize
+    })
+    .await;
+    assert_eq!(d.pages().alarms, 0);
+    assert!(!link.alive());
+
+    // A restarted peer (new process, new address): the next transfer works end to end.
+    let p2 = Prefill::start(Duration::from_millis(1));
+    let link2 = d.connect(&p2.addr, Duration::from_secs(2)).await.unwrap();
+    let out = d
+        .transfer(&link2, request(22, 16), Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            out,
+            TransferOutcome::Completed {
+                corrupt_chunks: 0,
+                ..
+            }
+        ),
+        "{out:?}"
+    );
+    assert_eq!(d.pages().free, PAGES as usize);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_killed_without_transport_proof_quarantines_with_alarm() {
+    // As over RDMA: no receiver-side check counts as proof, and a dead peer can never ack.
+    let d = decode(false, Duration::from_millis(300));
+    let mut p = Prefill::start(Duration::from_millis(20));
+    let link = d.connect(&p.addr, Duration::from_secs(2)).await.unwrap();
+    let d2 = d.clone();
+    let transfer = tokio::spawn(async move {
+        d2.transfer(&link, request(31, 32), Duration::from_secs(30))
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    p.kill();
+    let out = transfer.await.unwrap().unwrap();
+    assert!(
+        matches!(
+            out,
+            TransferOutcome::Failed {
+                cause: FailureCause::HeartbeatLost,
+                ..
+            }
+        ),
+        "{out:?}"
+    );
+    wait_until("quarantine", Duration::from_secs(3), || {
+        d.pages().alarms == 1
+    })
+    .await;
+    let pages = d.pages();
+    assert_eq!(pages.quarantined, 32, "{pages:?}");
+    assert_eq!(
+        pages.free,
+        (PAGES - 32) as usize,
+        "quarantined pages never return to the free list"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeout_without_proof_frees_only_on_prefill_ack() {
+    let d = decode(false, Duration::from_secs(5));
+    let p = Prefill::start(Duration::from_millis(30));
+    let link = d.connect(&p.addr, Duration::from_secs(2)).await.unwrap();
+    let out = d
+        .transfer(&link, request(41, 10), Duration::from_millis(100))
+        .await
+        .unwrap();
+    let TransferOutcome::Failed {
+        key,
+        cause: FailureCause::Timeout,
+    } = out
+    else {
+        panic!("{out:?}")
+    };
+    // Pages are held until the ack arrives over the signal stream (prefill drains its writes first).
+    wait_until("ack release", Duration::from_secs(3), || {
+        d.pages().free == PAGES as usize
+    })
+    .await;
+    assert_eq!(d.room_state(key), None);
+    assert_eq!(d.pages().alarms, 0);
+    wait_until("prefill room drained", Duration::from_secs(3), || {
+        p.node.rooms_held() == 0
+    })
+    .await;
+}
