@@ -24,7 +24,7 @@ pub use allocator::{
     Allocator, AllocatorBackend, AllocatorHook, AllocatorId, AllocatorStats, Buffer, BufferId,
     MemoryError, RawRegion,
 };
-pub use domain::AllocatorDomain;
+pub use domain::{AllocatorDomain, DomainMismatch, require_domain};
 
 /// The host page size used for alignment (4 KiB on every platform we run on; queried once).
 pub fn host_page_size() -> usize {
