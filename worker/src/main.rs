@@ -2,8 +2,7 @@
 //! `src/roles/<role>.rs` and exposes `Args` (clap) and `run(Args) -> Result<(), RoleError>`.
 //!
 //! Adding a role: declare its module in `mod roles` and point its variant at `roles::<role>::Args`
-//! and `roles::<role>::run` in [`Role`] and [`main`]. Roles not built yet parse any arguments and
-//! exit with [`RoleError::NotBuilt`].
+//! and `roles::<role>::run` in [`Role`] and [`main`].
 
 use std::process::ExitCode;
 
@@ -12,25 +11,17 @@ use clap::{Parser, Subcommand};
 mod roles {
     //! One module per role.
     pub mod cache;
+    pub mod decode;
+    pub mod prefill;
     pub mod store_client;
 }
 
 /// Errors a role returns to `main`; printed, and the process exits non-zero.
 #[derive(Debug, thiserror::Error)]
 pub enum RoleError {
-    /// The role exists in the design but is not built in this binary yet.
-    #[error("role `{0}` is not built yet in this binary")]
-    NotBuilt(&'static str),
     /// The role failed.
     #[error("{0}")]
     Failed(String),
-}
-
-/// Arguments of a role that is not built yet (accepted and ignored).
-#[derive(Debug, clap::Args)]
-struct NotBuiltArgs {
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
-    rest: Vec<String>,
 }
 
 #[derive(Debug, Parser)]
@@ -47,9 +38,9 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Role {
     /// Prefill instance.
-    Prefill(NotBuiltArgs),
+    Prefill(roles::prefill::Args),
     /// Decode instance.
-    Decode(NotBuiltArgs),
+    Decode(roles::decode::Args),
     /// Standalone store client: owns the shared-memory segments workers register (DESIGN §2).
     StoreClient(roles::store_client::Args),
     /// CacheTier store replica.
@@ -66,8 +57,8 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.role {
-        Role::Prefill(_) => Err(RoleError::NotBuilt("prefill")),
-        Role::Decode(_) => Err(RoleError::NotBuilt("decode")),
+        Role::Prefill(args) => roles::prefill::run(args),
+        Role::Decode(args) => roles::decode::run(args),
         Role::StoreClient(args) => roles::store_client::run(args),
         Role::Cache(args) => roles::cache::run(args),
     };

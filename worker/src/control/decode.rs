@@ -548,18 +548,24 @@ impl DecodeNode {
         match result {
             Ok(Ok(Ok(()))) => {
                 let corrupt = self.verify(request.request_id, &pages);
-                let mut st = lock(&self.state);
-                if let Some(entry) = st.rooms.get_mut(&key) {
+                if let Some(entry) = lock(&self.state).rooms.get_mut(&key) {
                     let _ = entry.room.commit();
                 }
-                // The simulated decode ends here: the request's pages return to the pool.
+                // The simulated decode ends here. Every write of the room completed; the fence closes
+                // the room on the receiver before its pages return to the pool.
+                let fenced = self
+                    .receiver
+                    .fence(key, Instant::now() + Duration::from_secs(1))
+                    .is_ok();
+                let mut st = lock(&self.state);
                 if let Some(entry) = st.rooms.remove(&key) {
-                    st.free.extend(entry.pages);
+                    if fenced {
+                        st.free.extend(entry.pages);
+                    } else {
+                        st.quarantine.admit(key, entry.pages, None, Instant::now());
+                    }
                 }
                 drop(st);
-                let _ = self
-                    .receiver
-                    .fence(key, Instant::now() + Duration::from_secs(1));
                 self.receiver.forget_room(key.room);
                 Ok(TransferOutcome::Completed {
                     key,
