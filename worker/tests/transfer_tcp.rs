@@ -239,3 +239,78 @@ fn cancel_before_send_drops_queued_writes() {
     );
     assert!(tx.drain(soon()).quiescent());
 }
+
+#[test]
+fn writes_land_in_a_kv_pool_and_never_in_a_free_page() {
+    use tandem_worker::memory::Allocator;
+    use tandem_worker::memory::mmap::MmapBackend;
+    use tandem_worker::model::{Attention, ModelIdentity};
+    use tandem_worker::pool::{KvPool, PoolLayout, PoolRole, PoolSpec};
+    use tandem_worker::transfer::pool_region::PoolRegion;
+
+    let model = ModelIdentity {
+        name: "tiny".into(),
+        layers: 2,
+        attention: Attention::Gqa {
+            kv_heads: 2,
+            head_dim: 64,
+        },
+        dtype_bytes: 2,
+        row_extra_bytes: 0,
+    };
+    let spec = PoolSpec {
+        role: PoolRole::Target,
+        model,
+        page_tokens: 16,
+        pages: 8,
+        layout: PoolLayout::PageFirst,
+    };
+    let pool = Arc::new(KvPool::new(spec, &Allocator::new("decode", MmapBackend::new())).unwrap());
+    let rx = TcpReceiver::bind("127.0.0.1:0", GenerationCheck::Enforced).unwrap();
+    rx.register_region(
+        RegionId(1),
+        Arc::new(PoolRegion::for_tcp(pool.clone()).unwrap()),
+    );
+    let key = RoomKey::new(3, 1);
+    rx.open_room(key);
+    let page = pool.allocate(1).unwrap()[0];
+    let chunk = pool.chunk_region(page, 1).unwrap();
+    let free_page = tandem_worker::pool::PageId((page.0 + 1) % 8);
+    let free_chunk = pool.chunk_region(free_page, 0).unwrap();
+    let tx = TcpTransport::new(TcpConfig::default());
+    let ops = vec![
+        WriteOp {
+            key,
+            region: RegionId(1),
+            offset: chunk.offset as u64,
+            data: Bytes::from(vec![0x5A; chunk.len]),
+        },
+        WriteOp {
+            key,
+            region: RegionId(1),
+            offset: free_chunk.offset as u64,
+            data: Bytes::from(vec![0x5A; chunk.len]),
+        },
+    ];
+    let h = tx
+        .submit(
+            &rx.addr().to_string(),
+            WriteBatch::new(ops, BatchLimits::default()).unwrap(),
+            None,
+        )
+        .unwrap();
+    assert_eq!(
+        tx.wait(h, soon()).unwrap(),
+        TransferStatus::Failed(FailureKind::Rejected {
+            stale: 0,
+            invalid: 1
+        })
+    );
+    let mut back = vec![0u8; chunk.len];
+    pool.read_chunk(page, 1, 0, &mut back).unwrap();
+    assert!(
+        back.iter().all(|b| *b == 0x5A),
+        "the allocated page received the write"
+    );
+    assert_eq!(rx.stats().dropped_invalid, 1, "the free page was refused");
+}

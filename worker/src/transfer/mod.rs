@@ -21,6 +21,7 @@
 
 pub mod batch;
 mod handles;
+pub mod pool_region;
 pub mod region;
 pub mod select;
 pub mod sim;

@@ -29,6 +29,9 @@ pub enum RegionError {
         /// Region length (bytes).
         region_len: u64,
     },
+    /// The region refused the write (e.g. a pool page that is not allocated); nothing was written.
+    #[error("write refused: {0}")]
+    Refused(String),
     /// Reading the payload from its source failed; bytes before the failure may have landed.
     #[error("payload source failed after {landed} B: {source}")]
     Source {

@@ -363,7 +363,10 @@ fn apply(
             Ok(WriteStatus::Applied)
         }
         Err(RegionError::Source { source, .. }) => Err(source.into()),
-        Err(RegionError::OutOfBounds { .. }) => Ok(WriteStatus::OutOfBounds),
+        Err(RegionError::OutOfBounds { .. } | RegionError::Refused(_)) => {
+            lock(&shared.stats).dropped_invalid += 1;
+            Ok(WriteStatus::OutOfBounds)
+        }
     }
 }
 
