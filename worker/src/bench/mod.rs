@@ -2,6 +2,7 @@
 //! (DESIGN §7), each in its own module.
 
 pub mod abort_stress;
+pub mod loadback;
 pub mod pool;
 pub mod registration;
 pub mod transfer;

@@ -50,6 +50,8 @@ const QUARANTINE: &str = "quarantine";
 const STALE: &str = "stale";
 /// Read size of loadback and of disk gets.
 const READ_CHUNK: usize = 8 << 20;
+/// Objects ahead of the one being verified that loadback asks the kernel to read in advance.
+const READ_AHEAD_OBJECTS: usize = 2;
 
 /// Configuration of one store replica.
 #[derive(Debug, Clone)]
@@ -647,7 +649,15 @@ impl L3Store {
         candidates.sort_by_key(|(_, m)| std::cmp::Reverse(m.committed_unix_ns));
         let mut last_log = Instant::now();
         let mut buf = Vec::new();
-        for (path, manifest) in candidates {
+        let data_paths: Vec<PathBuf> = candidates
+            .iter()
+            .map(|(_, m)| self.object_path(&m.key))
+            .collect();
+        for (i, (path, manifest)) in candidates.into_iter().enumerate() {
+            // Keep the disk busy while this object is hashed: ask the kernel to read the next ones.
+            for next in data_paths.iter().skip(i + 1).take(READ_AHEAD_OBJECTS) {
+                hint_will_need(next);
+            }
             if self.stopping.load(Ordering::Acquire) {
                 self.log_progress("L3 loadback stopped by shutdown; the rest loads at next start");
                 return;
@@ -812,6 +822,17 @@ fn read_verified(path: &Path, len: u64, want: u64, buf: &mut Vec<u8>) -> Result<
         )));
     }
     Ok(())
+}
+
+/// Asks the kernel to start reading `path` into the page cache (`POSIX_FADV_WILLNEED`); a failure
+/// only loses the overlap, so it is ignored.
+fn hint_will_need(path: &Path) {
+    if let Ok(f) = File::open(path) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: posix_fadvise on a descriptor we own for the duration of the call; no memory is
+        // passed.
+        let _ = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
+    }
 }
 
 fn stem_with_ext(path: &Path, ext: &str) -> Option<String> {
