@@ -2,6 +2,16 @@
 //! host pool, L3 CacheTier store), the L3 store with atomic manifests and restart loadback (DESIGN
 //! contract 7), and load-before-read ordering between the load executor and compute (DESIGN contract
 //! 5, seed 004 BugFix #2).
+//!
+//! Map:
+//! - keys and lookups: [`page_key`] (chained page hashes), [`prefix_index`] (per-tier residency,
+//!   pending never a hit, LRU per tier), [`hit_accounting`] (token-weighted, per tier), [`trace`]
+//!   (the Mooncake trace and its replay);
+//! - L2/L1 loads: [`load_order`] (load stream, per-layer per-pool events, fence), [`host_locks`]
+//!   (host pages locked until the load is acknowledged), [`prefetch`] (bounded wait, MIN publication);
+//! - L3: [`manifest`] (object identity, atomic manifest), [`l3_store`] (disk + memory tiers, LRU,
+//!   loadback, health), [`l3_wire`] / [`l3_server`] / [`l3_client`] (the `cache` role's protocol),
+//!   [`l3_replay`] (hit ratio of a trace against a store).
 
 pub mod hit_accounting;
 pub mod host_locks;
@@ -13,6 +23,7 @@ pub mod l3_wire;
 pub mod load_order;
 pub mod manifest;
 pub mod page_key;
+pub mod prefetch;
 pub mod prefix_index;
 pub mod trace;
 
