@@ -1,0 +1,266 @@
+//! Spec fragments shared by the three kinds: model identity and KV geometry, parallelism, host
+//! pools, speculative decoding and pod overrides.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::Toleration;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::KubeSchema;
+use serde::{Deserialize, Serialize};
+
+/// Attention variant, which decides the shape of one token's KV entry per layer.
+///
+/// Source: `../shared/data/models.json` (`kv_elems = 2 × kv_heads × head_dim` for MHA/GQA,
+/// `kv_lora_rank + rope_dim` for MLA).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, schemars::JsonSchema)]
+pub enum AttentionKind {
+    /// Multi-head attention: `kvHeads` equals the query heads.
+    MHA,
+    /// Grouped-query attention: `kvHeads` key/value heads shared by groups of query heads.
+    GQA,
+    /// Multi-head latent attention (DeepSeek): one compressed latent of `kvLoraRank + ropeDim`.
+    MLA,
+}
+
+/// Element type of the KV cache.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, schemars::JsonSchema)]
+pub enum KvDtype {
+    /// bfloat16, 2 bytes.
+    BF16,
+    /// IEEE half, 2 bytes.
+    FP16,
+    /// 8-bit float (E4M3), 1 byte.
+    FP8,
+    /// IEEE single, 4 bytes.
+    FP32,
+}
+
+impl KvDtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> u64 {
+        match self {
+            KvDtype::FP8 => 1,
+            KvDtype::BF16 | KvDtype::FP16 => 2,
+            KvDtype::FP32 => 4,
+        }
+    }
+}
+
+/// The sparse-attention indexer cache (DeepSeek DSA "lightning indexer"): one key of `headDim`
+/// elements per token and layer, kept in its own pool beside the KV pool (seed 004, BugFix #2).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IndexerSpec {
+    /// Elements per token and layer.
+    #[x_kube(validation = Rule::new("self > 0").message("model.indexer.headDim must be positive"))]
+    pub head_dim: i32,
+    /// Element type of the indexer keys.
+    #[serde(default = "default_indexer_dtype")]
+    pub dtype: KvDtype,
+}
+
+fn default_indexer_dtype() -> KvDtype {
+    KvDtype::FP8
+}
+
+/// Model identity: the name and the KV geometry. Two components may share KV pages only if
+/// their identities are equal (a page written for one geometry is garbage for another).
+///
+/// Bytes per token = `layers × kv_elems × dtype bytes`, where `kv_elems = 2 × kvHeads × headDim`
+/// (MHA, GQA) or `kvLoraRank + ropeDim` (MLA).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.attention == 'MLA' ? (has(self.kvLoraRank) && has(self.ropeDim) && !has(self.kvHeads) && !has(self.headDim)) : (has(self.kvHeads) && has(self.headDim) && !has(self.kvLoraRank) && !has(self.ropeDim))")
+    .message("model geometry: MHA and GQA models set kvHeads and headDim; MLA models set kvLoraRank and ropeDim (and not the other pair)"))]
+pub struct ModelSpec {
+    /// Model name, e.g. `llama-3-70b` (an identifier, not a path to weights).
+    #[x_kube(validation = Rule::new("self.size() > 0 && self.size() <= 128").message("model.name must be 1 to 128 characters"))]
+    pub name: String,
+    /// Transformer layers that hold KV cache.
+    #[x_kube(validation = Rule::new("self > 0 && self <= 1024").message("model.layers must be between 1 and 1024"))]
+    pub layers: i32,
+    /// Attention variant.
+    pub attention: AttentionKind,
+    /// Key/value heads (MHA, GQA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self > 0").message("model.kvHeads must be positive"))]
+    pub kv_heads: Option<i32>,
+    /// Elements per head (MHA, GQA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self > 0").message("model.headDim must be positive"))]
+    pub head_dim: Option<i32>,
+    /// Rank of the compressed KV latent (MLA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self > 0").message("model.kvLoraRank must be positive"))]
+    pub kv_lora_rank: Option<i32>,
+    /// Decoupled RoPE key dimension (MLA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self >= 0").message("model.ropeDim must not be negative"))]
+    pub rope_dim: Option<i32>,
+    /// KV element type.
+    #[serde(default = "default_dtype")]
+    pub dtype: KvDtype,
+    /// Sparse-attention indexer cache, for models that have one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub indexer: Option<IndexerSpec>,
+}
+
+fn default_dtype() -> KvDtype {
+    KvDtype::BF16
+}
+
+impl ModelSpec {
+    /// KV elements per token per layer; `None` when the geometry fields do not match the
+    /// attention kind (the CEL rule rejects such specs at admission).
+    pub fn kv_elems_per_token_per_layer(&self) -> Option<u64> {
+        match self.attention {
+            AttentionKind::MHA | AttentionKind::GQA => {
+                let heads = u64::try_from(self.kv_heads?).ok()?;
+                let dim = u64::try_from(self.head_dim?).ok()?;
+                Some(2 * heads * dim)
+            }
+            AttentionKind::MLA => {
+                let rank = u64::try_from(self.kv_lora_rank?).ok()?;
+                let rope = u64::try_from(self.rope_dim?).ok()?;
+                Some(rank + rope)
+            }
+        }
+    }
+
+    /// KV bytes per token across all layers (the `bytes_per_token` column of models.json).
+    pub fn kv_bytes_per_token(&self) -> Option<u64> {
+        let layers = u64::try_from(self.layers).ok()?;
+        Some(layers * self.kv_elems_per_token_per_layer()? * self.dtype.bytes())
+    }
+
+    /// Indexer bytes per token across all layers; 0 without an indexer.
+    pub fn indexer_bytes_per_token(&self) -> u64 {
+        match (&self.indexer, u64::try_from(self.layers)) {
+            (Some(ix), Ok(layers)) => {
+                layers * u64::try_from(ix.head_dim).unwrap_or(0) * ix.dtype.bytes()
+            }
+            _ => 0,
+        }
+    }
+}
+
+/// Parallel layout of one instance. One replica of a pool is one group of
+/// `tensor × context` pods with one GPU each; groups roll as units.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Parallelism {
+    /// Tensor-parallel ranks (TP).
+    #[serde(default = "one")]
+    #[x_kube(validation = Rule::new("self >= 1 && self <= 64").message("parallelism.tensor must be between 1 and 64"))]
+    pub tensor: i32,
+    /// Context-parallel ranks (CP); LayerSplit needs more than one.
+    #[serde(default = "one")]
+    #[x_kube(validation = Rule::new("self >= 1 && self <= 64").message("parallelism.context must be between 1 and 64"))]
+    pub context: i32,
+}
+
+fn one() -> i32 {
+    1
+}
+
+impl Default for Parallelism {
+    fn default() -> Self {
+        Self {
+            tensor: 1,
+            context: 1,
+        }
+    }
+}
+
+impl Parallelism {
+    /// Pods (and GPUs) per group: `tensor × context`.
+    pub fn group_size(&self) -> i64 {
+        i64::from(self.tensor) * i64::from(self.context)
+    }
+}
+
+/// Host (L2) KV pool of each worker pod.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HostPoolSpec {
+    /// Bytes of host memory for the target model's KV pages (quantity, e.g. `64Gi`). The draft
+    /// and indexer pools are sized from the same token capacity and added on top.
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).sign() == 1").message("hostPool.size must be a positive quantity such as 64Gi"))]
+    pub size: Quantity,
+}
+
+/// Speculative decoding with a draft model. The draft model's host pools are sized for the same
+/// token capacity and allocated in the **same allocator domain** as the target's (seed 000: a
+/// draft pool on plain mmap beside a shared-memory target pool took a server down). There is
+/// deliberately no allocator field here.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SpeculativeSpec {
+    /// The draft model's identity and KV geometry.
+    pub draft_model: ModelSpec,
+    /// Tokens proposed by the draft per verification step.
+    #[serde(default = "default_draft_tokens")]
+    #[x_kube(validation = Rule::new("self >= 1 && self <= 16").message("speculative.draftTokens must be between 1 and 16"))]
+    pub draft_tokens: i32,
+}
+
+fn default_draft_tokens() -> i32 {
+    4
+}
+
+/// A reference to an object of a known kind in the same namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LocalRef {
+    /// Name of the referenced object.
+    #[x_kube(validation = Rule::new("self.size() > 0 && self.size() <= 63").message("a reference needs a name of 1 to 63 characters"))]
+    pub name: String,
+}
+
+/// Bulk KV transport between workers.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
+pub enum Transport {
+    /// RDMA when the pod has a usable ibverbs device, else TCP (logged at start).
+    #[default]
+    Auto,
+    /// RDMA only: a pod without a usable device fails its readiness.
+    RDMA,
+    /// TCP only.
+    TCP,
+}
+
+/// The narrow set of pod-template fields a user may override. A full PodTemplateSpec is not
+/// accepted on purpose: every accepted field must be rendered or rejected (DESIGN §2), and the
+/// operator owns containers, volumes and the GPU resource.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodTemplateOverrides {
+    /// Extra pod labels (the operator's own labels win on conflict).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Extra pod annotations.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+    /// Node selector added to the pods.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    /// Tolerations added to the pods.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+    /// Priority class of the pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
+    /// Service account of the pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_account_name: Option<String>,
+}
+
+/// Default worker image; the tag follows the crate version.
+pub fn default_worker_image() -> String {
+    format!(
+        "ghcr.io/tandem-serving/tandem-worker:{}",
+        env!("CARGO_PKG_VERSION")
+    )
+}

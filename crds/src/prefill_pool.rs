@@ -1,0 +1,189 @@
+//! `PrefillPool`: prefill instances, and the status type both pool kinds share.
+
+use k8s_openapi::api::core::v1::ResourceRequirements;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+use crate::common::{
+    HostPoolSpec, LocalRef, ModelSpec, Parallelism, PodTemplateOverrides, SpeculativeSpec,
+    Transport, default_worker_image,
+};
+
+/// The dedicated receive buffer for decode→prefill session snapshots (seed 002, DESIGN
+/// contract 4). It never competes with the prefill KV pool.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotBufferSpec {
+    /// Bytes of registered host memory per prefill pod; `0` disables snapshot sync.
+    #[serde(default = "default_snapshot_size")]
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).sign() >= 0").message("snapshotBuffer.size must be a non-negative quantity such as 8Gi"))]
+    pub size: Quantity,
+}
+
+fn default_snapshot_size() -> Quantity {
+    Quantity("8Gi".into())
+}
+
+impl Default for SnapshotBufferSpec {
+    fn default() -> Self {
+        Self {
+            size: default_snapshot_size(),
+        }
+    }
+}
+
+/// The CEL rule shared by both pools: the operator gives each pod exactly one GPU.
+pub(crate) const NO_GPU_IN_RESOURCES: &str = "(!has(self.limits) || !('nvidia.com/gpu' in self.limits)) && (!has(self.requests) || !('nvidia.com/gpu' in self.requests))";
+/// Message of [`NO_GPU_IN_RESOURCES`].
+pub(crate) const NO_GPU_IN_RESOURCES_MESSAGE: &str = "resources must not set nvidia.com/gpu: each pod gets exactly one GPU and a group has tensor × context pods; change parallelism instead";
+
+/// Prefill instances. One replica is one group of `tensor × context` pods; groups roll as units.
+///
+/// When a DecodePool pairs with this pool through `spec.prefill.poolRef`, the DecodePool's ratio
+/// derives the replica count and `spec.replicas` here is ignored (status says who owns it).
+#[allow(clippy::duplicated_attributes)] // typed printcolumn(..) entries trip this lint
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "serving.tandem.dev",
+    version = "v1alpha1",
+    kind = "PrefillPool",
+    namespaced,
+    status = "PoolStatus",
+    shortname = "pfp",
+    category = "tandem",
+    derive = "PartialEq",
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
+    ),
+    cel,
+    validation = Rule::new("self.metadata.name.size() <= 40").message("a PrefillPool name must be at most 40 characters (it prefixes its StatefulSet and pod names)")
+)]
+#[kube(printcolumn(
+    name = "Desired",
+    type_ = "integer",
+    json_path = ".status.desiredReplicas"
+))]
+#[kube(printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyReplicas"))]
+#[kube(printcolumn(name = "Owner", type_ = "string", json_path = ".status.replicasOwner"))]
+#[kube(printcolumn(
+    name = "TP",
+    type_ = "integer",
+    json_path = ".spec.parallelism.tensor",
+    priority = 1
+))]
+#[kube(printcolumn(
+    name = "CP",
+    type_ = "integer",
+    json_path = ".spec.parallelism.context",
+    priority = 1
+))]
+#[kube(printcolumn(
+    name = "Age",
+    type_ = "date",
+    json_path = ".metadata.creationTimestamp"
+))]
+#[x_kube(validation = Rule::new("!self.layerSplit || self.parallelism.context > 1")
+    .message("layerSplit requires parallelism.context > 1: it splits layers across context-parallel ranks (set parallelism.context to 2 or more, or layerSplit: false)"))]
+#[serde(rename_all = "camelCase")]
+pub struct PrefillPoolSpec {
+    /// Model identity and KV geometry; must equal the CacheTier's when `cacheTierRef` is set.
+    pub model: ModelSpec,
+    /// Groups, when no DecodePool owns the count through its ratio.
+    #[serde(default = "one")]
+    #[x_kube(validation = Rule::new("self >= 0").message("replicas must not be negative"))]
+    pub replicas: i32,
+    /// Parallel layout of one group.
+    #[serde(default)]
+    pub parallelism: Parallelism,
+    /// Store each layer's KV only on its owner CP rank and broadcast it before attention
+    /// (seed 004, DESIGN contract 6).
+    #[serde(default)]
+    pub layer_split: bool,
+    /// The CacheTier (L3) this pool reads and writes; no L3 when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_tier_ref: Option<LocalRef>,
+    /// Host (L2) KV pool of each pod.
+    pub host_pool: HostPoolSpec,
+    /// Speculative decoding: a draft model whose pools share the target's allocator domain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speculative: Option<SpeculativeSpec>,
+    /// The snapshot receive buffer.
+    #[serde(default)]
+    pub snapshot_buffer: SnapshotBufferSpec,
+    /// Bulk KV transport.
+    #[serde(default)]
+    pub transport: Transport,
+    /// Worker image.
+    #[serde(default = "default_worker_image")]
+    #[x_kube(validation = Rule::new("self.size() > 0").message("image must not be empty"))]
+    pub image: String,
+    /// CPU and memory of each worker container (not GPUs: one per pod, set by the operator).
+    #[serde(default)]
+    #[x_kube(validation = Rule::new(NO_GPU_IN_RESOURCES).message(NO_GPU_IN_RESOURCES_MESSAGE))]
+    pub resources: ResourceRequirements,
+    /// Pod-template fields a user may override.
+    #[serde(default)]
+    pub pod_template: PodTemplateOverrides,
+}
+
+fn one() -> i32 {
+    1
+}
+
+/// A rolling restart in progress (DESIGN §5).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutStatus {
+    /// `Idle`, `StopRouting`, `Draining`, `Flushing`, `Restarting`, `LoadingBack`, `Admitting`.
+    pub phase: String,
+    /// Index of the group being rolled, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<i32>,
+    /// Revision the rollout moves to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_revision: Option<String>,
+}
+
+/// Observed state of a PrefillPool or DecodePool.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolStatus {
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`, `Progressing`, `Degraded`, `PolicyConflict`, `InsufficientCapacity`.
+    #[serde(default)]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+    pub conditions: Vec<Condition>,
+    /// Groups that exist.
+    #[serde(default)]
+    pub replicas: i32,
+    /// Groups whose pods are all ready.
+    #[serde(default)]
+    pub ready_replicas: i32,
+    /// Groups at the current revision.
+    #[serde(default)]
+    pub updated_replicas: i32,
+    /// Groups the operator is converging to (from the ratio for a paired PrefillPool).
+    #[serde(default)]
+    pub desired_replicas: i32,
+    /// Who owns the replica count: `spec.replicas`, or `DecodePool/<name> ratio P:D`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas_owner: Option<String>,
+    /// Label selector of the pool's pods, for the scale subresource and HPAs.
+    #[serde(default)]
+    pub selector: String,
+    /// Revision of the running groups.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_revision: Option<String>,
+    /// Revision the pool is moving to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub update_revision: Option<String>,
+    /// Rolling-restart progress.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<RolloutStatus>,
+}

@@ -1,0 +1,174 @@
+//! Every CEL rule of the three CRDs, evaluated offline the way the API server evaluates it:
+//! schema defaults applied first, then `x-kubernetes-validations` (kube's `cel` feature).
+//!
+//! The valid samples in `manifests/samples/` pass; each file in `manifests/samples/invalid/` is
+//! refused with the exact message its `# expect-message:` header names; and every rule in the
+//! generated CRDs is covered by at least one invalid sample, so removing a rule fails a test.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use kube::core::cel::Validator;
+use serde_json::Value;
+
+fn samples_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/samples")
+}
+
+/// The openAPIV3Schema of the CRD for `kind`.
+fn schema_for(kind: &str) -> Value {
+    let crd = tandem_crds::crdgen::all()
+        .into_iter()
+        .map(|(_, crd)| crd)
+        .find(|crd| crd.spec.names.kind == kind)
+        .unwrap_or_else(|| panic!("no CRD for kind {kind}"));
+    let schema = crd.spec.versions[0]
+        .schema
+        .as_ref()
+        .and_then(|s| s.open_api_v3_schema.as_ref())
+        .expect("derived CRD has a schema");
+    serde_json::to_value(schema).expect("schema is JSON")
+}
+
+/// Parses every YAML document of a file into JSON values.
+fn documents(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_saphyr::from_multiple::<Value>(&text)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Validates `new` (against `old` for an update) like the API server: defaults, then CEL.
+fn admit(new: &Value, old: Option<&Value>) -> Result<(), Vec<String>> {
+    let kind = new["kind"].as_str().expect("sample has a kind");
+    let schema = schema_for(kind);
+    Validator::new()
+        .validate_with_defaults(&schema, new, old)
+        .map_err(|errs| errs.iter().map(|e| e.message.clone()).collect())
+}
+
+fn expected_message(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).expect("readable");
+    text.lines()
+        .find_map(|l| l.strip_prefix("# expect-message: "))
+        .unwrap_or_else(|| panic!("{} has no '# expect-message:' header", path.display()))
+        .to_owned()
+}
+
+fn yaml_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .expect("samples dir")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn valid_samples_pass_every_rule() {
+    let files = yaml_files(&samples_dir());
+    assert_eq!(
+        files.len(),
+        3,
+        "the sample stack is a CacheTier, a PrefillPool and a DecodePool"
+    );
+    for path in files {
+        for doc in documents(&path) {
+            assert_eq!(
+                admit(&doc, None),
+                Ok(()),
+                "{} must be admitted",
+                path.display()
+            );
+            // An update that changes nothing passes the transition rules too.
+            assert_eq!(
+                admit(&doc, Some(&doc)),
+                Ok(()),
+                "{} no-op update",
+                path.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn each_invalid_sample_is_refused_with_its_message() {
+    let files = yaml_files(&samples_dir().join("invalid"));
+    assert!(!files.is_empty());
+    for path in files {
+        let want = expected_message(&path);
+        let docs = documents(&path);
+        let result = match docs.as_slice() {
+            [new] => admit(new, None),
+            [old, new] => {
+                // A transition sample: the stored object itself is fine; the update is not.
+                assert_eq!(
+                    admit(old, None),
+                    Ok(()),
+                    "{}: stored object",
+                    path.display()
+                );
+                admit(new, Some(old))
+            }
+            _ => panic!("{}: one document, or two for an update", path.display()),
+        };
+        match result {
+            Ok(()) => panic!("{} was admitted; expected {want:?}", path.display()),
+            Err(messages) => assert_eq!(
+                messages,
+                vec![want.clone()],
+                "{} must fail with exactly its own message",
+                path.display()
+            ),
+        }
+    }
+}
+
+/// Collects `message` of every `x-kubernetes-validations` entry under a schema.
+fn rule_messages(schema: &Value, out: &mut BTreeSet<String>) {
+    match schema {
+        Value::Object(map) => {
+            if let Some(Value::Array(rules)) = map.get("x-kubernetes-validations") {
+                for r in rules {
+                    let msg = r["message"].as_str().unwrap_or_else(|| {
+                        panic!(
+                            "rule {} has no message: every rule must tell the user what to change",
+                            r["rule"]
+                        )
+                    });
+                    out.insert(msg.to_owned());
+                }
+            }
+            map.values().for_each(|v| rule_messages(v, out));
+        }
+        Value::Array(items) => items.iter().for_each(|v| rule_messages(v, out)),
+        _ => {}
+    }
+}
+
+#[test]
+fn every_rule_has_an_invalid_sample() {
+    let mut rules = BTreeSet::new();
+    for kind in ["CacheTier", "PrefillPool", "DecodePool"] {
+        rule_messages(&schema_for(kind), &mut rules);
+    }
+    let covered: BTreeSet<String> = yaml_files(&samples_dir().join("invalid"))
+        .iter()
+        .map(|p| expected_message(p))
+        .collect();
+    let uncovered: Vec<_> = rules.difference(&covered).collect();
+    assert!(
+        uncovered.is_empty(),
+        "CEL rules without an invalid sample: {uncovered:#?}"
+    );
+    let stale: Vec<_> = covered.difference(&rules).collect();
+    assert!(
+        stale.is_empty(),
+        "invalid samples naming no rule of the CRDs: {stale:#?}"
+    );
+    assert!(
+        rules.len() >= 30,
+        "expected the full rule set, found {}",
+        rules.len()
+    );
+}
