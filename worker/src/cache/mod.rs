@@ -11,10 +11,12 @@
 //!   (host pages locked until the load is acknowledged), [`prefetch`] (bounded wait, MIN publication);
 //! - L3: [`manifest`] (object identity, atomic manifest), [`l3_store`] (disk + memory tiers, LRU,
 //!   loadback, health), [`l3_wire`] / [`l3_server`] / [`l3_client`] (the `cache` role's protocol),
-//!   [`l3_replay`] (hit ratio of a trace against a store).
+//!   [`l3_replay`] (hit ratio of a trace against a store), [`l3_backup`] (L2 → L3 write-through that
+//!   marks pages pending until acknowledged).
 
 pub mod hit_accounting;
 pub mod host_locks;
+pub mod l3_backup;
 pub mod l3_client;
 pub mod l3_replay;
 pub mod l3_server;
