@@ -537,6 +537,28 @@ mod tests {
     }
 
     #[test]
+    fn prefill_side_failure_acks_through_the_same_gate() {
+        // R-ABORT-5: a failure the prefill side starts sends no ack by itself; decode's abort gets
+        // one, and only after the outstanding write drains.
+        let mut t = SenderRooms::new(P0);
+        open_ready(&mut t, key(1));
+        t.begin_write(key(1)).unwrap();
+        assert!(acks(&t.fail(key(1), SenderFailure::Local)).is_empty());
+        assert_eq!(
+            t.begin_write(key(1)),
+            Err(SenderError::Failed(key(1), SenderFailure::Local))
+        );
+        assert!(acks(&t.abort(key(1), D0)).is_empty());
+        let fx = t.end_write(key(1), true).unwrap();
+        assert_eq!(acks(&fx)[0].kind, AckKind::AllDrained);
+        assert_eq!(
+            t.state(key(1)),
+            Some(SenderState::Failed(SenderFailure::Local)),
+            "the first cause is kept"
+        );
+    }
+
+    #[test]
     fn failed_write_fails_room_and_source_is_held_until_drained() {
         let mut t = SenderRooms::new(P0);
         open_ready(&mut t, key(1));

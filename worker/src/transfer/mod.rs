@@ -17,7 +17,9 @@
 //! Implementations: [`tcp`] (always available; the receiver checks region bounds and the room's
 //! current generation, so it drops late writes of an aborted room — R-XFER-6), [`sim`] (an in-process
 //! one-sided transport with RDMA-WRITE semantics: no receiver-side check, posted writes land; used by
-//! the abort stress and fault-injection tests), and `rdma` (ibverbs, feature `rdma`).
+//! the abort stress and fault-injection tests). Feature `rdma` adds the ibverbs device probe only
+//! (`rdma`); the RDMA write path is not built, so [`select`] falls back to TCP and logs why.
+//! [`pool_region`] exposes a KV pool as a receive region.
 
 pub mod batch;
 mod handles;
