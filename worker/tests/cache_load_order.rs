@@ -135,7 +135,7 @@ fn delayed_indexer_load(policy: ReadPolicy) -> usize {
         bad += mismatches(&r.device, &b, layer, &POOLS);
     }
     r.forward.end_round(round);
-    ticket.wait_ack().expect("load ok");
+    ticket.wait_ack(WAIT).expect("load ok");
     assert_eq!(r.locks.locked_pages(), 0, "host pages unlocked at ack");
     bad
 }
@@ -180,7 +180,7 @@ fn reading_a_pool_no_load_covers_is_a_typed_error() {
             generation: ticket.generation
         })
     );
-    ticket.wait_ack().expect("load ok");
+    ticket.wait_ack(WAIT).expect("load ok");
 }
 
 /// Compute round A reads its pages slowly while a load of request B into the same device pages is
@@ -208,7 +208,7 @@ fn load_over_in_flight_compute(fence: FencePolicy) -> usize {
     let ticket = r.exec.submit(identity_job(&b, &POOLS)).expect("submit");
     let bad = compute.join().expect("compute thread");
     r.forward.end_round(round);
-    ticket.wait_ack().expect("load ok");
+    ticket.wait_ack(WAIT).expect("load ok");
     // B is complete afterwards either way.
     let round_b = r.forward.begin_round();
     for layer in 0..LAYERS {
@@ -262,7 +262,7 @@ fn evict_during_load(policy: EvictionPolicy) -> usize {
             }
         }
     }
-    ticket.wait_ack().expect("load ok");
+    ticket.wait_ack(WAIT).expect("load ok");
     assert_eq!(r.locks.locked_pages(), 0);
     (0..LAYERS)
         .map(|l| mismatches(&r.device, &b, l, &POOLS))

@@ -87,6 +87,14 @@ pub enum LoadError {
         /// Page.
         page: u32,
     },
+    /// A job was not acknowledged within the wait's deadline.
+    #[error("load generation {generation} not acknowledged after {waited:?}")]
+    AckTimeout {
+        /// Generation of the job.
+        generation: u64,
+        /// Time waited.
+        waited: Duration,
+    },
     /// The executor thread is gone (shut down).
     #[error("load executor is shut down")]
     ExecutorGone,
@@ -434,19 +442,31 @@ pub struct LoadTicket {
 }
 
 impl LoadTicket {
-    /// Blocks until the job is acknowledged (all copies done, host pages unlocked) or failed.
+    /// Blocks until the job is acknowledged (all copies done, host pages unlocked) or failed, at
+    /// most `timeout`.
     ///
     /// # Errors
-    /// The job's error, or [`LoadError::Timeout`]-free [`LoadError::ExecutorGone`] if the executor
-    /// stopped first.
-    pub fn wait_ack(&self) -> Result<(), LoadError> {
+    /// The job's error, or [`LoadError::AckTimeout`] (also what a dead executor looks like: the
+    /// caller must then keep the destination pages out of use).
+    pub fn wait_ack(&self, timeout: Duration) -> Result<(), LoadError> {
+        let start = Instant::now();
         let (slot, cv) = &*self.ack;
         let mut r = slot.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             if let Some(result) = r.as_ref() {
                 return result.clone();
             }
-            r = cv.wait(r).unwrap_or_else(|p| p.into_inner());
+            let waited = start.elapsed();
+            let Some(left) = timeout.checked_sub(waited) else {
+                return Err(LoadError::AckTimeout {
+                    generation: self.generation,
+                    waited,
+                });
+            };
+            r = cv
+                .wait_timeout(r, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 }
