@@ -132,8 +132,10 @@ struct RunnerArgs {
 async fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(
+                |_| // kube-client logs every refused connection of a readiness poll at ERROR.
+                tracing_subscriber::EnvFilter::new("info,kube_client::client::builder=off"),
+            ),
         )
         .with_writer(std::io::stderr)
         .init();

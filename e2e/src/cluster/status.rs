@@ -8,6 +8,7 @@ use kube::Api;
 use kube::api::ListParams;
 
 use super::build::BinDir;
+use super::down::RUNNER_PID_NAME;
 use super::nodes::{GPU_RESOURCE, NODE_KIND_LABEL};
 use super::up::{node_ready, readyz};
 use super::{COMPONENTS, ClusterConfig, client_for};
@@ -56,7 +57,7 @@ pub async fn status(config: &ClusterConfig) -> ClusterStatus {
         .ok()
         .map(|s| BinDir(PathBuf::from(s.trim())));
     let mut components = Vec::new();
-    for c in COMPONENTS {
+    for c in COMPONENTS.iter().copied().chain([RUNNER_PID_NAME]) {
         let file = config.pid_file(c);
         if !file.is_file() {
             continue;
