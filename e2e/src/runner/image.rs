@@ -185,6 +185,24 @@ mod tests {
     }
 
     #[test]
+    fn binaries_next_to_the_executable_or_from_env() {
+        // Test executables live in target/<profile>/deps/: the workspace binaries one level up.
+        let exe = std::env::current_exe().unwrap();
+        let found = locate_binary("tandem-e2e-no-such-binary", "TANDEM_E2E_TEST_UNSET_VAR");
+        assert_eq!(
+            found,
+            exe.parent()
+                .unwrap()
+                .parent()
+                .unwrap()
+                .join("tandem-e2e-no-such-binary")
+        );
+        // PATH is always set under cargo: use it as the override variable.
+        let path = std::env::var("PATH").unwrap();
+        assert_eq!(locate_binary("x", "PATH"), PathBuf::from(path));
+    }
+
+    #[test]
     fn argv_rules() {
         let t = ImageTable::new()
             .with("tandem-worker", s(&["/t/debug/tandem-worker"]))
