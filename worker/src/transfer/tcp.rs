@@ -36,9 +36,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Socket buffer size requested on both ends (bytes).
-const SOCKET_BUFFER: usize = 4 << 20;
-
 // ------------------------------------------------------------------------------------------------
 // Receiver
 // ------------------------------------------------------------------------------------------------
@@ -243,11 +240,18 @@ impl Drop for TcpReceiver {
     }
 }
 
+/// No delay on both ends; socket buffers are left to Linux autotuning unless
+/// `TANDEM_TCP_SOCKET_BUFFER` (bytes) pins them (a fixed size disables autotuning).
 fn tune(stream: &TcpStream) {
     let _ = stream.set_nodelay(true);
-    let sock = socket2::SockRef::from(stream);
-    let _ = sock.set_recv_buffer_size(SOCKET_BUFFER);
-    let _ = sock.set_send_buffer_size(SOCKET_BUFFER);
+    if let Some(bytes) = std::env::var("TANDEM_TCP_SOCKET_BUFFER")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        let sock = socket2::SockRef::from(stream);
+        let _ = sock.set_recv_buffer_size(bytes);
+        let _ = sock.set_send_buffer_size(bytes);
+    }
 }
 
 fn accept_loop(listener: TcpListener, shared: Arc<ReceiverShared>) {
