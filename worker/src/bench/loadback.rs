@@ -11,7 +11,8 @@
 //!    cached pages of the file; the baseline's figure shows whether it worked (a rate far above the
 //!    device's means it did not);
 //! 3. baseline: read every object file sequentially, in loadback's order, into one reused buffer
-//!    with plain `read` calls — the disk's sequential read rate over the same bytes;
+//!    with plain `read` calls and the same cross-file read-ahead as loadback (`WILLNEED` on the next
+//!    `READ_AHEAD_OBJECTS` files) — the disk's sequential read rate over the same bytes at the same queue depth;
 //! 4. evict again, open the store and time until `CacheWarm` (scan, full checksum verification,
 //!    publish).
 //!
@@ -24,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::cache::PageKey;
-use crate::cache::l3_store::{L3Config, L3Error, L3Store};
+use crate::cache::l3_store::{L3Config, L3Error, L3Store, READ_AHEAD_OBJECTS};
 use crate::cache::manifest::{ObjectKey, ShardCoords, StoreIdentity};
 use crate::model::{Attention, ModelIdentity};
 use crate::pool::{PoolLayout, PoolRole};
@@ -181,12 +182,22 @@ fn evict_page_cache(dir: &Path) -> Result<(), LoadbackBenchError> {
     Ok(())
 }
 
-/// Reads every object file in `order` sequentially; returns bytes/s.
+/// Reads every object file in order sequentially, with the same read-ahead loadback uses
+/// (`POSIX_FADV_WILLNEED` on the next [`READ_AHEAD_OBJECTS`] files), so both sides keep the same number of reads in
+/// flight and the ratio measures loadback's own cost; returns (bytes, bytes/s).
 fn sequential_read(files: &[PathBuf]) -> Result<(u64, f64), LoadbackBenchError> {
     let mut buf = vec![0u8; 8 << 20];
     let start = Instant::now();
     let mut total = 0u64;
-    for path in files {
+    for (i, path) in files.iter().enumerate() {
+        for next in files.iter().skip(i + 1).take(READ_AHEAD_OBJECTS) {
+            if let Ok(f) = File::open(next) {
+                // SAFETY: posix_fadvise on a descriptor we own; no memory is passed. A failure only
+                // loses the overlap.
+                let _ =
+                    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
+            }
+        }
         let mut f = File::open(path).map_err(io_err(format!("opening {}", path.display())))?;
         loop {
             let n = f.read(&mut buf).map_err(io_err("baseline read"))?;

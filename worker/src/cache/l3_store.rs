@@ -50,8 +50,9 @@ const QUARANTINE: &str = "quarantine";
 const STALE: &str = "stale";
 /// Read size of loadback and of disk gets.
 const READ_CHUNK: usize = 8 << 20;
-/// Objects ahead of the one being verified that loadback asks the kernel to read in advance.
-const READ_AHEAD_OBJECTS: usize = 2;
+/// Objects ahead of the one being verified that loadback asks the kernel to read in advance
+/// (`tandem-bench loadback` gives its baseline the same depth).
+pub const READ_AHEAD_OBJECTS: usize = 4;
 
 /// Configuration of one store replica.
 #[derive(Debug, Clone)]
@@ -629,6 +630,10 @@ impl L3Store {
 
     fn run_loadback(self: Arc<Self>, manifest_paths: Vec<PathBuf>) {
         let mut candidates = Vec::with_capacity(manifest_paths.len());
+        // Queue every manifest read at once instead of paying one disk round trip per manifest.
+        for path in &manifest_paths {
+            hint_will_need(path);
+        }
         for path in manifest_paths {
             match read_manifest(&path) {
                 Ok(m) => candidates.push((path, m)),
