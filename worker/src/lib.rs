@@ -2,14 +2,16 @@
 
 pub mod bench;
 pub mod cache;
+pub mod config;
 pub mod control;
 pub mod engine;
+pub mod room;
+pub mod transfer;
+
 pub mod health;
 pub mod memory;
 pub mod model;
 pub mod pool;
 pub mod registration;
-pub mod room;
 pub mod store_client;
 pub mod teardown;
-pub mod transfer;

@@ -2,7 +2,7 @@
 //!
 //! Build: `ibverbs-sys` compiles a vendored rdma-core with cmake and runs bindgen, so it needs
 //! `cmake libclang-dev libibverbs-dev libnl-3-dev libnl-route-3-dev` (see
-//! `worker/scripts/install-build-deps.sh`). Run time: with no uverbs device (`/sys/class/infiniband`
+//! `e2e/tools/install-build-deps.sh`). Run time: with no uverbs device (`/sys/class/infiniband`
 //! empty, or `devices()` failing with ENOSYS as on this project's machines) the probe fails with a
 //! typed error and [`super::select`] falls back to TCP with a log line.
 //!

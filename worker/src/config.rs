@@ -1,0 +1,399 @@
+//! The resolved worker configuration: the one file a worker reads at start.
+//!
+//! The operator resolves a pool's spec, its CacheTier's policy and the cluster's topology into a
+//! [`WorkerConfig`] and writes it as JSON into the pool's ConfigMap (DESIGN §2: "workers read only
+//! that file"). This crate owns the type and has no Kubernetes dependency; the operator depends on
+//! it to render. Unknown fields are rejected (`deny_unknown_fields`), so an operator newer than the
+//! worker fails loudly instead of having a setting silently dropped.
+//!
+//! Versioning: [`CONFIG_API_VERSION`] names the schema; a worker refuses any other value.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::memory::AllocatorDomain;
+use crate::model::ModelIdentity;
+use crate::registration::FailurePolicy;
+use crate::store_client::ClientMode;
+
+/// Schema version of [`WorkerConfig`].
+pub const CONFIG_API_VERSION: &str = "tandem.dev/worker-config/v1";
+
+/// File name of the config inside the pool's ConfigMap volume.
+pub const CONFIG_FILE: &str = "worker.json";
+
+/// What a pod of the pool does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum WorkerRole {
+    /// Computes prompt KV and sends it to decode.
+    Prefill,
+    /// Receives KV, generates tokens, serves the front door.
+    Decode,
+}
+
+/// Bulk KV transport choice (DESIGN §3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum TransportChoice {
+    /// RDMA if an ibverbs device is usable, else TCP (logged).
+    Auto,
+    /// RDMA only.
+    Rdma,
+    /// TCP only.
+    Tcp,
+}
+
+/// How host pages reach the L3 store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum WritePolicy {
+    /// L2 write completes after the L3 write.
+    WriteThrough,
+    /// L3 written on eviction from L2 and on drain.
+    WriteBack,
+}
+
+/// Geometry of the sparse-attention indexer cache (one key per token and layer).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct IndexerGeometry {
+    /// Elements per token and layer.
+    pub head_dim: u32,
+    /// Bytes per element.
+    pub dtype_bytes: u32,
+}
+
+/// Host-memory policy and the sizes of every host pool, in bytes (DESIGN contracts 1 and 2).
+///
+/// All pools — target, draft, indexer, snapshot buffer — are allocated in `allocator`; in
+/// Standalone mode the store-client sidecar's segments are sized to `segment_bytes`, their sum.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MemoryPolicy {
+    /// Allocator domain of every host pool (the CacheTier's).
+    pub allocator: AllocatorDomain,
+    /// Store-client mode; `None` when the pool uses no CacheTier (no L3).
+    pub client_mode: Option<ClientMode>,
+    /// What a failed L3 registration does.
+    pub registration_failure: FailurePolicy,
+    /// Target model's host KV pool.
+    pub target_pool_bytes: u64,
+    /// Draft model's host KV pool (same token capacity as the target); 0 without speculation.
+    pub draft_pool_bytes: u64,
+    /// Indexer host pool (same token capacity); 0 without an indexer.
+    pub indexer_pool_bytes: u64,
+    /// Snapshot receive buffer (prefill only; DESIGN contract 4); 0 when disabled.
+    pub snapshot_buffer_bytes: u64,
+    /// Sum of the above: the shared-memory segment size in Standalone mode.
+    pub segment_bytes: u64,
+}
+
+/// The L3 CacheTier a pool reads and writes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CacheConfig {
+    /// CacheTier name.
+    pub tier: String,
+    /// DNS name of the tier's headless Service (each replica is `<pod>.<service>`).
+    pub service: String,
+    /// Store replicas (pod ordinals `0..replicas`).
+    pub replicas: u32,
+    /// Tokens per KV page; L3 objects are whole pages.
+    pub page_tokens: u32,
+    /// L2→L3 write policy.
+    pub write_policy: WritePolicy,
+}
+
+/// Parallel layout of one group; a pod's ranks follow from its ordinal `o`:
+/// `tp_rank = o % tensor`, `cp_rank = o / tensor`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Parallelism {
+    /// Tensor-parallel ranks.
+    pub tensor: u32,
+    /// Context-parallel ranks.
+    pub context: u32,
+}
+
+impl Parallelism {
+    /// `(tp_rank, cp_rank)` of the pod with this ordinal in its group, or `None` if the ordinal is
+    /// outside the group.
+    pub fn ranks_of(&self, ordinal: u32) -> Option<(u32, u32)> {
+        (self.tensor > 0 && ordinal < self.tensor.saturating_mul(self.context))
+            .then(|| (ordinal % self.tensor, ordinal / self.tensor))
+    }
+}
+
+/// LayerSplit owner map (seed 004, DESIGN contract 6): `owners[layer]` is the CP rank that stores
+/// that layer's KV. Identical on all ranks because every rank reads it from this file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LayerSplit {
+    /// Owner CP rank of each layer, `len == model.layers`.
+    pub owners: Vec<u32>,
+}
+
+impl LayerSplit {
+    /// Contiguous, balanced ranges: rank `r` owns layers `[r·L/C, (r+1)·L/C)` (integer division),
+    /// so each rank owns ⌊L/C⌋ or ⌈L/C⌉ layers and each owned range is one L3 key range.
+    /// `None` when `context` is 0 or exceeds `layers`.
+    pub fn contiguous(layers: u32, context: u32) -> Option<Self> {
+        if context == 0 || context > layers {
+            return None;
+        }
+        let (l, c) = (u64::from(layers), u64::from(context));
+        let owners = (0..l)
+            .map(|i| {
+                // The largest r with r·L/C ≤ i.
+                let r = ((i + 1) * c - 1) / l;
+                u32::try_from(r).unwrap_or(u32::MAX)
+            })
+            .collect();
+        Some(Self { owners })
+    }
+
+    /// Layers owned by `cp_rank`, in order.
+    pub fn owned_by(&self, cp_rank: u32) -> impl Iterator<Item = u32> + '_ {
+        self.owners
+            .iter()
+            .enumerate()
+            .filter(move |(_, o)| **o == cp_rank)
+            .map(|(i, _)| u32::try_from(i).unwrap_or(u32::MAX))
+    }
+}
+
+/// Speculative-decoding anomaly guard thresholds (seed 004; DESIGN contract 8).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SpecGuard {
+    /// Abort below this mean accept length (tokens per step).
+    pub min_accept_length: f64,
+    /// Abort above this accept rate (fraction of draft tokens accepted).
+    pub max_accept_rate: f64,
+    /// Tokens generated before judging.
+    pub after_tokens: u32,
+    /// Retries on another instance.
+    pub retry_budget: u32,
+}
+
+/// Speculative decoding: the draft model (its pools share the target's allocator domain).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Speculative {
+    /// Draft model identity.
+    pub draft_model: ModelIdentity,
+    /// Draft tokens per verification step.
+    pub draft_tokens: u32,
+}
+
+/// Where a worker finds its peers (DNS names of headless Services).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Peers {
+    /// Headless Service of the prefill pool's pods (decode dials these).
+    pub prefill_service: Option<String>,
+    /// Headless Service of the decode pool's pods.
+    pub decode_service: Option<String>,
+}
+
+/// Ports a worker listens on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Ports {
+    /// gRPC control (rooms, acks, heartbeats).
+    pub control: u16,
+    /// Bulk KV data (TCP transport).
+    pub data: u16,
+    /// Health, readiness and metrics (HTTP).
+    pub health: u16,
+    /// OpenAI-compatible front door (decode only).
+    pub front_door: Option<u16>,
+}
+
+/// The resolved configuration of a prefill or decode worker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// Must equal [`CONFIG_API_VERSION`].
+    pub api_version: String,
+    /// Prefill or decode.
+    pub role: WorkerRole,
+    /// Namespace of the pool.
+    pub namespace: String,
+    /// Pool name.
+    pub pool: String,
+    /// Revision of the pool's pod template; prefill and decode pair only within one revision
+    /// while a rollout runs (DESIGN §5).
+    pub revision: String,
+    /// Target model identity.
+    pub model: ModelIdentity,
+    /// Indexer geometry, for models with a sparse-attention indexer.
+    pub indexer: Option<IndexerGeometry>,
+    /// Group layout.
+    pub parallelism: Parallelism,
+    /// LayerSplit owner map (prefill with `layerSplit: true`).
+    pub layer_split: Option<LayerSplit>,
+    /// Host-memory policy and pool sizes.
+    pub memory: MemoryPolicy,
+    /// The L3 tier, when the pool names one.
+    pub cache: Option<CacheConfig>,
+    /// Speculative decoding.
+    pub speculative: Option<Speculative>,
+    /// Speculative-decoding guard (decode only; applied when `speculative` is set).
+    pub spec_guard: Option<SpecGuard>,
+    /// Transport choice.
+    pub transport: TransportChoice,
+    /// Peers.
+    pub peers: Peers,
+    /// Listening ports.
+    pub ports: Ports,
+}
+
+/// Errors reading a config file.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read worker config {path}: {source}")]
+    Read {
+        /// Path tried.
+        path: std::path::PathBuf,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// Not valid JSON of this schema (the message names line, column and field).
+    #[error("worker config {path} is malformed: {source}")]
+    Parse {
+        /// Path read.
+        path: std::path::PathBuf,
+        /// Parser error.
+        source: serde_json::Error,
+    },
+    /// Written for another schema version.
+    #[error("worker config has apiVersion {found:?}; this worker reads {CONFIG_API_VERSION:?}")]
+    Version {
+        /// Version found.
+        found: String,
+    },
+    /// Internally inconsistent (an operator bug, or a hand-edited file).
+    #[error("worker config is inconsistent: {0}")]
+    Inconsistent(String),
+}
+
+impl WorkerConfig {
+    /// Reads, parses and checks a config file.
+    ///
+    /// # Errors
+    /// [`ConfigError`]: unreadable, malformed, wrong version, or inconsistent.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let cfg: Self = serde_json::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        cfg.check()?;
+        Ok(cfg)
+    }
+
+    /// Checks the invariants the operator guarantees: version, segment sum, owner-map length,
+    /// client mode only with a cache, Standalone only in SharedMemory (seed 000).
+    ///
+    /// # Errors
+    /// [`ConfigError::Version`] or [`ConfigError::Inconsistent`] naming the broken invariant.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        if self.api_version != CONFIG_API_VERSION {
+            return Err(ConfigError::Version {
+                found: self.api_version.clone(),
+            });
+        }
+        let bad = |m: String| Err(ConfigError::Inconsistent(m));
+        let m = &self.memory;
+        let sum = [
+            m.target_pool_bytes,
+            m.draft_pool_bytes,
+            m.indexer_pool_bytes,
+            m.snapshot_buffer_bytes,
+        ]
+        .iter()
+        .try_fold(0u64, |a, b| a.checked_add(*b));
+        if sum != Some(m.segment_bytes) {
+            return bad(format!(
+                "segmentBytes {} is not the sum of the pools ({sum:?})",
+                m.segment_bytes
+            ));
+        }
+        if m.client_mode.is_some() != self.cache.is_some() {
+            return bad("memory.clientMode is set exactly when cache is set".into());
+        }
+        if m.client_mode == Some(ClientMode::Standalone)
+            && m.allocator != AllocatorDomain::SharedMemory
+        {
+            return bad(format!(
+                "Standalone client mode with allocator {:?}; it requires SharedMemory",
+                m.allocator
+            ));
+        }
+        if self.speculative.is_some() != (m.draft_pool_bytes > 0) {
+            return bad("draftPoolBytes is positive exactly when speculative is set".into());
+        }
+        if let Some(ls) = &self.layer_split {
+            if ls.owners.len() != self.model.layers as usize {
+                return bad(format!(
+                    "layerSplit has {} owners for {} layers",
+                    ls.owners.len(),
+                    self.model.layers
+                ));
+            }
+            if ls.owners.iter().any(|o| *o >= self.parallelism.context) {
+                return bad("layerSplit names a CP rank outside parallelism.context".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layer_split_is_contiguous_balanced_and_total() {
+        for layers in 1..=96u32 {
+            for cp in 1..=layers.min(8) {
+                let ls = LayerSplit::contiguous(layers, cp).unwrap();
+                assert_eq!(ls.owners.len() as u32, layers);
+                // Monotone (contiguous ranges) and every rank owns ⌊L/C⌋ or ⌈L/C⌉ layers.
+                assert!(ls.owners.windows(2).all(|w| w[0] <= w[1]));
+                for r in 0..cp {
+                    let n = ls.owned_by(r).count() as u32;
+                    assert!(
+                        n == layers / cp || n == layers.div_ceil(cp),
+                        "L={layers} C={cp} r={r} n={n}"
+                    );
+                }
+            }
+        }
+        assert_eq!(
+            LayerSplit::contiguous(80, 4).unwrap().owned_by(1).next(),
+            Some(20)
+        );
+        assert!(LayerSplit::contiguous(4, 0).is_none());
+        assert!(LayerSplit::contiguous(2, 3).is_none());
+    }
+
+    #[test]
+    fn ranks_follow_the_ordinal() {
+        let p = Parallelism {
+            tensor: 2,
+            context: 3,
+        };
+        assert_eq!(p.ranks_of(0), Some((0, 0)));
+        assert_eq!(p.ranks_of(3), Some((1, 1)));
+        assert_eq!(p.ranks_of(5), Some((1, 2)));
+        assert_eq!(p.ranks_of(6), None);
+    }
+}
