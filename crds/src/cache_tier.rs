@@ -100,7 +100,7 @@ impl Default for EvictionSpec {
 #[serde(rename_all = "camelCase")]
 pub struct PersistenceSpec {
     /// Volume size per replica.
-    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).sign() == 1").message("persistence.size must be a positive quantity such as 500Gi"))]
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0'))").message("persistence.size must be a positive quantity such as 500Gi"))]
     pub size: Quantity,
     /// Storage class of the claim; the cluster default when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -161,7 +161,7 @@ pub struct CacheTierSpec {
     #[x_kube(validation = Rule::new("self >= 0").message("replicas must not be negative"))]
     pub replicas: i32,
     /// Memory of each store replica for KV objects.
-    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).sign() == 1").message("memory must be a positive quantity such as 64Gi"))]
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0'))").message("memory must be a positive quantity such as 64Gi"))]
     pub memory: Quantity,
     /// Persist objects on a volume per replica for restart loadback; memory-only when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -185,7 +185,7 @@ impl Parallelism {
 pub struct HostPoolSpec {
     /// Bytes of host memory for the target model's KV pages (quantity, e.g. `64Gi`). The draft
     /// and indexer pools are sized from the same token capacity and added on top.
-    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).sign() == 1").message("hostPool.size must be a positive quantity such as 64Gi"))]
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0'))").message("hostPool.size must be a positive quantity such as 64Gi"))]
     pub size: Quantity,
 }
 

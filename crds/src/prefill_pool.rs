@@ -18,7 +18,7 @@ use crate::common::{
 pub struct SnapshotBufferSpec {
     /// Bytes of registered host memory per prefill pod; `0` disables snapshot sync.
     #[serde(default = "default_snapshot_size")]
-    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).sign() >= 0").message("snapshotBuffer.size must be a non-negative quantity such as 8Gi"))]
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && !quantity(string(self)).isLessThan(quantity('0'))").message("snapshotBuffer.size must be a non-negative quantity such as 8Gi"))]
     pub size: Quantity,
 }
 
