@@ -124,7 +124,8 @@ const POLL_INTERVAL: Timespec = Timespec {
 };
 
 impl StoreClientServer {
-    /// Creates the socket and starts listening. A stale socket file at the path is replaced.
+    /// Creates the socket and starts listening; the path appears only once the socket accepts. A
+    /// stale socket file at the path is replaced.
     ///
     /// # Errors
     /// [`ServerError::Socket`], [`ServerError::BadPrefix`].
@@ -150,9 +151,20 @@ impl StoreClientServer {
             None,
         )
         .map_err(|e| sock_err(e.into()))?;
-        let addr = SocketAddrUnix::new(path.as_path()).map_err(|e| sock_err(e.into()))?;
+        // Bind and listen under a temporary name, then rename into place: the socket path appears
+        // only once it accepts, so a worker that sees the file never gets ECONNREFUSED from a
+        // socket that is bound but not yet listening.
+        let mut staging = path.clone().into_os_string();
+        staging.push(format!(".{}.binding", std::process::id()));
+        let staging = std::path::PathBuf::from(staging);
+        let _ = std::fs::remove_file(&staging);
+        let addr = SocketAddrUnix::new(staging.as_path()).map_err(|e| sock_err(e.into()))?;
         rustix::net::bind(&listener, &addr).map_err(|e| sock_err(e.into()))?;
         rustix::net::listen(&listener, 16).map_err(|e| sock_err(e.into()))?;
+        std::fs::rename(&staging, &path).map_err(|e| {
+            let _ = std::fs::remove_file(&staging);
+            sock_err(e)
+        })?;
         Ok(Self {
             listener,
             shared: Arc::new(Shared {
