@@ -8,6 +8,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
+# Toolchains in their standard install locations, for shells that did not source a profile.
+for d in "$HOME/.cargo/bin" /usr/local/go/bin; do
+  if [[ -d $d && ":$PATH:" != *":$d:"* ]]; then PATH="$d:$PATH"; fi
+done
+export PATH
+
 step() { printf '\n==> %s\n' "$*"; }
 
 step "build dependencies"
