@@ -356,9 +356,295 @@ impl WorkerConfig {
     }
 }
 
+/// Schema version of [`CacheTierConfig`].
+pub const CACHE_TIER_CONFIG_API_VERSION: &str = "tandem.dev/cache-tier-config/v1";
+
+/// File name of the tier config inside the tier's ConfigMap volume (`/etc/tandem/tier.json`).
+pub const CACHE_TIER_CONFIG_FILE: &str = "tier.json";
+
+/// Default data directory of a store replica (the PVC mount; INTERFACES §2).
+pub const DEFAULT_CACHE_DATA_DIR: &str = "/var/lib/tandem/cache";
+
+fn default_cache_data_dir() -> std::path::PathBuf {
+    std::path::PathBuf::from(DEFAULT_CACHE_DATA_DIR)
+}
+
+/// Eviction order of a store replica (DESIGN §2 `CacheTier.eviction.policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum EvictionOrder {
+    /// Least recently used (the only order the store implements).
+    #[default]
+    #[serde(rename = "LRU")]
+    Lru,
+}
+
+/// Eviction within each replica's memory and disk budgets (DESIGN §2 `CacheTier.eviction`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CacheEviction {
+    /// Order of eviction.
+    #[serde(default)]
+    pub policy: EvictionOrder,
+    /// Eviction starts when usage passes this percentage of a budget (50..=100); the replica
+    /// applies it by sizing its effective budgets to `bytes × percent / 100`.
+    #[serde(default = "default_high_watermark")]
+    pub high_watermark_percent: u32,
+}
+
+fn default_high_watermark() -> u32 {
+    90
+}
+
+impl Default for CacheEviction {
+    fn default() -> Self {
+        Self {
+            policy: EvictionOrder::Lru,
+            high_watermark_percent: default_high_watermark(),
+        }
+    }
+}
+
+/// Ports of a store replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CachePorts {
+    /// L3 framed-TCP protocol (`cache::l3_wire`), default 7420.
+    #[serde(default = "default_store_port")]
+    pub store: u16,
+    /// Health, readiness, metrics and `/report` (HTTP), default 8080.
+    #[serde(default = "default_health_port")]
+    pub health: u16,
+}
+
+fn default_store_port() -> u16 {
+    7420
+}
+
+fn default_health_port() -> u16 {
+    8080
+}
+
+impl Default for CachePorts {
+    fn default() -> Self {
+        Self {
+            store: default_store_port(),
+            health: default_health_port(),
+        }
+    }
+}
+
+/// The resolved configuration of one CacheTier store replica (`tandem-worker cache --config
+/// /etc/tandem/tier.json`; INTERFACES §2, DESIGN §2 `CacheTier`, contract 7).
+///
+/// The operator renders it from the CacheTier spec into the tier's ConfigMap. Same rules as
+/// [`WorkerConfig`]: versioned `apiVersion`, unknown fields rejected, no Kubernetes dependency.
+/// Quantities are plain bytes (the operator converts `64Gi`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CacheTierConfig {
+    /// Must equal [`CACHE_TIER_CONFIG_API_VERSION`].
+    pub api_version: String,
+    /// Namespace of the tier.
+    pub namespace: String,
+    /// CacheTier name.
+    pub tier: String,
+    /// What every stored object must agree on: model identity and KV geometry, layout, page tokens,
+    /// TP and CP sizes. A restart with another identity turns every old object into a miss.
+    pub identity: crate::cache::manifest::StoreIdentity,
+    /// Bytes of object data a replica keeps in memory (`CacheTier.memory`).
+    pub memory_bytes: u64,
+    /// Bytes of object data a replica keeps on disk (`CacheTier.persistence.size`; without
+    /// persistence the operator renders the emptyDir budget it mounts).
+    pub disk_bytes: u64,
+    /// Whether `data_dir` survives a pod restart (a PVC). Informational: the replica loads back
+    /// whatever it finds either way.
+    #[serde(default)]
+    pub persistent: bool,
+    /// Data directory, default [`DEFAULT_CACHE_DATA_DIR`]; resolved through `$TANDEM_ROOT`.
+    #[serde(default = "default_cache_data_dir")]
+    pub data_dir: std::path::PathBuf,
+    /// Listening ports.
+    #[serde(default)]
+    pub ports: CachePorts,
+    /// Eviction within the budgets.
+    #[serde(default)]
+    pub eviction: CacheEviction,
+    /// L2→L3 write policy of the tier's clients (reported; clients read theirs from
+    /// [`CacheConfig::write_policy`]).
+    pub write_policy: WritePolicy,
+    /// What a failed L3 registration does in the tier's clients (reported; clients read theirs
+    /// from [`MemoryPolicy::registration_failure`]).
+    pub registration_failure: FailurePolicy,
+}
+
+impl CacheTierConfig {
+    /// Reads, parses and checks a tier config file.
+    ///
+    /// # Errors
+    /// [`ConfigError`]: unreadable, malformed, wrong version, or inconsistent.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let cfg: Self = serde_json::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        cfg.check()?;
+        Ok(cfg)
+    }
+
+    /// Checks version, identity, budgets and the watermark range.
+    ///
+    /// # Errors
+    /// [`ConfigError::Version`] or [`ConfigError::Inconsistent`] naming the broken invariant.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        if self.api_version != CACHE_TIER_CONFIG_API_VERSION {
+            return Err(ConfigError::Version {
+                found: self.api_version.clone(),
+            });
+        }
+        let bad = |m: String| Err(ConfigError::Inconsistent(m));
+        if let Err(e) = self.identity.model.validate() {
+            return bad(format!("identity.model: {e}"));
+        }
+        if self.identity.page_tokens == 0
+            || self.identity.tp_size == 0
+            || self.identity.cp_size == 0
+        {
+            return bad("identity.pageTokens, tpSize and cpSize must be positive".into());
+        }
+        if self.memory_bytes == 0 {
+            return bad("memoryBytes must be positive".into());
+        }
+        if !(50..=100).contains(&self.eviction.high_watermark_percent) {
+            return bad(format!(
+                "eviction.highWatermarkPercent {} is outside 50..=100",
+                self.eviction.high_watermark_percent
+            ));
+        }
+        Ok(())
+    }
+
+    /// `(memory, disk)` budgets with the high watermark applied: eviction keeps usage at or below
+    /// `bytes × percent / 100`.
+    pub fn effective_budgets(&self) -> (u64, u64) {
+        let pct = u128::from(self.eviction.high_watermark_percent);
+        let scale = |b: u64| u64::try_from(u128::from(b) * pct / 100).unwrap_or(u64::MAX);
+        (scale(self.memory_bytes), scale(self.disk_bytes))
+    }
+}
+
+/// Resolves an absolute path a worker reads or writes through `$TANDEM_ROOT` (INTERFACES §2: the
+/// e2e process runner has no mount namespace): with `TANDEM_ROOT=/tmp/r`, `/etc/tandem/worker.json`
+/// becomes `/tmp/r/etc/tandem/worker.json`. Relative paths, and every path when the variable is
+/// unset or empty, are returned unchanged.
+pub fn resolve_path(path: &Path) -> std::path::PathBuf {
+    resolve_path_under(
+        std::env::var_os("TANDEM_ROOT").as_deref().map(Path::new),
+        path,
+    )
+}
+
+/// [`resolve_path`] with an explicit root (pure; `None` or an empty root = no rewrite).
+pub fn resolve_path_under(root: Option<&Path>, path: &Path) -> std::path::PathBuf {
+    match root {
+        Some(root) if !root.as_os_str().is_empty() && path.is_absolute() => {
+            let rel = path.strip_prefix("/").unwrap_or(path);
+            root.join(rel)
+        }
+        _ => path.to_path_buf(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn tier_json() -> serde_json::Value {
+        serde_json::json!({
+            "apiVersion": CACHE_TIER_CONFIG_API_VERSION,
+            "namespace": "serving",
+            "tier": "l3",
+            "identity": {
+                "model": {"name": "llama-3-8b", "layers": 32, "attention": "gqa",
+                          "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2},
+                "layout": "layerFirst", "pageTokens": 512, "tpSize": 1, "cpSize": 1
+            },
+            "memoryBytes": 1u64 << 30,
+            "diskBytes": 16u64 << 30,
+            "writePolicy": "writeThrough",
+            "registrationFailure": "failClosed"
+        })
+    }
+
+    #[test]
+    fn cache_tier_config_defaults_and_round_trip() {
+        let cfg: CacheTierConfig = serde_json::from_value(tier_json()).unwrap();
+        cfg.check().unwrap();
+        assert_eq!(cfg.data_dir, Path::new(DEFAULT_CACHE_DATA_DIR));
+        assert_eq!(
+            cfg.ports,
+            CachePorts {
+                store: 7420,
+                health: 8080
+            }
+        );
+        assert_eq!(cfg.eviction.high_watermark_percent, 90);
+        assert_eq!(
+            cfg.effective_budgets(),
+            ((1u64 << 30) * 9 / 10, (16u64 << 30) * 9 / 10)
+        );
+        let text = serde_json::to_string(&cfg).unwrap();
+        let back: CacheTierConfig = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, cfg);
+        // Written to a file and loaded back through the checked path.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(CACHE_TIER_CONFIG_FILE);
+        std::fs::write(&path, text).unwrap();
+        assert_eq!(CacheTierConfig::load(&path).unwrap(), cfg);
+    }
+
+    #[test]
+    fn cache_tier_config_rejects_unknown_fields_versions_and_bad_values() {
+        let mut v = tier_json();
+        v["surprise"] = serde_json::json!(1);
+        assert!(serde_json::from_value::<CacheTierConfig>(v).is_err());
+        let mut v = tier_json();
+        v["apiVersion"] = serde_json::json!("tandem.dev/cache-tier-config/v0");
+        let cfg: CacheTierConfig = serde_json::from_value(v).unwrap();
+        assert!(matches!(cfg.check(), Err(ConfigError::Version { .. })));
+        let mut v = tier_json();
+        v["eviction"] = serde_json::json!({"highWatermarkPercent": 20});
+        let cfg: CacheTierConfig = serde_json::from_value(v).unwrap();
+        assert!(matches!(cfg.check(), Err(ConfigError::Inconsistent(_))));
+        let mut v = tier_json();
+        v["memoryBytes"] = serde_json::json!(0);
+        let cfg: CacheTierConfig = serde_json::from_value(v).unwrap();
+        assert!(matches!(cfg.check(), Err(ConfigError::Inconsistent(_))));
+    }
+
+    #[test]
+    fn paths_resolve_under_the_root() {
+        let root = Path::new("/tmp/r");
+        assert_eq!(
+            resolve_path_under(Some(root), Path::new("/etc/tandem/worker.json")),
+            Path::new("/tmp/r/etc/tandem/worker.json")
+        );
+        assert_eq!(
+            resolve_path_under(Some(root), Path::new("rel/x")),
+            Path::new("rel/x")
+        );
+        assert_eq!(
+            resolve_path_under(None, Path::new("/etc/x")),
+            Path::new("/etc/x")
+        );
+        assert_eq!(
+            resolve_path_under(Some(Path::new("")), Path::new("/etc/x")),
+            Path::new("/etc/x")
+        );
+    }
 
     #[test]
     fn layer_split_is_contiguous_balanced_and_total() {
