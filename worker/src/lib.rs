@@ -6,6 +6,7 @@ pub mod config;
 pub mod control;
 pub mod engine;
 pub mod room;
+pub mod serve;
 pub mod transfer;
 
 pub mod health;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_worker::control::KvLayout;
-use tandem_worker::control::decode::{DecodeConfig, DecodeNode, TransferOutcome};
+use tandem_worker::control::decode::{DecodeConfig, DecodeNode, TransferOutcome, room_base};
 use tandem_worker::control::pb::transfer_client::TransferClient;
 use tandem_worker::control::pb::{Abort, RequestSpec, RoomRef, RoomState, SubmitChunkRequest};
 use tandem_worker::control::prefill::{PrefillConfig, PrefillNode, PrefillService};
@@ -79,7 +79,7 @@ async fn engine_pushes_chunks_and_watch_room_reports_states() {
         tokio::spawn(async move { d2.transfer(&l2, request, Duration::from_secs(10)).await });
     wait_open(&node).await;
     let room = RoomRef {
-        room_id: 1,
+        room_id: room_base("decode-x"),
         generation: 1,
     };
     let mut client = TransferClient::connect(format!("http://{addr}"))
@@ -146,7 +146,7 @@ async fn chunk_after_abort_is_refused_and_an_idle_room_acks_at_once() {
         tokio::spawn(async move { d2.transfer(&l2, request, Duration::from_secs(10)).await });
     wait_open(&node).await;
     let room = RoomRef {
-        room_id: 1,
+        room_id: room_base("decode-x"),
         generation: 1,
     };
     let mut client = TransferClient::connect(format!("http://{addr}"))

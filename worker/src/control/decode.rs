@@ -81,6 +81,17 @@ pub enum DecodeError {
         /// What failed.
         message: String,
     },
+    /// The prefill peer belongs to another pool revision (DESIGN §5): refused by either side in
+    /// the hello; the peer must be skipped, never paired.
+    #[error("prefill peer {peer} has revision {theirs:?}, this decode has {ours:?}")]
+    RevisionMismatch {
+        /// Peer address.
+        peer: String,
+        /// This decode's revision.
+        ours: String,
+        /// The peer's revision (from its hello, or from its refusal's metadata; empty if unknown).
+        theirs: String,
+    },
     /// The data receiver could not start.
     #[error("data receiver: {0}")]
     Receiver(#[from] std::io::Error),
@@ -95,6 +106,10 @@ pub enum TransferOutcome {
         key: RoomKey,
         /// Chunks that failed verification.
         corrupt_chunks: u64,
+        /// Prompt tokens the prefill served from its cache tiers.
+        hits: pb::PrefixHits,
+        /// KV bytes received (pages × page bytes).
+        kv_bytes: u64,
     },
     /// The room failed; its pages follow the gate.
     Failed {
@@ -167,6 +182,7 @@ pub struct DecodeNode {
     region: Arc<HostRegion>,
     state: Mutex<State>,
     next_room: AtomicU64,
+    acks_received: AtomicU64,
 }
 
 impl DecodeNode {
@@ -179,12 +195,14 @@ impl DecodeNode {
             free: (0..cfg.pages).rev().collect(),
             ..State::default()
         };
+        let base = room_base(&cfg.worker_id);
         Ok(Arc::new(DecodeNode {
             cfg,
             receiver,
             region,
             state: Mutex::new(state),
-            next_room: AtomicU64::new(1),
+            next_room: AtomicU64::new(base),
+            acks_received: AtomicU64::new(0),
         }))
     }
 
@@ -214,12 +232,37 @@ impl DecodeNode {
         self.receiver.stats().dropped_stale
     }
 
-    /// Connects to a prefill peer: hello (layout check), signal stream, heartbeats.
+    /// Abort acks received from prefill peers so far.
+    pub fn acks_received(&self) -> u64 {
+        self.acks_received.load(Ordering::Relaxed)
+    }
+
+    /// Connects to a prefill peer without a revision (never refused for revision).
     pub async fn connect(
         self: &Arc<Self>,
         addr: &str,
         timeout: Duration,
     ) -> Result<PrefillLink, DecodeError> {
+        self.connect_revision(addr, timeout, "").await
+    }
+
+    /// Connects to a prefill peer: hello (layout and revision check), signal stream, heartbeats.
+    ///
+    /// # Errors
+    /// [`DecodeError::RevisionMismatch`] when `revision` is non-empty and the peer's differs (the
+    /// peer refused, or its hello names another one); [`DecodeError::Peer`] when it cannot be
+    /// reached or refuses for another reason.
+    pub async fn connect_revision(
+        self: &Arc<Self>,
+        addr: &str,
+        timeout: Duration,
+        revision: &str,
+    ) -> Result<PrefillLink, DecodeError> {
+        let mismatch = |theirs: String| DecodeError::RevisionMismatch {
+            peer: addr.to_string(),
+            ours: revision.to_string(),
+            theirs,
+        };
         let peer_err = |message: String| DecodeError::Peer {
             peer: addr.to_string(),
             message,
@@ -245,13 +288,25 @@ impl DecodeNode {
                 page_bytes: self.cfg.layout.page_bytes(),
             }],
             layout: Some(self.cfg.layout.into()),
+            revision: revision.to_string(),
             ..Default::default()
         };
-        let info = client
-            .peer_hello(hello)
-            .await
-            .map_err(|s| peer_err(s.message().to_string()))?
-            .into_inner();
+        let info = match client.peer_hello(hello).await {
+            Ok(reply) => reply.into_inner(),
+            Err(s) => {
+                if let Some(theirs) = s
+                    .metadata()
+                    .get(super::prefill::REVISION_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                {
+                    return Err(mismatch(theirs.to_string()));
+                }
+                return Err(peer_err(s.message().to_string()));
+            }
+        };
+        if !revision.is_empty() && !info.revision.is_empty() && info.revision != revision {
+            return Err(mismatch(info.revision));
+        }
         let (tx, rx) = mpsc::unbounded_channel::<pb::PeerMessage>();
         let mut request = tonic::Request::new(UnboundedReceiverStream::new(rx));
         let id = self
@@ -359,6 +414,7 @@ impl DecodeNode {
         match m.body {
             Some(Body::Ack(a)) => {
                 let Some(key) = room_of(a.room) else { return };
+                self.acks_received.fetch_add(1, Ordering::Relaxed);
                 let mut st = lock(&self.state);
                 let Some(entry) = st.rooms.get_mut(&key) else {
                     tracing::debug!(%key, "ack for a released room ignored");
@@ -536,14 +592,17 @@ impl DecodeNode {
             deadline_ms: deadline.as_millis() as u64,
         };
         let mut client = link.client.clone();
-        if let Err(status) = client.open_room(open).await {
-            tracing::warn!(%key, %status, "OpenRoom failed");
-            self.fail(key, FailureCause::TransferFailed);
-            return Ok(TransferOutcome::Failed {
-                key,
-                cause: FailureCause::TransferFailed,
-            });
-        }
+        let hits = match client.open_room(open).await {
+            Ok(reply) => reply.into_inner().hits.unwrap_or_default(),
+            Err(status) => {
+                tracing::warn!(%key, %status, "OpenRoom failed");
+                self.fail(key, FailureCause::TransferFailed);
+                return Ok(TransferOutcome::Failed {
+                    key,
+                    cause: FailureCause::TransferFailed,
+                });
+            }
+        };
         let result = tokio::time::timeout(deadline, done_rx).await;
         match result {
             Ok(Ok(Ok(()))) => {
@@ -570,6 +629,8 @@ impl DecodeNode {
                 Ok(TransferOutcome::Completed {
                     key,
                     corrupt_chunks: corrupt,
+                    hits,
+                    kv_bytes: layout.page_bytes() * pages.len() as u64,
                 })
             }
             Ok(Ok(Err(cause))) => Ok(TransferOutcome::Failed { key, cause }),
@@ -608,6 +669,12 @@ impl DecodeNode {
     pub fn rank(&self) -> DecodeRank {
         DecodeRank(self.cfg.rank)
     }
+}
+
+/// First room id of a decode worker: the worker id's hash in the high 31 bits, so the rooms of the
+/// decode workers sharing one prefill never collide (room ids are per prefill table).
+pub fn room_base(worker_id: &str) -> u64 {
+    ((xxhash_rust::xxh3::xxh3_64(worker_id.as_bytes()) & 0x7FFF_FFFF) << 32) | 1
 }
 
 fn abort_reason(cause: FailureCause) -> pb::AbortReason {

@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -56,6 +57,41 @@ struct RoomPlan {
 
 type SignalTx = mpsc::UnboundedSender<Result<pb::PeerMessage, Status>>;
 
+/// Counters of one prefill node (monotonic; the serving layer exports them in `/report`).
+#[derive(Debug, Default)]
+pub struct PrefillStats {
+    /// Aborts received (signal stream or `AbortRoom`), one per (room, generation, decode rank).
+    pub aborts_received: AtomicU64,
+    /// Abort acks sent.
+    pub acks_sent: AtomicU64,
+    /// KV bytes whose writes completed.
+    pub kv_bytes_sent: AtomicU64,
+    /// Rooms whose every write completed.
+    pub rooms_completed: AtomicU64,
+}
+
+/// What the simulated engine does for one room, decided before it starts (DESIGN §3: compute time
+/// from a cost model; cache tiers shorten it).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ComputePlan {
+    /// Prompt tokens served per tier instead of computed.
+    pub hits: pb::PrefixHits,
+    /// Simulated time before page `i` is sent; `len` = pages of the room.
+    pub per_page: Vec<Duration>,
+}
+
+/// The serving layer's hook into the simulated engine: prefix-cache lookup before a room's compute
+/// and write-back after it. Both calls may block (L3 network I/O); they run on the blocking pool.
+pub trait RoomPlanner: Send + Sync {
+    /// Plans the room of `request` over `pages` pages of `layout`.
+    fn plan(&self, request: &pb::RequestSpec, layout: KvLayout, pages: u32) -> ComputePlan;
+    /// Every page of the room was computed and handed to the transport (write policy hook).
+    fn computed(&self, request: &pb::RequestSpec, layout: KvLayout, plan: &ComputePlan);
+}
+
+/// gRPC metadata key carrying the refusing side's revision on a revision-mismatch refusal.
+pub const REVISION_HEADER: &str = "tandem-revision";
+
 /// The prefill side of every room on this worker.
 pub struct PrefillNode {
     cfg: PrefillConfig,
@@ -64,6 +100,7 @@ pub struct PrefillNode {
     transport: Arc<TcpTransport>,
     peers: Mutex<HashMap<String, SignalTx>>,
     events: broadcast::Sender<pb::RoomEvent>,
+    stats: PrefillStats,
 }
 
 fn msg(body: Body) -> pb::PeerMessage {
@@ -104,7 +141,13 @@ impl PrefillNode {
             transport,
             peers: Mutex::new(HashMap::new()),
             events,
+            stats: PrefillStats::default(),
         })
+    }
+
+    /// Counters of this node.
+    pub fn stats(&self) -> &PrefillStats {
+        &self.stats
     }
 
     /// The data transport (teardown closes it).
@@ -145,6 +188,7 @@ impl PrefillNode {
                         .get(&ack.key)
                         .map(|p| p.decode_worker.clone());
                     if let Some(w) = worker.as_deref().or(fallback_worker) {
+                        self.stats.acks_sent.fetch_add(1, Ordering::Relaxed);
                         self.send_to(w, msg(Body::Ack(ack_msg(&ack))));
                     }
                 }
@@ -152,6 +196,7 @@ impl PrefillNode {
                     let state = lock(&self.rooms).state(key);
                     let plan = lock(&self.plans).remove(&key);
                     if let (Some(SenderState::Success), Some(plan)) = (state, &plan) {
+                        self.stats.rooms_completed.fetch_add(1, Ordering::Relaxed);
                         let done = pb::ChunkDone {
                             room: Some(key.into()),
                             prefill_rank: self.cfg.rank,
@@ -168,6 +213,7 @@ impl PrefillNode {
     }
 
     fn abort(&self, key: RoomKey, decode_rank: DecodeRank, from_worker: &str) -> Vec<AbortAck> {
+        self.stats.aborts_received.fetch_add(1, Ordering::Relaxed);
         let effects = lock(&self.rooms).abort(key, decode_rank);
         let immediate: Vec<AbortAck> = effects
             .iter()
@@ -230,6 +276,11 @@ impl PrefillNode {
             let node = self.clone();
             let sink = Arc::new(move |_h: TransferHandle, status: &TransferStatus| {
                 let ok = *status == TransferStatus::Completed;
+                if ok {
+                    node.stats
+                        .kv_bytes_sent
+                        .fetch_add(layout.page_bytes(), Ordering::Relaxed);
+                }
                 let effects = lock(&node.rooms).end_write(key, ok).unwrap_or_default();
                 if ok {
                     let done = {
@@ -291,10 +342,17 @@ impl PrefillNode {
         Ok(())
     }
 
-    /// The simulated engine: compute each page (cost-model time), then send it.
-    async fn run_engine(self: Arc<Self>, key: RoomKey, pages: u32) {
+    /// The simulated engine: compute each page (`delays[i]`, else the configured per-page time),
+    /// then send it. Returns whether every page was handed to the transport.
+    async fn run_engine(self: Arc<Self>, key: RoomKey, pages: u32, delays: Vec<Duration>) -> bool {
         for index in 0..pages {
-            tokio::time::sleep(self.cfg.compute_per_page).await;
+            let delay = delays
+                .get(index as usize)
+                .copied()
+                .unwrap_or(self.cfg.compute_per_page);
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
             let node = self.clone();
             let last = index + 1 == pages;
             let sent =
@@ -303,14 +361,15 @@ impl PrefillNode {
                 Ok(Ok(())) => {}
                 Ok(Err(status)) => {
                     tracing::debug!(%key, %status, "prefill engine stopped sending");
-                    return;
+                    return false;
                 }
                 Err(e) => {
                     tracing::error!(%key, error = %e, "prefill send task failed");
-                    return;
+                    return false;
                 }
             }
         }
+        true
     }
 }
 
@@ -320,6 +379,13 @@ pub struct PrefillService {
     node: Arc<PrefillNode>,
     /// Run the simulated engine on OpenRoom (false: an external engine calls SubmitChunk).
     pub drive_engine: bool,
+    /// This worker's pool revision; a decode hello with another non-empty revision is refused
+    /// (DESIGN §5). Empty: unversioned, accepts every decode.
+    pub revision: String,
+    /// Prefix-cache lookup and write-back around the simulated engine; `None`: compute every page.
+    pub planner: Option<Arc<dyn RoomPlanner>>,
+    /// Cleared at drain (SIGTERM): new rooms are refused with `UNAVAILABLE`, running ones finish.
+    pub admitting: Arc<AtomicBool>,
 }
 
 impl PrefillService {
@@ -328,6 +394,9 @@ impl PrefillService {
         PrefillService {
             node,
             drive_engine: true,
+            revision: String::new(),
+            planner: None,
+            admitting: Arc::new(AtomicBool::new(true)),
         }
     }
 
@@ -352,6 +421,23 @@ impl Transfer for PrefillService {
         req: Request<pb::PeerInfo>,
     ) -> Result<Response<pb::PeerInfo>, Status> {
         let peer = req.into_inner();
+        if !self.revision.is_empty() && !peer.revision.is_empty() && peer.revision != self.revision
+        {
+            tracing::warn!(decode = %peer.worker_id, theirs = %peer.revision, ours = %self.revision,
+                "refusing a decode peer of another revision");
+            let mut meta = tonic::metadata::MetadataMap::new();
+            if let Ok(v) = self.revision.parse() {
+                meta.insert(REVISION_HEADER, v);
+            }
+            return Err(Status::with_metadata(
+                tonic::Code::FailedPrecondition,
+                format!(
+                    "revision mismatch: decode {:?}, prefill {:?}",
+                    peer.revision, self.revision
+                ),
+                meta,
+            ));
+        }
         if let Some(l) = peer.layout
             && KvLayout::from(l) != self.node.cfg.layout
         {
@@ -366,6 +452,7 @@ impl Transfer for PrefillService {
             rank: self.node.cfg.rank,
             transport: pb::TransportKind::TransportTcp as i32,
             layout: Some(self.node.cfg.layout.into()),
+            revision: self.revision.clone(),
             owned_layers: Some(pb::LayerRange {
                 start: 0,
                 end: self.node.cfg.layout.layers,
@@ -380,6 +467,9 @@ impl Transfer for PrefillService {
     ) -> Result<Response<pb::OpenRoomReply>, Status> {
         let r = req.into_inner();
         let key = room_of(r.room).ok_or_else(|| Status::invalid_argument("open without room"))?;
+        if !self.admitting.load(Ordering::SeqCst) {
+            return Err(Status::unavailable("prefill is draining"));
+        }
         let layout = r
             .layout
             .map(KvLayout::from)
@@ -390,6 +480,7 @@ impl Transfer for PrefillService {
         if r.dst_pages.is_empty() {
             return Err(Status::invalid_argument("room without destination pages"));
         }
+        let spec = r.request.clone().unwrap_or_default();
         let request = r.request.map(|q| q.request_id).unwrap_or(key.room.0);
         {
             let mut rooms = lock(&self.node.rooms);
@@ -413,13 +504,36 @@ impl Transfer for PrefillService {
             },
         );
         self.node.publish(key);
+        let plan = match &self.planner {
+            Some(planner) => {
+                let (planner, spec) = (planner.clone(), spec.clone());
+                tokio::task::spawn_blocking(move || planner.plan(&spec, layout, pages))
+                    .await
+                    .unwrap_or_default()
+            }
+            None => ComputePlan::default(),
+        };
+        let hits = plan.hits;
         if self.drive_engine {
-            tokio::spawn(self.node.clone().run_engine(key, pages));
+            let node = self.node.clone();
+            let planner = self.planner.clone();
+            tokio::spawn(async move {
+                let delays = plan.per_page.clone();
+                if node.run_engine(key, pages, delays).await
+                    && let Some(planner) = planner
+                {
+                    let _ = tokio::task::spawn_blocking(move || {
+                        planner.computed(&spec, layout, &plan);
+                    })
+                    .await;
+                }
+            });
         }
         Ok(Response::new(pb::OpenRoomReply {
             room: Some(key.into()),
             prefill_rank: self.node.cfg.rank,
             result: None,
+            hits: Some(hits),
         }))
     }
 

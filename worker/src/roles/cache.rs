@@ -13,21 +13,38 @@ use tandem_worker::cache::l3_server::L3Server;
 use tandem_worker::cache::l3_store::{L3Config, L3Store};
 use tandem_worker::cache::manifest::StoreIdentity;
 
+use tandem_worker::config::{CacheTierConfig, resolve_path};
+use tandem_worker::serve::counters::mirror;
+use tandem_worker::serve::health::{ServeState, router, spawn_http};
+
 use crate::RoleError;
 
 /// `tandem-worker cache` arguments.
 #[derive(Debug, clap::Args)]
 pub struct Args {
+    /// Serve as a replica of the tier: the tier config (`/etc/tandem/tier.json`, read through
+    /// `$TANDEM_ROOT`, as are its paths). Identity, budgets, data dir and ports come from it, and
+    /// the health port (`/healthz`, `/readyz`, `/metrics`, `/report` with `warm`) is served.
+    #[arg(long, env = "TANDEM_CACHE_CONFIG")]
+    pub config: Option<PathBuf>,
     /// Data directory of the store (created if missing).
-    #[arg(long, env = "TANDEM_CACHE_DATA_DIR")]
-    pub data_dir: PathBuf,
+    #[arg(
+        long,
+        env = "TANDEM_CACHE_DATA_DIR",
+        required_unless_present = "config"
+    )]
+    pub data_dir: Option<PathBuf>,
     /// Address to serve on; port 0 picks one (printed on stdout as `listening on ADDR`).
     #[arg(long, env = "TANDEM_CACHE_LISTEN", default_value = "0.0.0.0:7420")]
     pub listen: SocketAddr,
     /// JSON file with the store identity (model identity and geometry, layout, page tokens, TP and
     /// CP sizes), as the operator renders it into the tier's config.
-    #[arg(long, env = "TANDEM_CACHE_IDENTITY")]
-    pub identity: PathBuf,
+    #[arg(
+        long,
+        env = "TANDEM_CACHE_IDENTITY",
+        required_unless_present = "config"
+    )]
+    pub identity: Option<PathBuf>,
     /// Bytes of objects kept in memory.
     #[arg(long, default_value_t = 1 << 30)]
     pub memory_bytes: u64,
@@ -53,12 +70,40 @@ fn failed(what: &str) -> impl FnOnce(String) -> RoleError + '_ {
 /// be opened, the address cannot be bound, or signal handlers cannot be installed. Bad objects on
 /// disk are never errors (they are counted misses).
 pub fn run(args: Args) -> Result<(), RoleError> {
-    let text = std::fs::read(&args.identity)
-        .map_err(|e| e.to_string())
-        .map_err(failed("reading the identity file"))?;
-    let identity: StoreIdentity = serde_json::from_slice(&text)
-        .map_err(|e| e.to_string())
-        .map_err(failed("parsing the identity file"))?;
+    let (identity, data_dir, listen, memory, disk, health) = match &args.config {
+        Some(path) => {
+            let cfg = CacheTierConfig::load(&resolve_path(path))
+                .map_err(|e| e.to_string())
+                .map_err(failed("tier config"))?;
+            let (memory, disk) = cfg.effective_budgets();
+            let ip = tandem_worker::serve::pod_ip();
+            (
+                cfg.identity.clone(),
+                resolve_path(&cfg.data_dir),
+                SocketAddr::new(ip, cfg.ports.store),
+                memory,
+                disk,
+                Some((SocketAddr::new(ip, cfg.ports.health), cfg.tier)),
+            )
+        }
+        None => {
+            let path = args.identity.clone().unwrap_or_default();
+            let text = std::fs::read(&path)
+                .map_err(|e| e.to_string())
+                .map_err(failed("reading the identity file"))?;
+            let identity: StoreIdentity = serde_json::from_slice(&text)
+                .map_err(|e| e.to_string())
+                .map_err(failed("parsing the identity file"))?;
+            (
+                identity,
+                args.data_dir.clone().unwrap_or_default(),
+                args.listen,
+                args.memory_bytes,
+                args.disk_bytes,
+                None,
+            )
+        }
+    };
     identity
         .model
         .validate()
@@ -84,26 +129,68 @@ pub fn run(args: Args) -> Result<(), RoleError> {
     let config = L3Config {
         progress_interval: Duration::from_secs(args.progress_interval_s.max(1)),
         fsync: !args.unsafe_no_fsync,
-        ..L3Config::new(args.data_dir, identity, args.memory_bytes, args.disk_bytes)
+        ..L3Config::new(data_dir, identity, memory, disk)
     };
     let (store, loadback) = L3Store::open(config)
         .map_err(|e| e.to_string())
         .map_err(failed("opening the L3 store"))?;
-    let mut server = L3Server::start(std::sync::Arc::clone(&store), args.listen)
+    let mut server = L3Server::start(std::sync::Arc::clone(&store), listen)
         .map_err(|e| e.to_string())
         .map_err(failed("binding the L3 service"))?;
     tracing::info!(addr = %server.local_addr(), "cache replica serving; loadback running");
     println!("listening on {}", server.local_addr());
 
+    let http = match health {
+        Some((addr, tier)) => Some(runtime.block_on(serve_health(addr, &tier, &store))?),
+        None => None,
+    };
     runtime.block_on(async {
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM: stopping cache replica"),
             _ = int.recv() => tracing::info!("SIGINT: stopping cache replica"),
         }
     });
+    if let Some((state, task)) = http {
+        state.begin_drain();
+        task.abort();
+    }
     server.stop();
     store.stop_loadback();
     loadback.join();
     tracing::info!(health = ?store.health(), "cache replica stopped");
     Ok(())
+}
+
+/// The replica's health port: ready at once (warming is not unready; INTERFACES §2), `/report`
+/// with `warm`, `objects` and `bytes`, and the store counters mirrored into the §4 names.
+async fn serve_health(
+    addr: SocketAddr,
+    tier: &str,
+    store: &std::sync::Arc<L3Store>,
+) -> Result<(std::sync::Arc<ServeState>, tokio::task::JoinHandle<()>), RoleError> {
+    let state = ServeState::new("cache", tier, "", "opening the store");
+    let s = std::sync::Arc::clone(store);
+    state.set_extra(move || {
+        let h = s.health();
+        let mut m = serde_json::Map::new();
+        m.insert("warm".into(), serde_json::json!(s.is_warm()));
+        m.insert("objects".into(), serde_json::json!(h.objects));
+        m.insert("bytes".into(), serde_json::json!(h.disk_bytes));
+        m.insert("loadback".into(), serde_json::json!(h.loadback));
+        m
+    });
+    let s = std::sync::Arc::clone(store);
+    state.on_refresh(move |st| {
+        let h = s.health();
+        mirror(&st.counters.l3_pages_loaded_back, h.loadback.published);
+        mirror(&st.counters.l3_pages_written, h.counters.puts);
+        mirror(&st.counters.corrupt_pages_read, h.counters.corrupt_on_read);
+    });
+    state.set_ready(Ok(()));
+    let (local, task) = spawn_http(addr, router(state.clone()))
+        .await
+        .map_err(|e| e.to_string())
+        .map_err(failed("binding the health port"))?;
+    tracing::info!(%local, "cache replica health serving");
+    Ok((state, task))
 }

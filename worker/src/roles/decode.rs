@@ -3,7 +3,9 @@
 //! object per line) — each allocates pages, opens a room, receives and verifies the KV, and releases
 //! pages only through the release gate (DESIGN contract 3). Prints one summary line and exits.
 //!
-//! Not built yet: the OpenAI-compatible HTTP front door (completions with streaming).
+//! With `--config`, it is instead the pool's long-running decode server
+//! (`tandem_worker::serve::decode`): the OpenAI-compatible front door, the same-revision prefill
+//! peer set, and the health port; SIGTERM drains and exits 0.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -19,9 +21,14 @@ use crate::RoleError;
 /// `tandem-worker decode` arguments.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Prefill peer control address (host:port).
-    #[arg(long, env = "TANDEM_PREFILL_PEER")]
-    pub prefill: String,
+    /// Serve as a pod of the pool: the resolved worker config (`/etc/tandem/worker.json`, read
+    /// through `$TANDEM_ROOT`): the front door, the peer set and the health port. Without it, the
+    /// batch demo below runs and exits.
+    #[arg(long, env = "TANDEM_WORKER_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Prefill peer control address (host:port), batch demo mode.
+    #[arg(long, env = "TANDEM_PREFILL_PEER", required_unless_present = "config")]
+    pub prefill: Option<String>,
     /// Trace requests (JSON lines with input_length, output_length, hash_ids); without it,
     /// `--requests` synthetic requests of `--input-tokens`.
     #[arg(long)]
@@ -106,6 +113,10 @@ fn load(args: &Args) -> Result<Vec<RequestSpec>, RoleError> {
 /// [`RoleError::Failed`] when the trace is unreadable, the receiver cannot bind or the peer cannot
 /// be reached, or when any chunk read was corrupt.
 pub fn run(args: Args) -> Result<(), RoleError> {
+    if let Some(path) = &args.config {
+        return serve_config(path);
+    }
+    let prefill = args.prefill.clone().unwrap_or_default();
     let requests = load(&args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -126,7 +137,7 @@ pub fn run(args: Args) -> Result<(), RoleError> {
         })
         .map_err(|e| e.to_string())
         .map_err(failed("starting the decode node"))?;
-        let link = node.connect(&args.prefill, Duration::from_secs(5)).await.map_err(|e| e.to_string()).map_err(failed("connecting to prefill"))?;
+        let link = node.connect(&prefill, Duration::from_secs(5)).await.map_err(|e| e.to_string()).map_err(failed("connecting to prefill"))?;
         let (mut completed, mut failed_rooms, mut corrupt) = (0u64, 0u64, 0u64);
         for request in requests {
             match node.transfer(&link, request, Duration::from_millis(args.deadline_ms)).await {
@@ -147,5 +158,30 @@ pub fn run(args: Args) -> Result<(), RoleError> {
         let pages = node.pages();
         println!("completed={completed} failed={failed_rooms} corrupt_chunks={corrupt} quarantined_pages={} alarms={}", pages.quarantined, pages.alarms);
         if corrupt > 0 { Err(RoleError::Failed(format!("{corrupt} corrupt KV chunks read"))) } else { Ok(()) }
+    })
+}
+
+/// `--config` mode: the pool's decode server until SIGTERM, then drain and exit 0.
+fn serve_config(path: &std::path::Path) -> Result<(), RoleError> {
+    use tandem_worker::serve::{decode, signals, sim::SimKnobs};
+    let cfg = tandem_worker::config::WorkerConfig::load(&tandem_worker::config::resolve_path(path))
+        .map_err(|e| RoleError::Failed(e.to_string()))?;
+    let knobs = SimKnobs::from_env().map_err(|e| RoleError::Failed(e.to_string()))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| RoleError::Failed(format!("starting the runtime: {e}")))?;
+    runtime.block_on(async move {
+        let stop = signals::terminated()
+            .map_err(|e| RoleError::Failed(format!("signal handlers: {e}")))?;
+        let server = decode::DecodeServer::start(&cfg, knobs, decode::DecodeOptions::from_env())
+            .await
+            .map_err(|e| RoleError::Failed(e.to_string()))?;
+        println!("listening on {}", server.front_addr);
+        let signal = stop.await;
+        tracing::info!(signal, "stopping decode");
+        let clean = server.shutdown().await;
+        tracing::info!(clean, "decode exited");
+        Ok(())
     })
 }

@@ -18,6 +18,11 @@ use crate::RoleError;
 /// `tandem-worker prefill` arguments.
 #[derive(Debug, clap::Args)]
 pub struct Args {
+    /// Serve as a pod of the pool: the resolved worker config (`/etc/tandem/worker.json`, read
+    /// through `$TANDEM_ROOT`). Ports, revision and cache tier come from it; the flags below
+    /// are for the stand-alone demo mode only.
+    #[arg(long, env = "TANDEM_WORKER_CONFIG")]
+    pub config: Option<std::path::PathBuf>,
     /// gRPC control address; port 0 picks one (printed on stdout as `listening on ADDR`).
     #[arg(long, env = "TANDEM_PREFILL_LISTEN", default_value = "0.0.0.0:7430")]
     pub listen: SocketAddr,
@@ -53,6 +58,9 @@ fn failed(what: &'static str) -> impl FnOnce(String) -> RoleError {
 /// # Errors
 /// [`RoleError::Failed`] when the runtime cannot start or the address cannot be bound.
 pub fn run(args: Args) -> Result<(), RoleError> {
+    if let Some(path) = &args.config {
+        return serve_config(path);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -122,4 +130,30 @@ async fn serve(args: Args) -> Result<(), RoleError> {
     transport.shutdown();
     tracing::info!(rooms_held = node.rooms_held(), "prefill stopped");
     Ok(())
+}
+
+/// `--config` mode: the pool's prefill server until SIGTERM, then drain and exit 0.
+fn serve_config(path: &std::path::Path) -> Result<(), RoleError> {
+    use tandem_worker::serve::{prefill, signals, sim::SimKnobs};
+    let cfg = tandem_worker::config::WorkerConfig::load(&tandem_worker::config::resolve_path(path))
+        .map_err(|e| RoleError::Failed(e.to_string()))?;
+    let knobs = SimKnobs::from_env().map_err(|e| RoleError::Failed(e.to_string()))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| RoleError::Failed(format!("starting the runtime: {e}")))?;
+    runtime.block_on(async move {
+        let stop = signals::terminated()
+            .map_err(|e| RoleError::Failed(format!("signal handlers: {e}")))?;
+        let server =
+            prefill::PrefillServer::start(&cfg, knobs, prefill::PrefillOptions::from_env())
+                .await
+                .map_err(|e| RoleError::Failed(e.to_string()))?;
+        println!("listening on {}", server.control_addr);
+        let signal = stop.await;
+        tracing::info!(signal, "stopping prefill");
+        let clean = server.shutdown().await;
+        tracing::info!(clean, "prefill exited");
+        Ok(())
+    })
 }

@@ -1,0 +1,117 @@
+//! The serving counters of one worker: one set of monotonic `u64`s, exported both as the
+//! `counters` object of `/report` (INTERFACES §4, exact names) and as Prometheus counters
+//! `tandem_<name>_total` on `/metrics`.
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::registry::Registry;
+
+macro_rules! counters {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
+        /// Monotonic counters; cheap to clone (every field shares its atomic).
+        #[derive(Debug, Clone, Default)]
+        pub struct Counters {
+            $($(#[$doc])* pub $name: Counter,)*
+        }
+
+        impl Counters {
+            /// `(name, value)` of every counter, in declaration order (the `/report` names).
+            pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
+                vec![$((stringify!($name), self.$name.get()),)*]
+            }
+
+            /// Registers every counter as `tandem_<name>` (the text encoder appends `_total`).
+            pub fn register(&self, registry: &mut Registry) {
+                $(registry.register(
+                    concat!("tandem_", stringify!($name)),
+                    stringify!($name),
+                    self.$name.clone(),
+                );)*
+            }
+        }
+    };
+}
+
+counters! {
+    /// Requests answered successfully (decode: completions; prefill: rooms whose writes all landed).
+    requests_ok,
+    /// Requests that failed after admission.
+    requests_failed,
+    /// Prompt tokens looked up in the prefix index.
+    prefix_lookup_tokens,
+    /// Prompt tokens served from the device pool.
+    prefix_hit_tokens_l1,
+    /// Prompt tokens served from the host pool.
+    prefix_hit_tokens_l2,
+    /// Prompt tokens served from the CacheTier store.
+    prefix_hit_tokens_l3,
+    /// KV bytes whose writes completed (prefill).
+    kv_bytes_sent,
+    /// KV bytes received and verified (decode).
+    kv_bytes_received,
+    /// Rooms aborted (decode: failed rooms; prefill: aborts received).
+    rooms_aborted,
+    /// Abort acks (decode: received; prefill: sent).
+    abort_acks,
+    /// Pages put in quarantine (no ack, no proof) — an alarm when non-zero.
+    pages_quarantined,
+    /// KV chunks that failed verification on read — must stay 0.
+    corrupt_pages_read,
+    /// L3 objects loaded back into L2 at start.
+    l3_pages_loaded_back,
+    /// Pages written to the L3 store.
+    l3_pages_written,
+    /// Requests retried on another prefill peer after a peer failure.
+    requests_retried,
+    /// Prefill peers refused for another revision (one per refused handshake).
+    peer_revision_refusals,
+    /// Requests refused at admission (not ready, draining, no peer, capacity).
+    requests_refused,
+}
+
+/// Sets a counter that mirrors a monotonic source (e.g. a node's own atomic) to `value`; a smaller
+/// value is ignored, so the exported counter never goes back.
+pub fn mirror(counter: &Counter, value: u64) {
+    let now = counter.get();
+    if value > now {
+        counter.inc_by(value - now);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshot_names_match_the_report_contract_and_metrics_encode() {
+        let c = Counters::default();
+        c.requests_ok.inc();
+        mirror(&c.kv_bytes_sent, 10);
+        mirror(&c.kv_bytes_sent, 4);
+        let snap: std::collections::BTreeMap<_, _> = c.snapshot().into_iter().collect();
+        for name in [
+            "requests_ok",
+            "requests_failed",
+            "prefix_lookup_tokens",
+            "prefix_hit_tokens_l1",
+            "prefix_hit_tokens_l2",
+            "prefix_hit_tokens_l3",
+            "kv_bytes_sent",
+            "kv_bytes_received",
+            "rooms_aborted",
+            "abort_acks",
+            "pages_quarantined",
+            "corrupt_pages_read",
+            "l3_pages_loaded_back",
+            "l3_pages_written",
+        ] {
+            assert!(snap.contains_key(name), "{name}");
+        }
+        assert_eq!(snap["requests_ok"], 1);
+        assert_eq!(snap["kv_bytes_sent"], 10);
+        let mut reg = Registry::default();
+        c.register(&mut reg);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
+        assert!(text.contains("tandem_requests_ok_total 1"), "{text}");
+    }
+}

@@ -1,0 +1,346 @@
+//! The OpenAI-compatible front door of a decode worker (INTERFACES §3).
+//!
+//! - `POST /v1/completions`: body `model`, `prompt` (string, array of strings, or array of token
+//!   ids), `max_tokens` (default 16), `stream`, and the Tandem extensions `kv_block_hashes` (prefix
+//!   identity, one hash per 512-token block) and `input_tokens` (prompt length to simulate).
+//!   Unknown OpenAI fields (`temperature`, …) are accepted and ignored; `model` is echoed as the
+//!   served model. Streaming: one `data:` event per generated token (the first marks TTFT; it is
+//!   sent as soon as the KV is in), a last event with `finish_reason: "length"`, `usage` and the
+//!   `tandem` block, then `data: [DONE]`. Not streaming: one JSON object with the same fields.
+//! - `GET /v1/models`: the served model.
+//! - Errors: `{"error":{"message","type","code"}}` with 400 (malformed), 503 (not ready, draining,
+//!   no prefill peer of this revision, KV deadline passed), 429 (at capacity), 500 (internal).
+//!
+//! Generated text is a deterministic placeholder word per token.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::decode::{DecodeEngine, DecodePlan, Prefilled, RequestError};
+
+const WORDS: [&str; 16] = [
+    "the", "cache", "page", "layer", "room", "token", "prefix", "decode", "prefill", "tier",
+    "host", "store", "ack", "fence", "stream", "rank",
+];
+
+/// Largest `max_tokens` accepted.
+pub const MAX_TOKENS_LIMIT: u32 = 1 << 16;
+
+/// A prompt: text, a batch of texts (only the first is served), or token ids.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// Text.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u32>),
+    /// Texts (OpenAI batch form).
+    Texts(Vec<String>),
+}
+
+/// The completion request body.
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    /// Model name (echoed; one model per pool).
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Prompt.
+    #[serde(default)]
+    pub prompt: Option<Prompt>,
+    /// Tokens to generate (default 16).
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    /// Server-sent events when true.
+    #[serde(default)]
+    pub stream: bool,
+    /// Prefix identity: one chained hash per 512-token block.
+    #[serde(default)]
+    pub kv_block_hashes: Vec<u64>,
+    /// Prompt length to simulate when the prompt is a placeholder.
+    #[serde(default)]
+    pub input_tokens: Option<u32>,
+}
+
+impl CompletionRequest {
+    /// Prompt tokens: `input_tokens`, else the token ids, else whitespace-separated words (≥ 1).
+    pub fn prompt_tokens(&self) -> u32 {
+        if let Some(n) = self.input_tokens {
+            return n.max(1);
+        }
+        let n = match &self.prompt {
+            Some(Prompt::Tokens(t)) => t.len(),
+            Some(Prompt::Text(s)) => s.split_whitespace().count(),
+            Some(Prompt::Texts(v)) => v.first().map_or(0, |s| s.split_whitespace().count()),
+            None => 0,
+        };
+        u32::try_from(n).unwrap_or(u32::MAX).max(1)
+    }
+}
+
+fn error(status: StatusCode, kind: &str, code: &str, message: impl Into<String>) -> Response {
+    let body = json!({"error": {"message": message.into(), "type": kind, "code": code}});
+    (status, axum::Json(body)).into_response()
+}
+
+fn request_error(e: &RequestError) -> Response {
+    let m = e.to_string();
+    match e {
+        RequestError::NotReady(_) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "not_ready",
+            m,
+        ),
+        RequestError::NoPeer(_) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "no_prefill_peer",
+            m,
+        ),
+        RequestError::Timeout(_) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "kv_deadline_exceeded",
+            m,
+        ),
+        RequestError::AtCapacity(_) => error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_exceeded",
+            "at_capacity",
+            m,
+        ),
+        RequestError::Failed(_) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            "internal",
+            m,
+        ),
+    }
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// One token's text: a placeholder word, deterministic in (request, position).
+pub fn token_text(request_id: u64, position: u32) -> String {
+    let i = (request_id.wrapping_add(u64::from(position)) % WORDS.len() as u64) as usize;
+    format!(" {}", WORDS[i])
+}
+
+struct Reply {
+    id: String,
+    created: u64,
+    model: String,
+    revision: String,
+    prompt_tokens: u32,
+    completion_tokens: u32,
+    prefilled: Prefilled,
+    plan: DecodePlan,
+}
+
+impl Reply {
+    fn tandem(&self) -> Value {
+        let h = &self.prefilled.hits;
+        json!({
+            "prefix_hit_tokens": {"l1": h.l1, "l2": h.l2, "l3": h.l3},
+            "kv_bytes": self.prefilled.kv_bytes,
+            "prefill_worker": self.prefilled.peer,
+            "revision": self.revision,
+            "corrupt_chunks": self.prefilled.corrupt_chunks,
+            "spec_accept_length": self.plan.accept_length,
+        })
+    }
+
+    fn usage(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": u64::from(self.prompt_tokens) + u64::from(self.completion_tokens),
+        })
+    }
+
+    fn chunk(&self, text: &str, finish: Option<&str>) -> Value {
+        json!({
+            "id": self.id, "object": "text_completion", "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+        })
+    }
+
+    fn last(&self, text: &str) -> Value {
+        let mut v = self.chunk(text, Some("length"));
+        v["usage"] = self.usage();
+        v["tandem"] = self.tandem();
+        v
+    }
+}
+
+async fn completions(State(engine): State<Arc<DecodeEngine>>, body: Bytes) -> Response {
+    let req: CompletionRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "malformed",
+                format!("malformed completion request: {e}"),
+            );
+        }
+    };
+    let max_tokens = req.max_tokens.unwrap_or(16);
+    if max_tokens > MAX_TOKENS_LIMIT {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "malformed",
+            format!("max_tokens {max_tokens} exceeds {MAX_TOKENS_LIMIT}"),
+        );
+    }
+    let permit = match engine.admit() {
+        Ok(p) => p,
+        Err(e) => return request_error(&e),
+    };
+    let request_id = engine.next_request_id();
+    let prompt_tokens = req.prompt_tokens();
+    let prefilled = match engine
+        .prefill(
+            request_id,
+            prompt_tokens,
+            max_tokens,
+            req.kv_block_hashes.clone(),
+        )
+        .await
+    {
+        Ok(p) => p,
+        Err(e) => {
+            engine.state.counters.requests_failed.inc();
+            return request_error(&e);
+        }
+    };
+    let plan = engine.decode_plan(request_id, max_tokens.saturating_sub(1));
+    let reply = Reply {
+        id: format!("cmpl-{}-{request_id}", engine.worker_id),
+        created: now_secs(),
+        model: engine.model.clone(),
+        revision: engine.revision.clone(),
+        prompt_tokens,
+        completion_tokens: max_tokens,
+        prefilled,
+        plan,
+    };
+    if req.stream {
+        stream(engine, reply, request_id, permit).into_response()
+    } else {
+        let mut text = String::new();
+        let mut position = 0;
+        if max_tokens > 0 {
+            text.push_str(&token_text(request_id, 0));
+            position = 1;
+        }
+        for step in &reply.plan.steps {
+            tokio::time::sleep(engine.knobs.tpot).await;
+            for _ in 0..*step {
+                text.push_str(&token_text(request_id, position));
+                position += 1;
+            }
+        }
+        drop(permit);
+        engine.state.counters.requests_ok.inc();
+        axum::Json(reply.last(&text)).into_response()
+    }
+}
+
+fn stream(
+    engine: Arc<DecodeEngine>,
+    reply: Reply,
+    request_id: u64,
+    permit: OwnedSemaphorePermit,
+) -> Sse<ReceiverStream<Result<Event, Infallible>>> {
+    let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(16);
+    tokio::spawn(async move {
+        let _permit = permit;
+        let send = |v: Value| Ok(Event::default().data(v.to_string()));
+        let mut ok = true;
+        let mut position = 0u32;
+        if reply.completion_tokens > 0 {
+            ok &= tx
+                .send(send(reply.chunk(&token_text(request_id, 0), None)))
+                .await
+                .is_ok();
+            position = 1;
+        }
+        for step in &reply.plan.steps {
+            if !ok {
+                break;
+            }
+            tokio::time::sleep(engine.knobs.tpot).await;
+            for _ in 0..*step {
+                ok &= tx
+                    .send(send(reply.chunk(&token_text(request_id, position), None)))
+                    .await
+                    .is_ok();
+                position += 1;
+            }
+        }
+        ok = ok
+            && tx.send(send(reply.last(""))).await.is_ok()
+            && tx.send(Ok(Event::default().data("[DONE]"))).await.is_ok();
+        if ok {
+            engine.state.counters.requests_ok.inc();
+        } else {
+            tracing::info!(request_id, "client went away mid-stream");
+            engine.state.counters.requests_failed.inc();
+        }
+    });
+    Sse::new(ReceiverStream::new(rx))
+}
+
+async fn models(State(engine): State<Arc<DecodeEngine>>) -> Response {
+    axum::Json(json!({
+        "object": "list",
+        "data": [{"id": engine.model, "object": "model", "created": 0, "owned_by": "tandem"}],
+    }))
+    .into_response()
+}
+
+/// The front-door routes over `engine`.
+pub fn router(engine: Arc<DecodeEngine>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .with_state(engine)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_tokens_prefer_the_extension() {
+        let r: CompletionRequest =
+            serde_json::from_str(r#"{"prompt":"a b c","input_tokens":900}"#).unwrap();
+        assert_eq!(r.prompt_tokens(), 900);
+        let r: CompletionRequest = serde_json::from_str(r#"{"prompt":[1,2,3,4]}"#).unwrap();
+        assert_eq!(r.prompt_tokens(), 4);
+        let r: CompletionRequest =
+            serde_json::from_str(r#"{"prompt":"a b c","temperature":0.5}"#).unwrap();
+        assert_eq!(r.prompt_tokens(), 3);
+        assert!(serde_json::from_str::<CompletionRequest>(r#"{"max_tokens":"x"}"#).is_err());
+    }
+}
