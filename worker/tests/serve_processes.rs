@@ -4,278 +4,13 @@
 //!
 //! Each test uses its own `127.0.<net>.x` addresses so tests run in parallel without port clashes.
 
-use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+mod serve_support;
+
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
 use serde_json::Value;
-use tandem_worker::config::*;
-use tandem_worker::memory::AllocatorDomain;
-use tandem_worker::model::{Attention, ModelIdentity};
-use tandem_worker::registration::FailurePolicy;
-
-const BIN: &str = env!("CARGO_BIN_EXE_tandem-worker");
-const SERVICE: &str = "p-peers.serving.svc.cluster.local";
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Proc {
-    fn signal(&self, sig: i32) {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.0.id() as i32, sig) };
-    }
-
-    fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
-        let end = Instant::now() + within;
-        while Instant::now() < end {
-            if let Ok(Some(s)) = self.0.try_wait() {
-                return Some(s);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
-    }
-}
-
-/// Ports shared by every process of a test (each process has its own IP).
-#[derive(Clone, Copy)]
-struct PortSet {
-    control: u16,
-    data: u16,
-    health: u16,
-    front: u16,
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn ports() -> PortSet {
-    PortSet {
-        control: free_port(),
-        data: free_port(),
-        health: free_port(),
-        front: free_port(),
-    }
-}
-
-fn config(role: WorkerRole, revision: &str, p: PortSet) -> WorkerConfig {
-    WorkerConfig {
-        api_version: CONFIG_API_VERSION.into(),
-        role,
-        namespace: "serving".into(),
-        pool: match role {
-            WorkerRole::Prefill => "p".into(),
-            WorkerRole::Decode => "d".into(),
-        },
-        revision: revision.into(),
-        model: ModelIdentity {
-            name: "llama-3-8b".into(),
-            layers: 8,
-            attention: Attention::Gqa {
-                kv_heads: 8,
-                head_dim: 128,
-            },
-            dtype_bytes: 2,
-            row_extra_bytes: 0,
-        },
-        indexer: None,
-        parallelism: Parallelism {
-            tensor: 1,
-            context: 1,
-        },
-        layer_split: None,
-        memory: MemoryPolicy {
-            allocator: AllocatorDomain::Mmap,
-            client_mode: None,
-            registration_failure: FailurePolicy::FailClosed,
-            target_pool_bytes: 64 << 20,
-            draft_pool_bytes: 0,
-            indexer_pool_bytes: 0,
-            snapshot_buffer_bytes: 0,
-            segment_bytes: 64 << 20,
-        },
-        cache: None,
-        speculative: None,
-        spec_guard: None,
-        transport: TransportChoice::Tcp,
-        peers: Peers {
-            prefill_service: Some(SERVICE.into()),
-            decode_service: None,
-        },
-        ports: Ports {
-            control: p.control,
-            data: p.data,
-            health: p.health,
-            front_door: (role == WorkerRole::Decode).then_some(p.front),
-        },
-    }
-}
-
-/// One test's world: a TANDEM_ROOT per process and a shared hosts file.
-struct World {
-    dir: tempfile::TempDir,
-    net: u8,
-    ports: PortSet,
-}
-
-impl World {
-    fn new(net: u8) -> Self {
-        Self {
-            dir: tempfile::tempdir().unwrap(),
-            net,
-            ports: ports(),
-        }
-    }
-
-    fn ip(&self, host: u8) -> String {
-        format!("127.0.{}.{host}", self.net)
-    }
-
-    fn hosts(&self) -> PathBuf {
-        self.dir.path().join("hosts")
-    }
-
-    /// Makes `SERVICE` resolve to these hosts.
-    fn publish(&self, hosts: &[u8]) {
-        let text: String = hosts
-            .iter()
-            .map(|h| format!("{} {SERVICE}\n", self.ip(*h)))
-            .collect();
-        let tmp = self.dir.path().join("hosts.tmp");
-        std::fs::write(&tmp, text).unwrap();
-        std::fs::rename(tmp, self.hosts()).unwrap();
-    }
-
-    fn spawn(&self, host: u8, cfg: &WorkerConfig, env: &[(&str, &str)]) -> Proc {
-        let role = match cfg.role {
-            WorkerRole::Prefill => "prefill",
-            WorkerRole::Decode => "decode",
-        };
-        let root = self.dir.path().join(format!("root-{host}"));
-        let etc = root.join("etc/tandem");
-        std::fs::create_dir_all(&etc).unwrap();
-        std::fs::write(etc.join(CONFIG_FILE), serde_json::to_vec(cfg).unwrap()).unwrap();
-        let mut cmd = Command::new(BIN);
-        cmd.args([role, "--config", "/etc/tandem/worker.json"])
-            .env("TANDEM_ROOT", &root)
-            .env("TANDEM_HOSTS_FILE", self.hosts())
-            .env("POD_IP", self.ip(host))
-            .env("POD_NAME", format!("{}-g0-{host}", cfg.pool))
-            .env("TANDEM_SIM_KV_BYTES_PER_TOKEN", "512")
-            .env("TANDEM_SIM_TPOT_MS", "1")
-            .env("TANDEM_SIM_PREFILL_US_PER_TOKEN", "2")
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert!(
-            line.starts_with("listening on"),
-            "{role} did not start: {line:?}"
-        );
-        Proc(child)
-    }
-
-    fn addr(&self, host: u8, port: u16) -> SocketAddr {
-        format!("{}:{port}", self.ip(host)).parse().unwrap()
-    }
-}
-
-/// One HTTP/1.1 request; returns status and the body frames with their arrival times.
-async fn http(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    body: Option<Value>,
-) -> (u16, Vec<(Instant, Bytes)>) {
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let req = hyper::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", addr.to_string())
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(
-            body.map(|b| b.to_string()).unwrap_or_default(),
-        )))
-        .unwrap();
-    let resp = sender.send_request(req).await.unwrap();
-    let status = resp.status().as_u16();
-    let mut body = resp.into_body();
-    let mut frames = Vec::new();
-    while let Some(f) = body.frame().await {
-        if let Ok(d) = f.unwrap().into_data() {
-            frames.push((Instant::now(), d));
-        }
-    }
-    (status, frames)
-}
-
-fn text(frames: &[(Instant, Bytes)]) -> String {
-    frames
-        .iter()
-        .map(|(_, b)| String::from_utf8_lossy(b).into_owned())
-        .collect()
-}
-
-async fn get_json(addr: SocketAddr, path: &str) -> (u16, Value) {
-    let (s, f) = http(addr, "GET", path, None).await;
-    (s, serde_json::from_str(&text(&f)).unwrap_or(Value::Null))
-}
-
-async fn status(addr: SocketAddr, path: &str) -> Option<u16> {
-    tokio::net::TcpStream::connect(addr).await.ok()?;
-    Some(http(addr, "GET", path, None).await.0)
-}
-
-/// Waits until `f` holds, polling every 50 ms.
-async fn until<F: std::future::Future<Output = bool>>(within: Duration, mut f: impl FnMut() -> F) {
-    let end = Instant::now() + within;
-    while Instant::now() < end {
-        if f().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("condition not met within {within:?}");
-}
-
-fn sse_events(body: &str) -> Vec<String> {
-    body.split("\n\n")
-        .filter_map(|e| e.trim().strip_prefix("data: ").map(str::to_owned))
-        .collect()
-}
-
-fn completion(input_tokens: u32, max_tokens: u32, stream: bool) -> Value {
-    serde_json::json!({"model": "llama-3-8b", "prompt": "hello", "max_tokens": max_tokens,
-        "stream": stream, "input_tokens": input_tokens, "kv_block_hashes": [11, 12, 13]})
-}
+use serve_support::*;
+use tandem_worker::config::WorkerRole;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_and_plain_completions_through_prefill_and_decode() {
@@ -412,11 +147,29 @@ async fn decode_refuses_a_prefill_of_another_revision() {
     let e: Value = serde_json::from_str(&text(&frames)).unwrap();
     let msg = e["error"]["message"].as_str().unwrap();
     assert!(msg.contains("\"r2\"") && msg.contains("\"r1\""), "{msg}");
+
+    // Negative control: an unversioned decode (empty revision) pairs with the same prefill, so
+    // the refusal above is the revision check and nothing else.
+    let _any = w.spawn(8, &config(WorkerRole::Decode, "", w.ports), &[]);
+    let h8 = w.addr(8, w.ports.health);
+    until(Duration::from_secs(15), || async {
+        status(h8, "/readyz").await == Some(200)
+    })
+    .await;
+    let (code, _) = http(
+        w.addr(8, w.ports.front),
+        "POST",
+        "/v1/completions",
+        Some(completion(100, 2, false)),
+    )
+    .await;
+    assert_eq!(code, 200);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_whose_prefill_dies_is_retried_on_another_peer() {
-    let w = World::new(43);
+/// Two prefill peers, the first (picked first) slow; kills it while it computes a request sent
+/// to a decode with `retry_budget`; returns the status, the body and the decode's report.
+async fn kill_the_prefill_mid_request(net: u8, retry_budget: &str) -> (u16, Value, Value) {
+    let w = World::new(net);
     w.publish(&[2, 3]);
     // .2 sorts first and is picked first; it computes slowly (4 ms per token) and is killed.
     let slow = w.spawn(
@@ -425,7 +178,11 @@ async fn a_request_whose_prefill_dies_is_retried_on_another_peer() {
         &[("TANDEM_SIM_PREFILL_US_PER_TOKEN", "4000")],
     );
     let _fast = w.spawn(3, &config(WorkerRole::Prefill, "r1", w.ports), &[]);
-    let _d = w.spawn(9, &config(WorkerRole::Decode, "r1", w.ports), &[]);
+    let _d = w.spawn(
+        9,
+        &config(WorkerRole::Decode, "r1", w.ports),
+        &[("TANDEM_DECODE_RETRY_BUDGET", retry_budget)],
+    );
     let health = w.addr(9, w.ports.health);
     until(Duration::from_secs(15), || async {
         get_json(health, "/report").await.1["peers"]
@@ -454,16 +211,34 @@ async fn a_request_whose_prefill_dies_is_retried_on_another_peer() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(code, 200, "{}", text(&frames));
     let v: Value = serde_json::from_str(&text(&frames)).unwrap();
-    assert_eq!(
-        v["tandem"]["prefill_worker"],
-        w.addr(3, w.ports.control).to_string()
-    );
-    assert_eq!(v["tandem"]["corrupt_chunks"], 0);
+    if code == 200 {
+        assert_eq!(
+            v["tandem"]["prefill_worker"],
+            w.addr(3, w.ports.control).to_string()
+        );
+    }
     let (_, r) = get_json(health, "/report").await;
+    (code, v, r)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_prefill_dies_is_retried_on_another_peer() {
+    let (code, v, r) = kill_the_prefill_mid_request(43, "2").await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["tandem"]["corrupt_chunks"], 0);
     assert_eq!(r["counters"]["requests_retried"], 1, "{r}");
     assert_eq!(r["counters"]["rooms_aborted"], 1, "{r}");
+}
+
+/// Negative control: without a retry budget the same failure reaches the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_retry_budget_the_peer_failure_fails_the_request() {
+    let (code, v, r) = kill_the_prefill_mid_request(45, "0").await;
+    assert_eq!(code, 500, "{v}");
+    assert_eq!(v["error"]["code"], "internal");
+    assert_eq!(r["counters"]["requests_retried"], 0, "{r}");
+    assert_eq!(r["counters"]["requests_failed"], 1, "{r}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -60,13 +60,24 @@ pub struct DecodeOptions {
 }
 
 impl DecodeOptions {
-    /// Options from the pod environment with the defaults above.
+    /// Options from the pod environment: `$POD_IP`, `$POD_NAME`, and the optional overrides
+    /// `TANDEM_DECODE_RETRY_BUDGET` (default 2) and `TANDEM_DECODE_KV_DEADLINE_MS` (default
+    /// 30000); the rest as documented on the fields.
     pub fn from_env() -> Self {
+        let num = |k: &str| {
+            std::env::var(k)
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        };
         Self {
             bind_ip: pod_ip(),
             worker_id: std::env::var("POD_NAME").unwrap_or_else(|_| "decode-0".into()),
-            kv_deadline: Duration::from_secs(30),
-            retry_budget: 2,
+            kv_deadline: Duration::from_millis(
+                num("TANDEM_DECODE_KV_DEADLINE_MS").unwrap_or(30_000),
+            ),
+            retry_budget: num("TANDEM_DECODE_RETRY_BUDGET")
+                .and_then(|n| u32::try_from(n).ok())
+                .unwrap_or(2),
             max_inflight: 256,
             refresh_every: Duration::from_secs(2),
             heartbeat: Duration::from_millis(500),

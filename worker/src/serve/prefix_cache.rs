@@ -148,21 +148,38 @@ impl PrefixCache {
         lock(&self.clients).retain(|_, c| !Arc::ptr_eq(c, client));
     }
 
+    /// Runs `call` on the replica owning `page`; a failed call drops that connection and is
+    /// retried once on a fresh one (a restarted replica leaves a dead connection behind).
+    fn with_replica<T>(
+        &self,
+        target: &L3Target,
+        page: PageKey,
+        what: &str,
+        call: impl Fn(&L3Client) -> Result<T, crate::cache::l3_client::L3ClientError>,
+    ) -> Option<T> {
+        for attempt in 0..2 {
+            let client = self.client_for(target, page)?;
+            match call(&client) {
+                Ok(v) => return Some(v),
+                Err(e) => {
+                    self.drop_client(&client);
+                    if attempt == 1 {
+                        (self.health)(Some(format!("L3 {what}: {e}")));
+                    }
+                }
+            }
+        }
+        None
+    }
+
     /// Leading pages of `keys` present in L3.
     fn l3_leading(&self, target: &L3Target, keys: &[PageKey]) -> usize {
         let mut n = 0;
         for key in keys {
-            let Some(client) = self.client_for(target, *key) else {
-                break;
-            };
-            match client.lookup(&[self.object(target, *key)]) {
-                Ok(1) => n += 1,
-                Ok(_) => break,
-                Err(e) => {
-                    (self.health)(Some(format!("L3 lookup: {e}")));
-                    self.drop_client(&client);
-                    break;
-                }
+            let object = self.object(target, *key);
+            match self.with_replica(target, *key, "lookup", |c| c.lookup(&[object])) {
+                Some(1) => n += 1,
+                _ => break,
             }
         }
         n
@@ -190,20 +207,17 @@ impl PrefixCache {
 
     fn put_l3(&self, target: &L3Target, pages: &[PageKey], layout: KvLayout) {
         for page in pages {
-            let Some(client) = self.client_for(target, *page) else {
+            let (object, bytes) = (
+                self.object(target, *page),
+                Self::object_bytes(*page, layout),
+            );
+            if self
+                .with_replica(target, *page, "put", |c| c.put(&object, &bytes))
+                .is_none()
+            {
                 return;
-            };
-            match client.put(
-                &self.object(target, *page),
-                &Self::object_bytes(*page, layout),
-            ) {
-                Ok(_) => self.counters.l3_pages_written.inc(),
-                Err(e) => {
-                    (self.health)(Some(format!("L3 put: {e}")));
-                    self.drop_client(&client);
-                    return;
-                }
-            };
+            }
+            self.counters.l3_pages_written.inc();
         }
     }
 }

@@ -1,0 +1,322 @@
+//! Shared helpers of the serving-process tests: real `tandem-worker` processes on their own loopback
+//! addresses (like the e2e process runner), configs under a `$TANDEM_ROOT` per process, and one
+//! `$TANDEM_HOSTS_FILE` per test standing in for the Services.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use serde_json::Value;
+use tandem_worker::config::*;
+use tandem_worker::memory::AllocatorDomain;
+use tandem_worker::model::{Attention, ModelIdentity};
+use tandem_worker::registration::FailurePolicy;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_tandem-worker");
+pub const SERVICE: &str = "p-peers.serving.svc.cluster.local";
+
+pub struct Proc(pub Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Proc {
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.0.id() as i32, sig) };
+    }
+
+    pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let end = Instant::now() + within;
+        while Instant::now() < end {
+            if let Ok(Some(s)) = self.0.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+/// Ports shared by every process of a test (each process has its own IP).
+#[derive(Clone, Copy)]
+pub struct PortSet {
+    pub control: u16,
+    pub data: u16,
+    pub health: u16,
+    pub front: u16,
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub fn ports() -> PortSet {
+    PortSet {
+        control: free_port(),
+        data: free_port(),
+        health: free_port(),
+        front: free_port(),
+    }
+}
+
+pub fn config(role: WorkerRole, revision: &str, p: PortSet) -> WorkerConfig {
+    WorkerConfig {
+        api_version: CONFIG_API_VERSION.into(),
+        role,
+        namespace: "serving".into(),
+        pool: match role {
+            WorkerRole::Prefill => "p".into(),
+            WorkerRole::Decode => "d".into(),
+        },
+        revision: revision.into(),
+        model: ModelIdentity {
+            name: "llama-3-8b".into(),
+            layers: 8,
+            attention: Attention::Gqa {
+                kv_heads: 8,
+                head_dim: 128,
+            },
+            dtype_bytes: 2,
+            row_extra_bytes: 0,
+        },
+        indexer: None,
+        parallelism: Parallelism {
+            tensor: 1,
+            context: 1,
+        },
+        layer_split: None,
+        memory: MemoryPolicy {
+            allocator: AllocatorDomain::Mmap,
+            client_mode: None,
+            registration_failure: FailurePolicy::FailClosed,
+            target_pool_bytes: 64 << 20,
+            draft_pool_bytes: 0,
+            indexer_pool_bytes: 0,
+            snapshot_buffer_bytes: 0,
+            segment_bytes: 64 << 20,
+        },
+        cache: None,
+        speculative: None,
+        spec_guard: None,
+        transport: TransportChoice::Tcp,
+        peers: Peers {
+            prefill_service: Some(SERVICE.into()),
+            decode_service: None,
+        },
+        ports: Ports {
+            control: p.control,
+            data: p.data,
+            health: p.health,
+            front_door: (role == WorkerRole::Decode).then_some(p.front),
+        },
+    }
+}
+
+/// One test's world: a TANDEM_ROOT per process and a shared hosts file.
+pub struct World {
+    pub dir: tempfile::TempDir,
+    pub net: u8,
+    pub ports: PortSet,
+}
+
+impl World {
+    pub fn new(net: u8) -> Self {
+        Self {
+            dir: tempfile::tempdir().unwrap(),
+            net,
+            ports: ports(),
+        }
+    }
+
+    pub fn ip(&self, host: u8) -> String {
+        format!("127.0.{}.{host}", self.net)
+    }
+
+    pub fn hosts(&self) -> PathBuf {
+        self.dir.path().join("hosts")
+    }
+
+    /// Makes `SERVICE` resolve to these hosts.
+    pub fn publish(&self, hosts: &[u8]) {
+        self.publish_names(&[(SERVICE, hosts)]);
+    }
+
+    /// Makes each name resolve to its hosts.
+    pub fn publish_names(&self, names: &[(&str, &[u8])]) {
+        let text: String = names
+            .iter()
+            .flat_map(|(name, hosts)| {
+                hosts
+                    .iter()
+                    .map(move |h| format!("{} {name}\n", self.ip(*h)))
+            })
+            .collect();
+        let tmp = self.dir.path().join("hosts.tmp");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(tmp, self.hosts()).unwrap();
+    }
+
+    pub fn spawn(&self, host: u8, cfg: &WorkerConfig, env: &[(&str, &str)]) -> Proc {
+        let role = match cfg.role {
+            WorkerRole::Prefill => "prefill",
+            WorkerRole::Decode => "decode",
+        };
+        self.spawn_role(
+            host,
+            role,
+            CONFIG_FILE,
+            &serde_json::to_vec(cfg).unwrap(),
+            env,
+        )
+    }
+
+    /// Starts a CacheTier replica with `cfg` as its `/etc/tandem/tier.json`.
+    pub fn spawn_cache(&self, host: u8, cfg: &CacheTierConfig) -> Proc {
+        self.spawn_role(
+            host,
+            "cache",
+            CACHE_TIER_CONFIG_FILE,
+            &serde_json::to_vec(cfg).unwrap(),
+            &[],
+        )
+    }
+
+    /// The `$TANDEM_ROOT` of the process on `host`.
+    pub fn root(&self, host: u8) -> PathBuf {
+        self.dir.path().join(format!("root-{host}"))
+    }
+
+    fn spawn_role(
+        &self,
+        host: u8,
+        role: &str,
+        file: &str,
+        json: &[u8],
+        env: &[(&str, &str)],
+    ) -> Proc {
+        let root = self.root(host);
+        let etc = root.join("etc/tandem");
+        std::fs::create_dir_all(&etc).unwrap();
+        std::fs::write(etc.join(file), json).unwrap();
+        let mut cmd = Command::new(BIN);
+        cmd.args([role, "--config", &format!("/etc/tandem/{file}")])
+            .env("TANDEM_ROOT", &root)
+            .env("TANDEM_HOSTS_FILE", self.hosts())
+            .env("POD_IP", self.ip(host))
+            .env("POD_NAME", format!("{role}-g0-{host}"))
+            .env("TANDEM_SIM_KV_BYTES_PER_TOKEN", "512")
+            .env("TANDEM_SIM_TPOT_MS", "1")
+            .env("TANDEM_SIM_PREFILL_US_PER_TOKEN", "2")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(
+            line.starts_with("listening on"),
+            "{role} did not start: {line:?}"
+        );
+        Proc(child)
+    }
+
+    pub fn addr(&self, host: u8, port: u16) -> SocketAddr {
+        format!("{}:{port}", self.ip(host)).parse().unwrap()
+    }
+}
+
+/// One HTTP/1.1 request; returns status and the body frames with their arrival times.
+pub async fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+) -> (u16, Vec<(Instant, Bytes)>) {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string())
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(
+            body.map(|b| b.to_string()).unwrap_or_default(),
+        )))
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let mut body = resp.into_body();
+    let mut frames = Vec::new();
+    while let Some(f) = body.frame().await {
+        if let Ok(d) = f.unwrap().into_data() {
+            frames.push((Instant::now(), d));
+        }
+    }
+    (status, frames)
+}
+
+pub fn text(frames: &[(Instant, Bytes)]) -> String {
+    frames
+        .iter()
+        .map(|(_, b)| String::from_utf8_lossy(b).into_owned())
+        .collect()
+}
+
+pub async fn get_json(addr: SocketAddr, path: &str) -> (u16, Value) {
+    let (s, f) = http(addr, "GET", path, None).await;
+    (s, serde_json::from_str(&text(&f)).unwrap_or(Value::Null))
+}
+
+pub async fn status(addr: SocketAddr, path: &str) -> Option<u16> {
+    tokio::net::TcpStream::connect(addr).await.ok()?;
+    Some(http(addr, "GET", path, None).await.0)
+}
+
+/// Waits until `f` holds, polling every 50 ms.
+pub async fn until<F: std::future::Future<Output = bool>>(
+    within: Duration,
+    mut f: impl FnMut() -> F,
+) {
+    let end = Instant::now() + within;
+    while Instant::now() < end {
+        if f().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("condition not met within {within:?}");
+}
+
+pub fn sse_events(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter_map(|e| e.trim().strip_prefix("data: ").map(str::to_owned))
+        .collect()
+}
+
+pub fn completion(input_tokens: u32, max_tokens: u32, stream: bool) -> Value {
+    serde_json::json!({"model": "llama-3-8b", "prompt": "hello", "max_tokens": max_tokens,
+        "stream": stream, "input_tokens": input_tokens, "kv_block_hashes": [11, 12, 13]})
+}
