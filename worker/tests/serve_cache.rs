@@ -1,7 +1,7 @@
 //! The prefix cache through the serving processes: a prefill with a CacheTier serves repeated
 //! prefixes from L2, writes computed pages through to the `cache --config` replica, and — after
 //! both the replica and the prefill restart — serves them from L3 (the replica loaded its objects
-//! back from its data directory).
+//! back from its data directory), the prefill loading its hottest pages back into L2 first.
 
 mod serve_support;
 
@@ -137,7 +137,6 @@ async fn prefixes_hit_l2_then_l3_after_the_replica_and_the_prefill_restart() {
             .success()
     );
     let _cache = w.spawn_cache(5, &tcfg);
-    let _prefill = w.spawn(2, &pcfg, &[]);
     wait_ready(&w, 5).await;
     let h5 = w.addr(5, w.ports.health);
     until(Duration::from_secs(15), || async {
@@ -145,6 +144,11 @@ async fn prefixes_hit_l2_then_l3_after_the_replica_and_the_prefill_restart() {
         r["warm"] == true && r["counters"]["l3_pages_loaded_back"] == 4
     })
     .await;
+    // The prefill loads back the two most recently used pages (999 and 103) before it admits.
+    let _prefill = w.spawn(2, &pcfg, &[("TANDEM_L3_LOADBACK_PAGES", "2")]);
+    wait_ready(&w, 2).await;
+    let (_, pr) = get_json(w.addr(2, w.ports.health), "/report").await;
+    assert_eq!(pr["counters"]["l3_pages_loaded_back"], 2, "{pr}");
     // The decode reconnects to the restarted prefill on its next refresh.
     let front = w.addr(9, w.ports.front);
     until(Duration::from_secs(15), || async {
@@ -163,5 +167,10 @@ async fn prefixes_hit_l2_then_l3_after_the_replica_and_the_prefill_restart() {
         hits(&w, &[101, 102, 103]).await,
         (1536, 0),
         "and now from L2"
+    );
+    assert_eq!(
+        hits(&w, &[101, 102, 999]).await,
+        (1536, 0),
+        "999 was loaded back"
     );
 }

@@ -120,6 +120,25 @@ impl L3Client {
         }
     }
 
+    /// Up to `limit` keys of `pool` written by `shard`, most recently used first ([`Op::Hot`]).
+    ///
+    /// # Errors
+    /// [`L3ClientError`].
+    pub fn hot(
+        &self,
+        shard: super::manifest::ShardCoords,
+        pool: crate::pool::PoolRole,
+        limit: usize,
+    ) -> Result<Vec<ObjectKey>, L3ClientError> {
+        let q = super::l3_server::HotQuery { shard, pool, limit };
+        let body = serde_json::to_vec(&q).map_err(|e| L3ClientError::Protocol(e.to_string()))?;
+        match self.call(Op::Hot, &[&body])? {
+            (Status::Ok, b) => serde_json::from_slice(&b)
+                .map_err(|e| L3ClientError::Protocol(format!("hot keys: {e}"))),
+            (s, _) => Err(L3ClientError::Protocol(format!("HOT answered {s:?}"))),
+        }
+    }
+
     /// The replica's health report.
     ///
     /// # Errors

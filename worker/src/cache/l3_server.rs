@@ -136,6 +136,17 @@ fn serve_connection(store: &L3Store, stream: TcpStream) {
     }
 }
 
+/// Body of [`Op::Hot`].
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
+pub struct HotQuery {
+    /// Writer shard.
+    pub shard: super::manifest::ShardCoords,
+    /// Pool.
+    pub pool: crate::pool::PoolRole,
+    /// Most keys answered.
+    pub limit: usize,
+}
+
 fn parse_key(bytes: &[u8]) -> Result<ObjectKey, WireError> {
     serde_json::from_slice(bytes).map_err(|e| WireError::Malformed(format!("object key: {e}")))
 }
@@ -175,6 +186,13 @@ fn answer(
                 write_frame(w, Status::Ok as u8, &[&n.to_le_bytes()])
             }
             Err(e) => error(w, format!("lookup keys: {e}")),
+        },
+        Op::Hot => match serde_json::from_slice::<HotQuery>(&body) {
+            Ok(q) => match serde_json::to_vec(&store.hot_keys(q.shard, q.pool, q.limit)) {
+                Ok(json) => write_frame(w, Status::Ok as u8, &[&json]),
+                Err(e) => error(w, format!("hot keys: {e}")),
+            },
+            Err(e) => error(w, format!("hot query: {e}")),
         },
         Op::Health => match serde_json::to_vec(&store.health()) {
             Ok(json) => write_frame(w, Status::Ok as u8, &[&json]),

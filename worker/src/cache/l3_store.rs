@@ -40,8 +40,10 @@ use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3;
 
 use super::manifest::{
-    MANIFEST_FORMAT, ObjectKey, ObjectManifest, StoreIdentity, checksum, sync_dir, write_atomically,
+    MANIFEST_FORMAT, ObjectKey, ObjectManifest, ShardCoords, StoreIdentity, checksum, sync_dir,
+    write_atomically,
 };
+use crate::pool::PoolRole;
 
 const OBJECTS: &str = "objects";
 const MANIFESTS: &str = "manifests";
@@ -369,6 +371,19 @@ impl L3Store {
     pub fn leading_present(&self, keys: &[ObjectKey]) -> usize {
         let state = self.lock();
         keys.iter().take_while(|k| state.disk.contains(k)).count()
+    }
+
+    /// Up to `limit` published keys of `pool` written by `shard`, most recently used first
+    /// (without touching their recency): what a restarted worker loads back into its host cache.
+    pub fn hot_keys(&self, shard: ShardCoords, pool: PoolRole, limit: usize) -> Vec<ObjectKey> {
+        let state = self.lock();
+        state
+            .disk
+            .iter()
+            .map(|(k, _)| *k)
+            .filter(|k| k.shard == shard && k.pool == pool)
+            .take(limit)
+            .collect()
     }
 
     /// Stores `data` under `key`; visible to `get` only once durable (see the module docs).

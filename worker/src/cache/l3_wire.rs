@@ -33,6 +33,10 @@ pub enum Op {
     Lookup = 3,
     /// Health report.
     Health = 4,
+    /// The most recently used object keys of one shard and pool (restart loadback of a
+    /// worker's host cache): body `{"shard", "pool", "limit"}`, answer a JSON key list, most recent
+    /// first.
+    Hot = 5,
 }
 
 /// Response statuses.
@@ -77,6 +81,7 @@ impl TryFrom<u8> for Op {
             2 => Op::Get,
             3 => Op::Lookup,
             4 => Op::Health,
+            5 => Op::Hot,
             byte => return Err(WireError::UnknownCode { what: "op", byte }),
         })
     }

@@ -234,6 +234,16 @@ impl PrefixIndex {
         self.tier_mut(tier).pages.pop(key).is_some()
     }
 
+    /// Keys present (complete) in `tier`, most recently used first.
+    pub fn present_keys(&self, tier: Tier) -> Vec<PageKey> {
+        self.tiers[tier.index()]
+            .pages
+            .iter()
+            .filter(|(_, r)| **r == Residency::Present)
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
     /// Counters of `tier`.
     pub fn counters(&self, tier: Tier) -> TierCounters {
         let set = self.tier(tier);

@@ -7,6 +7,10 @@
 //! are aborted through the release protocol until the grace deadline, then the transport drains
 //! and closes (DESIGN contract 9).
 //!
+//! With a tier, the worker starts not ready and admits no room until it loaded its hot prefixes
+//! back from L3 into L2 (bounded by a deadline; DESIGN §5 "load back from L3, admit when
+//! CacheWarm"); with write-back, drain flushes L2 to L3.
+//!
 //! The data port (`ports.data`) is where a decode worker's KV receiver listens; the prefill side
 //! only dials it, so a prefill binds no data port.
 
@@ -36,6 +40,11 @@ pub struct PrefillOptions {
     pub worker_id: String,
     /// Grace for in-flight rooms at drain.
     pub drain_grace: Duration,
+    /// Longest restart loadback from L3 before admitting anyway.
+    pub loadback_deadline: Duration,
+    /// Most pages loaded back at start (`TANDEM_L3_LOADBACK_PAGES`; default: the L2 capacity;
+    /// 0 disables loadback).
+    pub loadback_pages: Option<usize>,
 }
 
 impl PrefillOptions {
@@ -45,6 +54,10 @@ impl PrefillOptions {
             bind_ip: pod_ip(),
             worker_id: std::env::var("POD_NAME").unwrap_or_else(|_| "prefill-0".into()),
             drain_grace: Duration::from_secs(25),
+            loadback_deadline: Duration::from_secs(30),
+            loadback_pages: std::env::var("TANDEM_L3_LOADBACK_PAGES")
+                .ok()
+                .and_then(|v| v.trim().parse().ok()),
         }
     }
 }
@@ -63,6 +76,8 @@ pub struct PrefillServer {
     grpc: tokio::task::JoinHandle<()>,
     http: tokio::task::JoinHandle<()>,
     grace: Duration,
+    cache: Arc<PrefixCache>,
+    layout: crate::control::KvLayout,
 }
 
 impl PrefillServer {
@@ -123,14 +138,18 @@ impl PrefillServer {
             Some(r) => st.health.degrade("l3", "L3Unreachable", r),
             None => st.health.recover("l3"),
         });
-        service.planner = Some(Arc::new(PrefixCache::new(
+        let with_tier = l3.is_some();
+        let cache = Arc::new(PrefixCache::new(
             l2_pages,
             l3,
             Resolver::from_env(),
             knobs.prefill_per_token,
             state.counters.clone(),
             sink,
-        )));
+        ));
+        service.planner = Some(cache.clone());
+        // With a tier, no room is admitted before the hot prefixes are back in L2.
+        service.admitting.store(!with_tier, Ordering::SeqCst);
         let n = node.clone();
         state.on_refresh(move |s| {
             let st = n.stats();
@@ -164,7 +183,28 @@ impl PrefillServer {
                 tracing::error!(error = %e, "gRPC server stopped");
             }
         });
-        state.set_ready(Ok(()));
+        if with_tier {
+            state.set_ready(Err("loading back hot prefixes from L3".into()));
+            let (st, c, admitting) = (state.clone(), cache.clone(), service.admitting.clone());
+            let deadline = Instant::now() + opts.loadback_deadline;
+            let limit = opts.loadback_pages.unwrap_or(l2_pages).min(l2_pages);
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let loaded =
+                    tokio::task::spawn_blocking(move || c.load_back(layout, limit, deadline))
+                        .await
+                        .unwrap_or(0);
+                tracing::info!(
+                    loaded,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "L3 loadback into L2 done; admitting"
+                );
+                admitting.store(true, Ordering::SeqCst);
+                st.set_ready(Ok(()));
+            });
+        } else {
+            state.set_ready(Ok(()));
+        }
         tracing::info!(%control_addr, %health_addr, revision = %cfg.revision, ?layout, "prefill serving");
         Ok(Self {
             state,
@@ -176,6 +216,8 @@ impl PrefillServer {
             grpc,
             http,
             grace: opts.drain_grace,
+            cache,
+            layout,
         })
     }
 
@@ -202,6 +244,13 @@ impl PrefillServer {
             tracing::error!("writes still in flight at the drain deadline");
         }
         self.transport.shutdown();
+        let (cache, layout) = (self.cache.clone(), self.layout);
+        let flushed = tokio::task::spawn_blocking(move || cache.flush(layout))
+            .await
+            .unwrap_or(0);
+        if flushed > 0 {
+            tracing::info!(flushed, "L2 flushed to L3 (write-back)");
+        }
         self.grpc.abort();
         self.http.abort();
         tracing::info!(rooms_left, "prefill stopped");

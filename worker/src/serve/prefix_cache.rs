@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::counters::Counters;
 use super::resolve::Resolver;
@@ -219,6 +219,67 @@ impl PrefixCache {
             }
             self.counters.l3_pages_written.inc();
         }
+    }
+}
+
+impl PrefixCache {
+    /// Restart loadback (DESIGN §5: "restart, load back from L3, admit when CacheWarm"): asks
+    /// every replica for this shard's most recently used pages (up to the L2 capacity), reads
+    /// each object, checks it byte for byte against the page it must hold, and publishes the good
+    /// ones in L2, most recent last. Stops at `deadline`. Returns the pages loaded; a bad object
+    /// counts in `corrupt_pages_read` and is skipped.
+    pub fn load_back(&self, layout: KvLayout, limit: usize, deadline: Instant) -> u64 {
+        let Some(target) = &self.l3 else { return 0 };
+        let addrs = match self.resolver.lookup_blocking(&target.service, target.port) {
+            Ok(a) => a,
+            Err(e) => {
+                (self.health)(Some(e.to_string()));
+                return 0;
+            }
+        };
+        let mut hot = Vec::new();
+        for addr in addrs {
+            match L3Client::connect(addr, Duration::from_millis(500))
+                .and_then(|c| c.hot(target.shard, PoolRole::Target, limit))
+            {
+                Ok(keys) => hot.extend(keys),
+                Err(e) => (self.health)(Some(format!("L3 replica {addr}: {e}"))),
+            }
+        }
+        let mut loaded = 0;
+        for object in hot.iter().take(limit).rev() {
+            if Instant::now() >= deadline {
+                tracing::warn!(loaded, "L3 loadback stopped at its deadline");
+                break;
+            }
+            let expected = Self::object_bytes(object.page, layout);
+            match self.with_replica(target, object.page, "get", |c| c.get(object)) {
+                Some(Some(bytes)) if bytes == expected => {
+                    lock(&self.index).insert(Tier::L2Host, &[object.page], Residency::Present);
+                    self.counters.l3_pages_loaded_back.inc();
+                    loaded += 1;
+                }
+                Some(Some(_)) => {
+                    tracing::error!(%object, "L3 object does not hold its page; skipped");
+                    self.counters.corrupt_pages_read.inc();
+                }
+                _ => {}
+            }
+        }
+        loaded
+    }
+
+    /// Drain flush (DESIGN §5 "flush L2 to L3"): with write-back, puts every page L2 holds.
+    /// Returns the pages written.
+    pub fn flush(&self, layout: KvLayout) -> u64 {
+        let Some(target) = &self.l3 else { return 0 };
+        if target.write_policy != WritePolicy::WriteBack {
+            return 0;
+        }
+        let keys = lock(&self.index).present_keys(Tier::L2Host);
+        let before = self.counters.l3_pages_written.get();
+        self.put_l3(target, &keys, layout);
+        self.counters.l3_pages_written.get() - before
     }
 }
 
