@@ -16,8 +16,12 @@ use tandem_worker::config::WorkerRole;
 async fn streaming_and_plain_completions_through_prefill_and_decode() {
     let w = World::new(41);
     w.publish(&[2]);
-    let _p = w.spawn(2, &config(WorkerRole::Prefill, "r1", w.ports), &[]);
-    let _d = w.spawn(9, &config(WorkerRole::Decode, "r1", w.ports), &[]);
+    let p = w.spawn(2, &config(WorkerRole::Prefill, "r1", w.ports), &[]);
+    // A 64 GiB host pool in the config: the receive region is capped and touched lazily.
+    let mut dcfg = config(WorkerRole::Decode, "r1", w.ports);
+    dcfg.memory.target_pool_bytes = 64 << 30;
+    dcfg.memory.segment_bytes = 64 << 30;
+    let d = w.spawn(9, &dcfg, &[]);
     let (health, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
     until(Duration::from_secs(15), || async {
         status(health, "/readyz").await == Some(200)
@@ -119,6 +123,67 @@ async fn streaming_and_plain_completions_through_prefill_and_decode() {
     let (code, metrics) = http(health, "GET", "/metrics", None).await;
     assert_eq!(code, 200);
     assert!(text(&metrics).contains("tandem_requests_ok_total 2"));
+    // INTERFACES §2: worker RSS stays under 300 MiB.
+    for (name, proc) in [("prefill", &p), ("decode", &d)] {
+        let rss = proc.rss_mib();
+        assert!(rss > 0 && rss < 300, "{name} RSS {rss} MiB");
+    }
+}
+
+/// Seed 004: a request whose KV misses its deadline is aborted through the release protocol —
+/// the prefill acks, no page is quarantined, and the pages serve the next request intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kv_deadline_aborts_the_room_through_the_release_protocol() {
+    let w = World::new(47);
+    w.publish(&[2]);
+    let _p = w.spawn(
+        2,
+        &config(WorkerRole::Prefill, "r1", w.ports),
+        &[("TANDEM_SIM_PREFILL_US_PER_TOKEN", "2000")],
+    );
+    let _d = w.spawn(
+        9,
+        &config(WorkerRole::Decode, "r1", w.ports),
+        &[("TANDEM_DECODE_KV_DEADLINE_MS", "300")],
+    );
+    let (health, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
+    until(Duration::from_secs(15), || async {
+        status(health, "/readyz").await == Some(200)
+    })
+    .await;
+    // 2048 tokens at 2 ms each: far past the 300 ms deadline.
+    let (code, frames) = http(
+        front,
+        "POST",
+        "/v1/completions",
+        Some(completion(2048, 2, true)),
+    )
+    .await;
+    assert_eq!(code, 503, "{}", text(&frames));
+    let e: Value = serde_json::from_str(&text(&frames)).unwrap();
+    assert_eq!(e["error"]["code"], "kv_deadline_exceeded");
+    until(Duration::from_secs(10), || async {
+        let (_, r) = get_json(health, "/report").await;
+        r["counters"]["abort_acks"] == 1
+    })
+    .await;
+    let (_, r) = get_json(health, "/report").await;
+    assert_eq!(r["counters"]["rooms_aborted"], 1, "{r}");
+    assert_eq!(r["counters"]["pages_quarantined"], 0, "{r}");
+    let (_, pr) = get_json(w.addr(2, w.ports.health), "/report").await;
+    assert_eq!(pr["counters"]["rooms_aborted"], 1, "{pr}");
+    assert_eq!(pr["counters"]["abort_acks"], 1, "{pr}");
+    // A short prompt fits the deadline and reads intact KV from the reused pages.
+    let (code, frames) = http(
+        front,
+        "POST",
+        "/v1/completions",
+        Some(completion(20, 2, false)),
+    )
+    .await;
+    assert_eq!(code, 200, "{}", text(&frames));
+    let v: Value = serde_json::from_str(&text(&frames)).unwrap();
+    assert_eq!(v["tandem"]["corrupt_chunks"], 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -36,6 +36,16 @@ impl Proc {
         unsafe { libc::kill(self.0.id() as i32, sig) };
     }
 
+    /// Resident set size of the process, MiB (from /proc).
+    pub fn rss_mib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.0.id())).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map_or(0, |kb| kb / 1024)
+    }
+
     pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
         let end = Instant::now() + within;
         while Instant::now() < end {
