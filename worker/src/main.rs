@@ -1,6 +1,11 @@
 //! `tandem-worker`: the data-plane binary (DESIGN §3). One subcommand per role; each role lives in
 //! `src/roles/<role>.rs` and exposes `Args` (clap) and `run(Args) -> Result<(), RoleError>`.
 //!
+//! In a pod every role runs as a long-running server from the operator's rendered config:
+//! `tandem-worker prefill|decode|store-client --config /etc/tandem/worker.json` and
+//! `tandem-worker cache --config /etc/tandem/tier.json` (paths resolved through `$TANDEM_ROOT`;
+//! `tandem_worker::serve` has the servers). Without `--config` the flag-driven demo modes run.
+//!
 //! Adding a role: declare its module in `mod roles` and point its variant at `roles::<role>::Args`
 //! and `roles::<role>::run` in [`Role`] and [`main`].
 

@@ -365,3 +365,46 @@ async fn sigterm_turns_readiness_off_finishes_in_flight_work_and_exits_zero() {
     let st = p.wait_exit(Duration::from_secs(10)).expect("prefill exits");
     assert!(st.success(), "{st:?}");
 }
+
+/// The Standalone sidecar: `store-client --config` owns its socket on the pod's shared `/dev/shm`
+/// (under `$TANDEM_ROOT`), serves health on `ports.health + 1`, and exits 0 on SIGTERM leaving no
+/// socket behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_client_sidecar_serves_from_the_worker_config() {
+    use tandem_worker::memory::AllocatorDomain;
+    use tandem_worker::store_client::ClientMode;
+    let w = World::new(48);
+    let mut cfg = config(WorkerRole::Prefill, "r1", w.ports);
+    cfg.memory.allocator = AllocatorDomain::SharedMemory;
+    cfg.memory.client_mode = Some(ClientMode::Standalone);
+    cfg.cache = Some(tandem_worker::config::CacheConfig {
+        tier: "l3".into(),
+        service: "l3-store.serving.svc".into(),
+        replicas: 1,
+        page_tokens: 512,
+        write_policy: tandem_worker::config::WritePolicy::WriteThrough,
+    });
+    std::fs::create_dir_all(w.root(2).join("dev/shm")).unwrap();
+    let mut sc = w.spawn_role(
+        2,
+        "store-client",
+        tandem_worker::config::CONFIG_FILE,
+        &serde_json::to_vec(&cfg).unwrap(),
+        &[],
+    );
+    let socket = w.root(2).join("dev/shm/tandem-store-client.sock");
+    assert!(socket.exists());
+    let health = w.addr(2, w.ports.health + 1);
+    until(Duration::from_secs(10), || async {
+        status(health, "/readyz").await == Some(200)
+    })
+    .await;
+    let (_, r) = get_json(health, "/report").await;
+    assert_eq!(r["role"], "store-client");
+    sc.signal(libc::SIGTERM);
+    let st = sc
+        .wait_exit(Duration::from_secs(10))
+        .expect("store client exits");
+    assert!(st.success(), "{st:?}");
+    assert!(!socket.exists(), "socket removed at shutdown");
+}

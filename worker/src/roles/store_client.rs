@@ -146,6 +146,9 @@ pub fn run(args: Args) -> Result<(), RoleError> {
         stop.store(true, Ordering::Release);
     });
     tracing::info!(socket = %server.socket_path().display(), "store client ready");
+    if args.config.is_some() {
+        println!("listening on {}", server.socket_path().display());
+    }
     // `serve` returns Ok only after the waiter set the stop flag, so joining it cannot block.
     let report = server
         .serve()

@@ -211,7 +211,7 @@ impl World {
         self.dir.path().join(format!("root-{host}"))
     }
 
-    fn spawn_role(
+    pub fn spawn_role(
         &self,
         host: u8,
         role: &str,
