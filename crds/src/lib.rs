@@ -33,7 +33,8 @@ pub use decode_pool::{
     SpecGuardSpec,
 };
 pub use prefill_pool::{
-    PoolStatus, PrefillPool, PrefillPoolSpec, RolloutStatus, SnapshotBufferSpec,
+    GroupCounts, PoolStatus, PrefillPool, PrefillPoolSpec, RolloutStatus, ScalingStatus,
+    SnapshotBufferSpec,
 };
 pub use ratio::{PdRatio, RatioError};
 

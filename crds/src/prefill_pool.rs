@@ -140,6 +140,9 @@ fn one() -> i32 {
 pub struct RolloutStatus {
     /// `Idle`, `StopRouting`, `Draining`, `Flushing`, `Restarting`, `LoadingBack`, `Admitting`.
     pub phase: String,
+    /// Groups already at the target revision and ready.
+    #[serde(default)]
+    pub updated_groups: i32,
     /// Index of the group being rolled, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group: Option<i32>,
@@ -186,4 +189,38 @@ pub struct PoolStatus {
     /// Rolling-restart progress.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<RolloutStatus>,
+    /// The P:D scaling transaction (DecodePool only): the group counts admitted for both pools,
+    /// the last counts whose pods were all scheduled, and a scale-up refused for capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scaling: Option<ScalingStatus>,
+}
+
+/// Group counts of a paired decode and prefill pool.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
+#[serde(rename_all = "camelCase")]
+pub struct GroupCounts {
+    /// Decode groups.
+    pub decode: i32,
+    /// Prefill groups.
+    pub prefill: i32,
+}
+
+/// The scaling transaction of a DecodePool and its PrefillPool (DESIGN §2 `budget`): the
+/// operator moves `applied` towards the target one budget-safe step at a time (shrink before
+/// grow) and rolls back to `scheduled` when a scale-up stays unschedulable past the deadline.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ScalingStatus {
+    /// The counts both pools are rendered with now (the PrefillPool reads `applied.prefill`).
+    pub applied: GroupCounts,
+    /// The last counts whose pods were all scheduled (the rollback point).
+    pub scheduled: GroupCounts,
+    /// When `applied` last changed (RFC 3339); the unschedulable deadline counts from here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub applied_at: Option<String>,
+    /// A target refused for capacity; not retried until the target changes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<GroupCounts>,
 }

@@ -1,14 +1,26 @@
 //! Tandem operator (DESIGN §4): one controller per kind, each
 //! `read → validate (pure) → build desired objects (pure) → server-side apply → status`.
 //!
-//! Pure parts, unit-tested from YAML fixtures with no API server:
+//! Pure parts, unit-tested with no API server:
 //! - [`labels`]: names and labels of everything the operator creates;
 //! - [`policy`]: a pool's KV host-memory policy resolved against its CacheTier, or a conflict;
-//! - [`scaling`]: the P:D ratio and GPU-budget transactions;
-//! - [`render`]: the worker config and the Kubernetes objects of a pool or tier.
+//! - [`scaling`]: the P:D ratio and GPU-budget transactions; [`capacity`]: that transaction
+//!   across reconciles (shrink before grow, unschedulable rollback);
+//! - [`render`]: the worker and tier configs and the Kubernetes objects of a pool or tier;
+//! - [`rollout`]: the rolling-restart state machine; [`teardown`]: the teardown step planner;
+//! - [`status`]: conditions whose transition time moves only on a flip.
+//!
+//! I/O: [`controller`] (the reconcilers, tested against a mock API with tower-test),
+//! [`metrics`] (Prometheus), and the `tandem-operator` binary (`src/main.rs`).
 
+pub mod capacity;
+pub mod controller;
 pub mod labels;
+pub mod metrics;
 pub mod policy;
 pub mod quantity;
 pub mod render;
+pub mod rollout;
 pub mod scaling;
+pub mod status;
+pub mod teardown;

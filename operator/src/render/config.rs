@@ -111,7 +111,8 @@ const DEFAULT_PAGE_TOKENS: u32 = 512;
 ///
 /// Sizing: the host pool's token capacity is `hostPool.size / target bytes-per-token`; the draft and
 /// indexer pools hold the same number of tokens in their own geometry, in the same allocator domain
-/// (seed 000); the segment is the sum of all pools plus the snapshot buffer.
+/// (seed 000) — the draft pool includes the draft model's indexer keys when it has an indexer; the
+/// segment is the sum of all pools plus the snapshot buffer.
 ///
 /// # Errors
 /// [`RenderError`] for sizes that are not byte quantities, a pool smaller than one page, or an
@@ -145,9 +146,14 @@ pub fn worker_config(
             })
         })
         .transpose()?;
+    // The draft pool holds the draft's KV and, for a draft with an indexer, its indexer keys,
+    // for the same token capacity (same allocator domain, seed 000).
     let draft_bytes = speculative
         .as_ref()
-        .map_or(0, |s| tokens * s.draft_model.bytes_per_token());
+        .map_or(0, |s| tokens * s.draft_model.bytes_per_token())
+        + pool
+            .speculative
+            .map_or(0, |s| tokens * s.draft_model.indexer_bytes_per_token());
     let indexer = pool.model.indexer.as_ref().map(|ix| IndexerGeometry {
         head_dim: u32::try_from(ix.head_dim).unwrap_or(0),
         dtype_bytes: u32::try_from(ix.dtype.bytes()).unwrap_or(u32::MAX),

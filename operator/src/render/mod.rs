@@ -2,6 +2,7 @@
 //! Kubernetes objects. No I/O; unit-tested against YAML fixtures.
 
 pub mod config;
+pub mod tier;
 pub mod workload;
 
 use k8s_openapi::api::core::v1::ResourceRequirements;

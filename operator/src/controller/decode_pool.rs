@@ -1,0 +1,602 @@
+//! DecodePool controller: the decode groups, the front door, and the owner of the P:D scaling
+//! transaction (its `status.scaling.applied.prefill` is the PrefillPool's group count).
+
+use std::sync::Arc;
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::Service;
+use kube::runtime::controller::Action;
+use kube::{Api, Resource, ResourceExt};
+use tandem_crds::conditions as cond;
+use tandem_crds::{DecodePool, PoolStatus, PrefillPool};
+
+use super::children::{self, need, normal, warning};
+use super::pool::{self, PoolChildren, StatusFacts};
+use super::revision::{self, Blocked};
+use super::{BUSY, Context, RESYNC, Result};
+use crate::capacity::{self, CapacityInput, CapacityObservation, CapacityOutcome};
+use crate::labels::Role;
+use crate::policy::model_difference;
+use crate::render::PoolView;
+use crate::rollout::{GroupState, phase};
+use crate::scaling::{self, Counts, GroupSizes};
+use crate::status::Decided;
+use crate::teardown::{self, TeardownObservation, TeardownStep};
+
+/// Kind name for metrics and logs.
+pub const KIND: &str = "DecodePool";
+
+/// Reconciles one DecodePool.
+///
+/// # Errors
+/// API failures; they are retried with backoff.
+pub async fn reconcile(dp: Arc<DecodePool>, ctx: Arc<Context>) -> Result<Action> {
+    let ns = need(dp.namespace(), "metadata.namespace")?;
+    let name = dp.name_any();
+    let api: Api<DecodePool> = Api::namespaced(ctx.client.clone(), &ns);
+    let parent = dp.object_ref(&());
+    let observed = pool::observe(&ctx, &ns, &name, Role::Decode).await?;
+    let key = format!("{ns}/{name}");
+
+    if children::terminating(dp.as_ref()) && !ctx.unsafe_modes.reconcile_while_deleting {
+        ctx.metrics.set_state(KIND, &key, Some("Terminating"));
+        return teardown(&ctx, &api, &dp, &observed).await;
+    }
+    children::ensure_finalizer(&ctx, KIND, &api, dp.as_ref()).await?;
+    let prev = dp.status.as_ref();
+    let owner = need(dp.controller_owner_ref(&()), "metadata.uid")?;
+    let view = PoolView::decode(&dp);
+
+    let prefill_name = &dp.spec.prefill.pool_ref.name;
+    let prefill_api: Api<PrefillPool> = Api::namespaced(ctx.client.clone(), &ns);
+    let Some(prefill) = prefill_api.get_opt(prefill_name).await? else {
+        let msg = format!(
+            "PrefillPool {prefill_name:?} does not exist in {ns}; nothing rolls out until it does"
+        );
+        return blocked(
+            &ctx,
+            &api,
+            &dp,
+            &observed,
+            cond::DEGRADED,
+            "PrefillPoolNotFound",
+            msg,
+        )
+        .await;
+    };
+    let resolved = match revision::resolve(&ctx, &view).await? {
+        Ok(r) => r,
+        Err(Blocked::Conflict(c)) => {
+            return blocked(
+                &ctx,
+                &api,
+                &dp,
+                &observed,
+                cond::POLICY_CONFLICT,
+                c.reason(),
+                c.to_string(),
+            )
+            .await;
+        }
+        Err(Blocked::Render(e)) => {
+            return blocked(
+                &ctx,
+                &api,
+                &dp,
+                &observed,
+                cond::DEGRADED,
+                "RenderFailed",
+                e.to_string(),
+            )
+            .await;
+        }
+    };
+    if let Some(detail) = model_difference(&dp.spec.model, &prefill.spec.model) {
+        let msg = format!(
+            "model differs from PrefillPool {prefill_name:?} ({detail}); KV pages cannot move between different geometries"
+        );
+        return blocked(
+            &ctx,
+            &api,
+            &dp,
+            &observed,
+            cond::POLICY_CONFLICT,
+            "PrefillModelMismatch",
+            msg,
+        )
+        .await;
+    }
+    let pview = PoolView::prefill(&prefill);
+    let presolved = match revision::resolve(&ctx, &pview).await? {
+        Ok(r) => r,
+        Err(b) => {
+            let msg = format!("PrefillPool {prefill_name:?} cannot roll out: {b}");
+            return blocked(
+                &ctx,
+                &api,
+                &dp,
+                &observed,
+                cond::DEGRADED,
+                "PrefillPoolBlocked",
+                msg,
+            )
+            .await;
+        }
+    };
+    let rev = revision::pair_revision(&presolved.own_revision, &resolved.own_revision);
+    let mut cfg = resolved.config;
+    cfg.revision = rev.clone();
+
+    // The scaling transaction.
+    let pchildren = pool::observe(&ctx, &ns, prefill_name, Role::Prefill).await?;
+    let sizes = GroupSizes {
+        decode: view.group_size(),
+        prefill: pview.group_size(),
+    };
+    let prev_applied = prev
+        .and_then(|s| s.scaling.as_ref())
+        .map(|s| capacity::counts(s.applied));
+    let observation = capacity_observation(&observed, &pchildren, prev_applied, sizes);
+    let budget = dp
+        .spec
+        .budget
+        .as_ref()
+        .map(|b| u64::try_from(b.gpus).unwrap_or(0));
+    let (scaling, outcome) = capacity::decide(&CapacityInput {
+        decode_replicas: u32::try_from(dp.spec.replicas).unwrap_or(0),
+        ratio: dp.spec.prefill.ratio,
+        sizes,
+        budget,
+        deadline_seconds: i64::from(dp.spec.unschedulable_deadline_seconds),
+        status: prev.and_then(|s| s.scaling.as_ref()),
+        observed: observation,
+        now: jiff::Timestamp::now(),
+    });
+    let capacity_condition = capacity_condition(prev, &outcome, sizes, budget);
+    capacity_events(&ctx, &parent, prev, &outcome, &capacity_condition).await;
+    let applied = capacity::counts(scaling.applied);
+
+    // Gate: a decode group restarts only once a prefill group of the same revision is Ready.
+    let gate_open = pchildren
+        .observations(applied.prefill, pview.group_size())
+        .iter()
+        .any(|g| g.state(&rev) == GroupState::Updated);
+    let plan = pool::converge(
+        &ctx,
+        KIND,
+        &parent,
+        &view,
+        &cfg,
+        applied.decode,
+        &owner,
+        &observed,
+        gate_open,
+    )
+    .await?;
+
+    let ready = observed
+        .observations(applied.decode, view.group_size())
+        .iter()
+        .filter(|g| g.ready())
+        .count() as u32;
+    let facts = StatusFacts {
+        previous: prev,
+        generation: dp.metadata.generation,
+        role: Role::Decode,
+        name: &name,
+        desired: applied.decode,
+        existing: observed.groups_in_range(applied.decode),
+        ready,
+        rollout: Some(&plan),
+        revision: Some(&rev),
+        replicas_owner: "spec.replicas".into(),
+        scaling: Some(scaling),
+        extra: vec![
+            Decided::new(
+                cond::DEGRADED,
+                false,
+                "AsExpected",
+                "no degradation observed",
+            ),
+            Decided::new(
+                cond::POLICY_CONFLICT,
+                false,
+                "PolicyResolved",
+                policy_message(&resolved.policy),
+            ),
+            capacity_condition,
+        ],
+        blocked: None,
+    };
+    let status = pool::pool_status(&facts);
+    if prev
+        .and_then(|p| p.rollout.as_ref())
+        .is_some_and(|r| r.phase != phase::IDLE)
+        && plan.phase == phase::IDLE
+    {
+        ctx.event(
+            &parent,
+            normal(),
+            "RolloutComplete",
+            "Rollout",
+            format!("every group runs revision {rev}"),
+        )
+        .await;
+    }
+    ctx.metrics.set_state(KIND, &key, Some(state_of(&status)));
+    children::patch_status_if_changed(&ctx, KIND, &api, &name, prev, &status).await?;
+    let busy = plan.phase != phase::IDLE
+        || ready < applied.decode
+        || matches!(
+            outcome,
+            CapacityOutcome::Step { .. }
+                | CapacityOutcome::Pending
+                | CapacityOutcome::WaitingForShrink
+        );
+    Ok(Action::requeue(if busy { BUSY } else { RESYNC }))
+}
+
+/// The `resources` gauge state of a pool status.
+pub fn state_of(s: &PoolStatus) -> &'static str {
+    use crate::status::is_true;
+    if is_true(&s.conditions, cond::POLICY_CONFLICT) {
+        "PolicyConflict"
+    } else if is_true(&s.conditions, cond::INSUFFICIENT_CAPACITY) {
+        "InsufficientCapacity"
+    } else if is_true(&s.conditions, cond::READY) {
+        "Ready"
+    } else if is_true(&s.conditions, cond::PROGRESSING) {
+        "Progressing"
+    } else {
+        "NotReady"
+    }
+}
+
+/// The message of `PolicyConflict=False`: what was resolved.
+pub fn policy_message(p: &crate::policy::MemoryPolicy) -> String {
+    match &p.l3 {
+        Some(l3) => format!(
+            "CacheTier {:?}: allocator {:?}, client mode {:?}, {} tokens per page",
+            l3.tier, p.allocator, l3.client_mode, l3.page_tokens
+        ),
+        None => format!("no CacheTier: allocator {:?}, no L3", p.allocator),
+    }
+}
+
+fn capacity_observation(
+    decode: &PoolChildren,
+    prefill: &PoolChildren,
+    applied: Option<Counts>,
+    sizes: GroupSizes,
+) -> CapacityObservation {
+    let pods = decode.pods.iter().chain(prefill.pods.iter());
+    let live: Vec<_> = pods.filter(|p| !children::terminating(*p)).collect();
+    let expected = applied.map_or(0, |a| {
+        u64::from(a.decode) * u64::from(sizes.decode)
+            + u64::from(a.prefill) * u64::from(sizes.prefill)
+    });
+    CapacityObservation {
+        existing: Counts {
+            decode: decode.groups_existing(),
+            prefill: prefill.groups_existing(),
+        },
+        unschedulable: live.iter().any(|p| children::pod_unschedulable(p)),
+        all_scheduled: live.len() as u64 >= expected
+            && live.iter().all(|p| children::pod_scheduled(p)),
+    }
+}
+
+fn capacity_condition(
+    prev: Option<&PoolStatus>,
+    outcome: &CapacityOutcome,
+    sizes: GroupSizes,
+    budget: Option<u64>,
+) -> Decided {
+    let ic = cond::INSUFFICIENT_CAPACITY;
+    if let Some(b) = budget
+        && b < scaling::minimum_budget(sizes)
+    {
+        return Decided::new(
+            ic,
+            true,
+            "BudgetTooSmall",
+            format!(
+                "budget.gpus {b} cannot hold one decode group ({} GPUs) and one prefill group ({} GPUs)",
+                sizes.decode, sizes.prefill
+            ),
+        );
+    }
+    match outcome {
+        CapacityOutcome::OverBudget { needed, budget } => Decided::new(
+            ic,
+            true,
+            "OverBudget",
+            format!(
+                "the target needs {needed} GPUs but budget.gpus is {budget}; the current counts are kept"
+            ),
+        ),
+        CapacityOutcome::RolledBack { from, to } => Decided::new(
+            ic,
+            true,
+            "Unschedulable",
+            format!(
+                "pods of the scale-up to decode {} / prefill {} stayed unschedulable past unschedulableDeadlineSeconds; rolled back to decode {} / prefill {}",
+                from.decode, from.prefill, to.decode, to.prefill
+            ),
+        ),
+        CapacityOutcome::Refused => match pool::previous_condition(prev, ic) {
+            Some(c) if c.status == "True" => {
+                Decided::new(ic, true, c.reason.clone(), c.message.clone())
+            }
+            _ => Decided::new(
+                ic,
+                true,
+                "Refused",
+                "the target was refused for capacity; change spec.replicas or the ratio to retry",
+            ),
+        },
+        CapacityOutcome::Pending => Decided::new(
+            ic,
+            false,
+            "ScaleUpPending",
+            "scale-up applied; waiting for its pods to be scheduled",
+        ),
+        _ => Decided::new(
+            ic,
+            false,
+            "WithinCapacity",
+            "the applied counts fit the budget",
+        ),
+    }
+}
+
+async fn capacity_events(
+    ctx: &Context,
+    parent: &k8s_openapi::api::core::v1::ObjectReference,
+    prev: Option<&PoolStatus>,
+    outcome: &CapacityOutcome,
+    condition: &Decided,
+) {
+    match outcome {
+        CapacityOutcome::Step { from, to } => {
+            ctx.event(
+                parent,
+                normal(),
+                "Scaled",
+                "Scale",
+                format!(
+                    "decode {} → {}, prefill {} → {} (one budget-safe step, shrink before grow)",
+                    from.decode, to.decode, from.prefill, to.prefill
+                ),
+            )
+            .await;
+        }
+        CapacityOutcome::RolledBack { .. } | CapacityOutcome::OverBudget { .. }
+            if pool::newly_true(prev, cond::INSUFFICIENT_CAPACITY, &condition.reason) =>
+        {
+            ctx.event(
+                parent,
+                warning(),
+                "InsufficientCapacity",
+                "Scale",
+                condition.message.clone(),
+            )
+            .await;
+        }
+        _ => {}
+    }
+}
+
+/// Reports a blocking condition (and an event the first time), touching no child.
+#[allow(clippy::too_many_arguments)]
+async fn blocked(
+    ctx: &Context,
+    api: &Api<DecodePool>,
+    dp: &DecodePool,
+    observed: &PoolChildren,
+    type_: &'static str,
+    reason: &str,
+    message: String,
+) -> Result<Action> {
+    let prev = dp.status.as_ref();
+    if pool::newly_true(prev, type_, reason) {
+        ctx.event(
+            &dp.object_ref(&()),
+            warning(),
+            reason,
+            "Block",
+            format!("{message}; no child is created or updated"),
+        )
+        .await;
+    }
+    let status = blocked_status(
+        prev,
+        dp.metadata.generation,
+        &dp.name_any(),
+        Role::Decode,
+        observed,
+        type_,
+        reason,
+        &message,
+        "spec.replicas".into(),
+    );
+    ctx.metrics.set_state(
+        KIND,
+        &format!("{}/{}", dp.namespace().unwrap_or_default(), dp.name_any()),
+        Some(state_of(&status)),
+    );
+    children::patch_status_if_changed(ctx, KIND, api, &dp.name_any(), prev, &status).await?;
+    Ok(Action::requeue(RESYNC))
+}
+
+/// The status of a pool that cannot roll out: Ready and Progressing False with the reason, the
+/// blocking condition True, the other conditions False.
+#[allow(clippy::too_many_arguments)]
+pub fn blocked_status(
+    prev: Option<&PoolStatus>,
+    generation: Option<i64>,
+    name: &str,
+    role: Role,
+    observed: &PoolChildren,
+    type_: &'static str,
+    reason: &str,
+    message: &str,
+    replicas_owner: String,
+) -> PoolStatus {
+    let extra = [
+        cond::DEGRADED,
+        cond::POLICY_CONFLICT,
+        cond::INSUFFICIENT_CAPACITY,
+    ]
+    .into_iter()
+    .map(|t| {
+        if t == type_ {
+            Decided::new(t, true, reason, message)
+        } else if t == cond::INSUFFICIENT_CAPACITY {
+            match pool::previous_condition(prev, t) {
+                Some(c) => Decided::new(t, c.status == "True", c.reason.clone(), c.message.clone()),
+                None => Decided::new(t, false, "WithinCapacity", "no scale-up pending"),
+            }
+        } else {
+            Decided::new(t, false, "AsExpected", "")
+        }
+    })
+    .collect();
+    let existing = observed.groups_existing();
+    pool::pool_status(&StatusFacts {
+        previous: prev,
+        generation,
+        role,
+        name,
+        desired: prev.map_or(0, |p| u32::try_from(p.desired_replicas).unwrap_or(0)),
+        existing,
+        ready: 0,
+        rollout: None,
+        revision: None,
+        replicas_owner,
+        scaling: None,
+        extra,
+        blocked: Some((reason.into(), message.into())),
+    })
+}
+
+/// Teardown (DESIGN §5): stop routing → scale groups to 0 → wait for pods → release.
+async fn teardown(
+    ctx: &Context,
+    api: &Api<DecodePool>,
+    dp: &DecodePool,
+    observed: &PoolChildren,
+) -> Result<Action> {
+    if !dp.finalizers().iter().any(|f| f == super::FINALIZER) {
+        return Ok(Action::await_change());
+    }
+    let name = dp.name_any();
+    let ns = dp.namespace().unwrap_or_default();
+    let parent = dp.object_ref(&());
+    let obs = TeardownObservation {
+        blocking: vec![],
+        front_door_present: observed
+            .services
+            .get(&name)
+            .is_some_and(|s| !children::terminating(s)),
+        scaled_up: scaled_up(observed),
+        pods_left: observed.pods.len() as u32,
+    };
+    let step = teardown::next_step(&obs);
+    run_teardown_step(ctx, KIND, &parent, &ns, &name, &step).await?;
+    if step == TeardownStep::RemoveFinalizer {
+        children::remove_finalizer(ctx, KIND, api, dp).await?;
+        return Ok(Action::await_change());
+    }
+    let prev = dp.status.as_ref();
+    let status = blocked_status(
+        prev,
+        dp.metadata.generation,
+        &name,
+        Role::Decode,
+        observed,
+        cond::DEGRADED,
+        "Terminating",
+        &teardown_message(&step),
+        "spec.replicas".into(),
+    );
+    children::patch_status_if_changed(ctx, KIND, api, &name, prev, &status).await?;
+    Ok(Action::requeue(BUSY))
+}
+
+/// Group StatefulSets still scaled above zero and not terminating.
+pub fn scaled_up(observed: &PoolChildren) -> Vec<String> {
+    observed
+        .statefulsets
+        .iter()
+        .filter(|(_, s)| !children::terminating(*s) && s.spec.replicas.unwrap_or(1) > 0)
+        .map(|(n, _)| n.clone())
+        .collect()
+}
+
+/// The `Degraded=True, reason Terminating` message for a step.
+pub fn teardown_message(step: &TeardownStep) -> String {
+    match step {
+        TeardownStep::WaitForDependents(d) => format!("teardown: waiting for {}", d.join(", ")),
+        TeardownStep::StopRouting => "teardown: front door removed, routing stopped".into(),
+        TeardownStep::ScaleToZero(s) => {
+            format!("teardown: scaling {} to 0 (workers drain)", s.join(", "))
+        }
+        TeardownStep::WaitForPods(n) => format!("teardown: waiting for {n} pod(s) to exit"),
+        TeardownStep::RemoveFinalizer => "teardown: done".into(),
+    }
+}
+
+/// Executes one teardown step's writes (none of which creates or applies a child).
+pub async fn run_teardown_step(
+    ctx: &Context,
+    kind: &str,
+    parent: &k8s_openapi::api::core::v1::ObjectReference,
+    ns: &str,
+    name: &str,
+    step: &TeardownStep,
+) -> Result<()> {
+    match step {
+        TeardownStep::StopRouting => {
+            let svcs: Api<Service> = Api::namespaced(ctx.client.clone(), ns);
+            children::delete(ctx, kind, &svcs, name).await?;
+            ctx.event(
+                parent,
+                normal(),
+                "StopRouting",
+                "Teardown",
+                format!("deleted the front-door Service {name}"),
+            )
+            .await;
+        }
+        TeardownStep::ScaleToZero(sets) => {
+            let stss: Api<StatefulSet> = Api::namespaced(ctx.client.clone(), ns);
+            for s in sets {
+                children::scale_to_zero(ctx, kind, &stss, s).await?;
+            }
+            ctx.event(
+                parent,
+                normal(),
+                "Draining",
+                "Teardown",
+                format!("scaled {} to 0; pods drain on SIGTERM", sets.join(", ")),
+            )
+            .await;
+        }
+        TeardownStep::RemoveFinalizer => {
+            ctx.event(
+                parent,
+                normal(),
+                "TeardownComplete",
+                "Teardown",
+                format!(
+                    "every pod of {name} exited; finalizer {} removed",
+                    super::FINALIZER
+                ),
+            )
+            .await;
+        }
+        TeardownStep::WaitForDependents(_) | TeardownStep::WaitForPods(_) => {}
+    }
+    Ok(())
+}

@@ -1,0 +1,140 @@
+//! The three controllers (I/O). Each reconcile is
+//! `read → validate (pure) → build (pure) → server-side apply → status`, and:
+//!
+//! - applies a child only when it is missing, its `serving.tandem.dev/desired-hash` annotation
+//!   differs from the hash of the desired object, or (StatefulSets) its `spec.replicas` drifted;
+//!   patches status only when the recomputed status differs; publishes events only for decisions
+//!   (a transition, an action taken). A steady-state resync therefore makes zero writes;
+//! - once `deletionTimestamp` is set, runs only the teardown steps of [`crate::teardown`]: it
+//!   never creates or applies a child (scale-to-zero goes through the `/scale` subresource, which
+//!   cannot create).
+//!
+//! Children are read with label-selected LIST calls on every reconcile (no informer caches of
+//! children): simple and exact, at the cost of a few reads per reconcile.
+
+pub mod cache_tier;
+pub mod children;
+pub mod decode_pool;
+pub mod pool;
+pub mod prefill_pool;
+pub mod probe;
+pub mod revision;
+pub mod run;
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::Client;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+
+use crate::metrics::Metrics;
+
+/// The finalizer that holds a resource until its teardown steps are done (DESIGN §5).
+pub const FINALIZER: &str = "serving.tandem.dev/teardown";
+/// Annotation with the hash of the desired object last applied.
+pub const DESIRED_HASH: &str = "serving.tandem.dev/desired-hash";
+
+/// Requeue interval of a settled resource (a safety resync; watches do the real work).
+pub const RESYNC: Duration = Duration::from_secs(300);
+/// Requeue interval while something is moving (rollout, teardown, pending scale-up, warming).
+pub const BUSY: Duration = Duration::from_secs(5);
+
+/// Test-only behaviours that remove a safety mechanism, for negative controls: tests assert that
+/// each one makes the corresponding test fail. All false in production.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UnsafeModes {
+    /// Apply every child on every reconcile, skipping the desired-hash comparison.
+    pub always_apply: bool,
+    /// Ignore `deletionTimestamp` and run the normal reconcile.
+    pub reconcile_while_deleting: bool,
+}
+
+/// Shared state of the controllers.
+#[derive(Clone)]
+pub struct Context {
+    /// API client.
+    pub client: Client,
+    /// Event recorder (events.k8s.io/v1).
+    pub recorder: Recorder,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Probe cache replicas' `/report` for `CacheWarm` (off in tests without a network).
+    pub probe_reports: bool,
+    /// Negative-control switches (tests only).
+    pub unsafe_modes: UnsafeModes,
+}
+
+impl Context {
+    /// A context with the reporter `tandem-operator` (instance: `$POD_NAME` when set).
+    pub fn new(client: Client, metrics: Metrics) -> Self {
+        let reporter = Reporter {
+            controller: crate::labels::FIELD_MANAGER.into(),
+            instance: std::env::var("POD_NAME").ok(),
+        };
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            metrics,
+            probe_reports: true,
+            unsafe_modes: UnsafeModes::default(),
+        }
+    }
+
+    /// Publishes an event about `object`; a failure to publish is logged, never fatal.
+    pub async fn event(
+        &self,
+        object: &ObjectReference,
+        type_: EventType,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
+        tracing::info!(
+            object = object.name.as_deref().unwrap_or_default(),
+            kind = object.kind.as_deref().unwrap_or_default(),
+            reason,
+            action,
+            %note,
+            "event"
+        );
+        let ev = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note),
+            action: action.into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&ev, object).await {
+            tracing::warn!(error = %e, reason, "publishing an event failed");
+        }
+    }
+}
+
+/// Why a reconcile failed (it is retried with backoff).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An API call failed.
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    /// A desired object could not be serialized.
+    #[error("serializing a desired object: {0}")]
+    Serialize(#[from] serde_json::Error),
+    /// The object lacks a field the API server always sets (name, namespace, uid).
+    #[error("object has no {0}")]
+    MissingField(&'static str),
+}
+
+impl Error {
+    /// Stable reason for the `reconcile_errors` metric.
+    pub fn reason(&self) -> String {
+        match self {
+            Error::Kube(kube::Error::Api(s)) => format!("Api{}", s.code),
+            Error::Kube(_) => "Client".into(),
+            Error::Serialize(_) => "Serialize".into(),
+            Error::MissingField(_) => "MissingField".into(),
+        }
+    }
+}
+
+/// Result of a reconcile.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,111 @@
+//! A pool's resolved policy, config and revision; and the revision a DecodePool and its
+//! PrefillPool share.
+//!
+//! Workers pair only with peers whose config `revision` equals their own (INTERFACES §2), so a
+//! paired decode and prefill pool must carry the **same** revision string. It is the hash of both
+//! pools' own revisions ([`crate::render::workload::revision`]: config, image, resources, pod
+//! overrides, `restart.id`). Any change to either pool — including the DecodePool's `restart.id`
+//! — thus rolls both, prefill first (see [`crate::rollout`]).
+
+use kube::Api;
+use sha2::{Digest, Sha256};
+use tandem_crds::CacheTier;
+use tandem_worker::config::WorkerConfig;
+
+use super::{Context, Result};
+use crate::policy::{self, MemoryPolicy, PolicyConflict, TierLookup};
+use crate::render::config::{RenderError, worker_config};
+use crate::render::{PoolView, workload};
+
+/// A pool whose policy resolved and whose config rendered.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    /// The memory policy from its tier.
+    pub policy: MemoryPolicy,
+    /// The worker config, `revision` still empty.
+    pub config: WorkerConfig,
+    /// The pool's own revision (not yet combined with its pair's).
+    pub own_revision: String,
+}
+
+/// Why a pool cannot roll out.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Blocked {
+    /// The tier contradicts the pool (condition `PolicyConflict`).
+    #[error(transparent)]
+    Conflict(#[from] PolicyConflict),
+    /// The config cannot be rendered (condition `Degraded`, reason `RenderFailed`).
+    #[error(transparent)]
+    Render(#[from] RenderError),
+}
+
+/// Reads the pool's tier, resolves its policy and renders its config.
+///
+/// # Errors
+/// API failures reading the tier; a policy conflict or render failure is the inner `Err`.
+pub async fn resolve(
+    ctx: &Context,
+    view: &PoolView<'_>,
+) -> Result<std::result::Result<Resolved, Blocked>> {
+    let tier = match view.cache_tier_ref {
+        None => None,
+        Some(r) => {
+            let api: Api<CacheTier> = Api::namespaced(ctx.client.clone(), view.namespace);
+            Some((r.name.as_str(), api.get_opt(&r.name).await?))
+        }
+    };
+    let lookup = match &tier {
+        None => TierLookup::None,
+        Some((name, None)) => TierLookup::Missing(name),
+        Some((name, Some(t))) => TierLookup::Found {
+            name,
+            spec: &t.spec,
+            terminating: t.metadata.deletion_timestamp.is_some(),
+        },
+    };
+    Ok(resolve_with(view, lookup))
+}
+
+/// The pure part of [`resolve`].
+pub fn resolve_with(
+    view: &PoolView<'_>,
+    lookup: TierLookup<'_>,
+) -> std::result::Result<Resolved, Blocked> {
+    let policy = policy::resolve(view.model, lookup)?;
+    let config = worker_config(view, &policy, "")?;
+    let own_revision = workload::revision(view, &config);
+    Ok(Resolved {
+        policy,
+        config,
+        own_revision,
+    })
+}
+
+/// The revision shared by a DecodePool and its PrefillPool: a short hash of both own revisions.
+pub fn pair_revision(prefill_own: &str, decode_own: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(b"prefill:");
+    h.update(prefill_own.as_bytes());
+    h.update(b"\ndecode:");
+    h.update(decode_own.as_bytes());
+    h.finalize()
+        .iter()
+        .take(5)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pair_revision_depends_on_both_sides_in_order() {
+        let a = pair_revision("p1", "d1");
+        assert_eq!(a, pair_revision("p1", "d1"));
+        assert_ne!(a, pair_revision("p2", "d1"));
+        assert_ne!(a, pair_revision("p1", "d2"));
+        assert_ne!(pair_revision("x", "y"), pair_revision("y", "x"));
+        assert_eq!(a.len(), 10);
+    }
+}

@@ -1,0 +1,221 @@
+//! `tandem-operator`: runs the CacheTier, PrefillPool and DecodePool controllers (INTERFACES §1).
+//!
+//! Serves `/metrics`, `/healthz` and `/readyz` on `--metrics-addr`; with leader election (the
+//! default) only the holder of the Lease `tandem-operator` in `$POD_NAMESPACE` reconciles, and a
+//! replica that loses the lease exits (its restart rejoins as a candidate). SIGTERM/SIGINT stop the
+//! controllers after their in-flight reconciles and release the lease.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::Context as _;
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use clap::{Parser, ValueEnum};
+use futures::FutureExt;
+use kube::Client;
+use kube_lease_manager::LeaseManagerBuilder;
+use tandem_operator::controller::Context;
+use tandem_operator::controller::run::{Scope, run};
+use tandem_operator::metrics::Metrics;
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    /// Human-readable text.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The Tandem operator: reconciles CacheTier, PrefillPool and DecodePool.
+#[derive(Debug, Parser)]
+#[command(name = "tandem-operator", version)]
+struct Args {
+    /// Address of the `/metrics`, `/healthz` and `/readyz` endpoints.
+    #[arg(long, env = "TANDEM_METRICS_ADDR", default_value = "0.0.0.0:8080")]
+    metrics_addr: SocketAddr,
+    /// Hold the Lease `tandem-operator` in `$POD_NAMESPACE` before reconciling (default).
+    #[arg(
+        long,
+        env = "TANDEM_LEADER_ELECTION",
+        overrides_with = "no_leader_election",
+        default_value_t = true
+    )]
+    leader_election: bool,
+    /// Reconcile without a lease (a single replica, or local runs).
+    #[arg(long, overrides_with = "leader_election")]
+    no_leader_election: bool,
+    /// Watch only this namespace; all namespaces when empty.
+    #[arg(long, env = "TANDEM_WATCH_NAMESPACE", default_value = "")]
+    watch_namespace: String,
+    /// Log format.
+    #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    /// Lease duration in seconds (a new leader takes over at most this long after a crash).
+    #[arg(long, env = "TANDEM_LEASE_SECONDS", default_value_t = 15)]
+    lease_seconds: u64,
+}
+
+#[derive(Clone)]
+struct Http {
+    metrics: Metrics,
+    ready: Arc<AtomicBool>,
+}
+
+async fn serve_metrics(State(s): State<Http>) -> impl IntoResponse {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        s.metrics.encode(),
+    )
+}
+
+async fn readyz(State(s): State<Http>) -> impl IntoResponse {
+    if s.ready.load(Ordering::Relaxed) {
+        (StatusCode::OK, "ok")
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not leading or not started",
+        )
+    }
+}
+
+fn init_logs(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,kube=warn,kube_lease_manager=warn")
+    });
+    let b = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Json => b.json().init(),
+        LogFormat::Text => b.init(),
+    }
+}
+
+async fn signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let term = signal(SignalKind::terminate());
+    let int = signal(SignalKind::interrupt());
+    match (term, int) {
+        (Ok(mut t), Ok(mut i)) => {
+            tokio::select! {
+                _ = t.recv() => tracing::info!("SIGTERM: shutting down"),
+                _ = i.recv() => tracing::info!("SIGINT: shutting down"),
+            }
+        }
+        _ => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    init_logs(args.log_format);
+    let leader_election = args.leader_election && !args.no_leader_election;
+    let client = Client::try_default()
+        .await
+        .context("building a Kubernetes client (in-cluster or KUBECONFIG)")?;
+    let metrics = Metrics::new();
+    let ready = Arc::new(AtomicBool::new(false));
+    let http = Http {
+        metrics: metrics.clone(),
+        ready: ready.clone(),
+    };
+    let app = Router::new()
+        .route("/metrics", get(serve_metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .with_state(http);
+    let listener = tokio::net::TcpListener::bind(args.metrics_addr)
+        .await
+        .with_context(|| format!("binding {}", args.metrics_addr))?;
+    tracing::info!(addr = %args.metrics_addr, "serving /metrics, /healthz, /readyz");
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let stop = signal().boxed().shared();
+    let mut leader_rx = None;
+    let mut lease_task = None;
+    if leader_election {
+        let namespace = std::env::var("POD_NAMESPACE").unwrap_or_else(|_| "default".into());
+        let identity = std::env::var("POD_NAME")
+            .unwrap_or_else(|_| format!("tandem-operator-{}", std::process::id()));
+        let manager = LeaseManagerBuilder::new(client.clone(), "tandem-operator")
+            .with_namespace(&namespace)
+            .with_identity(&identity)
+            .with_duration(args.lease_seconds)
+            .with_grace(args.lease_seconds / 3 + 1)
+            .with_field_manager(tandem_operator::labels::FIELD_MANAGER)
+            .build()
+            .await
+            .context("preparing the leader-election Lease")?;
+        let (mut rx, task) = manager.watch().await;
+        tracing::info!(%namespace, %identity, "waiting for the lease tandem-operator");
+        tokio::select! {
+            r = rx.wait_for(|leading| *leading) => { r.context("leader election stopped")?; }
+            _ = stop.clone() => { return Ok(()); }
+        }
+        tracing::info!(%identity, "leading");
+        leader_rx = Some(rx);
+        lease_task = Some(task);
+    }
+    let lost = async move {
+        match leader_rx.as_mut() {
+            Some(rx) => {
+                let _ = rx.wait_for(|leading| !*leading).await;
+                tracing::error!("lost the lease; stopping so a restart rejoins as a candidate");
+            }
+            None => futures::future::pending::<()>().await,
+        }
+        leader_rx
+    };
+    let (lost_tx, lost_rx) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = {
+        let stop = stop.clone();
+        async move {
+            tokio::select! {
+                _ = stop => {}
+                _ = lost_rx => {}
+            }
+        }
+        .boxed()
+        .shared()
+    };
+    let lost_flag = Arc::new(AtomicBool::new(false));
+    let lost_flag2 = lost_flag.clone();
+    let watcher = tokio::spawn(async move {
+        let rx = lost.await;
+        lost_flag2.store(true, Ordering::Relaxed);
+        let _ = lost_tx.send(());
+        rx
+    });
+
+    let mut ctx = Context::new(client, metrics);
+    ctx.probe_reports = true;
+    let scope = Scope {
+        namespace: (!args.watch_namespace.is_empty()).then(|| args.watch_namespace.clone()),
+    };
+    tracing::info!(namespace = ?scope.namespace, leader_election, "starting controllers");
+    ready.store(true, Ordering::Relaxed);
+    run(Arc::new(ctx), scope, shutdown).await;
+    ready.store(false, Ordering::Relaxed);
+    watcher.abort();
+    // Dropping the receiver ends the lease watch, which releases the lease.
+    if let Some(task) = lease_task {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(3), task).await;
+    }
+    server.abort();
+    if lost_flag.load(Ordering::Relaxed) {
+        anyhow::bail!("lost leadership");
+    }
+    tracing::info!("stopped");
+    Ok(())
+}

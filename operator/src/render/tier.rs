@@ -1,0 +1,391 @@
+//! Kubernetes objects of a CacheTier: the store StatefulSet of `tandem-worker cache` replicas, its
+//! headless Service `<tier>-store` and the ConfigMap `<tier>-config` holding `tier.json`.
+//!
+//! The store keeps its objects under [`DATA_DIR`]. With `spec.persistence` that directory is a
+//! PersistentVolumeClaim per replica (a `volumeClaimTemplate`), so a restarted replica loads its
+//! objects back (DESIGN contract 7); without it the directory is an `emptyDir` that dies with the
+//! pod (memory-only tier: nothing survives a restart). Claims are retained when the StatefulSet is
+//! deleted or scaled down: deleting cached data is a separate, explicit act.
+//!
+//! The StatefulSet uses `RollingUpdate` (one replica at a time, the next only once the previous is
+//! Ready): a store replica is Ready as soon as it serves, while loadback continues in the
+//! background (INTERFACES §2: "warming is NOT unready for cache"), so clients lose at most one
+//! replica's objects at a time, and only until its loadback ends.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::{
+    StatefulSet, StatefulSetPersistentVolumeClaimRetentionPolicy, StatefulSetSpec,
+    StatefulSetUpdateStrategy,
+};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
+    EnvVarSource, HTTPGetAction, ObjectFieldSelector, PersistentVolumeClaim,
+    PersistentVolumeClaimSpec, PodSpec, PodTemplateSpec, Probe, Service, ServicePort, ServiceSpec,
+    Volume, VolumeMount, VolumeResourceRequirements,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tandem_crds::{CacheTier, EvictionPolicy, WritePolicy as TierWritePolicy};
+use tandem_worker::config::{IndexerGeometry, WritePolicy};
+use tandem_worker::model::ModelIdentity;
+
+use super::config::{HEALTH_PORT, RenderError, model_identity};
+use super::workload::CONFIG_DIR;
+use crate::labels::{self, Role};
+use crate::quantity;
+
+/// L3 protocol port of every store replica (INTERFACES §2).
+pub const L3_PORT: u16 = 7420;
+/// Data directory of a store replica (INTERFACES §2).
+pub const DATA_DIR: &str = "/var/lib/tandem/cache";
+/// File name of the tier config inside `<tier>-config`.
+pub const TIER_CONFIG_FILE: &str = "tier.json";
+/// Schema version of [`TierConfig`].
+pub const TIER_CONFIG_API_VERSION: &str = "tandem.dev/cache-tier-config/v1";
+/// Grace period of a store replica: its SIGTERM path syncs the manifest (DESIGN §5).
+pub const STORE_TERMINATION_GRACE_SECONDS: i64 = 60;
+
+/// The resolved config of one store replica, written as `tier.json` and read by
+/// `tandem-worker cache --config /etc/tandem/tier.json`.
+///
+/// Local stand-in for `tandem_worker::config::CacheTierConfig` (INTERFACES §2, owned by the worker
+/// crate); same rules: versioned `apiVersion`, unknown fields rejected, no Kubernetes types.
+/// Every CacheTier spec field lands here, in the client pools' worker config (allocator, client
+/// mode, registration-failure policy, write policy, page tokens — see `render::config`), or in the
+/// StatefulSet (image, replicas, persistence); `tests/fields.rs` enumerates them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TierConfig {
+    /// [`TIER_CONFIG_API_VERSION`].
+    pub api_version: String,
+    /// Namespace of the tier.
+    pub namespace: String,
+    /// Tier name.
+    pub tier: String,
+    /// Revision of the store replicas (hash of this config without the field, and the image).
+    pub revision: String,
+    /// Model identity and KV geometry of every stored object.
+    pub model: ModelIdentity,
+    /// Geometry of the model's sparse-attention indexer keys, stored beside the KV pages.
+    pub indexer: Option<IndexerGeometry>,
+    /// Tokens per page; objects are whole pages.
+    pub page_tokens: u32,
+    /// Bytes of objects kept in memory per replica (`spec.memory`).
+    pub memory_bytes: u64,
+    /// Bytes of objects kept on disk per replica: `spec.persistence.size`, or `memoryBytes` when
+    /// the tier is memory-only (its `emptyDir` mirrors memory and dies with the pod).
+    pub disk_bytes: u64,
+    /// Whether [`DATA_DIR`] survives a restart (a PVC) and loadback is expected.
+    pub persistent: bool,
+    /// Data directory.
+    pub data_dir: String,
+    /// Eviction order and high watermark.
+    pub eviction: TierEviction,
+    /// How clients write pages (informational for the store; clients get it in their config).
+    pub write_policy: WritePolicy,
+    /// Ports: L3 protocol and health.
+    pub ports: TierPorts,
+}
+
+/// Eviction settings of a store replica.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TierEviction {
+    /// `LRU`.
+    pub policy: String,
+    /// Eviction starts above this percentage of a budget (50..=100).
+    pub high_watermark_percent: u32,
+}
+
+/// Ports of a store replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TierPorts {
+    /// L3 protocol.
+    pub l3: u16,
+    /// `/healthz`, `/readyz`, `/metrics`, `/report`.
+    pub health: u16,
+}
+
+/// Renders the tier config of `tier` (revision filled in).
+///
+/// # Errors
+/// [`RenderError`] when `memory` or `persistence.size` is not a byte quantity or the model geometry
+/// does not match its attention kind (admission normally refuses both).
+pub fn tier_config(tier: &CacheTier) -> Result<TierConfig, RenderError> {
+    let s = &tier.spec;
+    let memory_bytes = quantity::bytes("spec.memory", &s.memory)?;
+    let disk_bytes = match &s.persistence {
+        Some(p) => quantity::bytes("spec.persistence.size", &p.size)?,
+        None => memory_bytes,
+    };
+    let mut cfg = TierConfig {
+        api_version: TIER_CONFIG_API_VERSION.into(),
+        namespace: tier.metadata.namespace.clone().unwrap_or_default(),
+        tier: tier.metadata.name.clone().unwrap_or_default(),
+        revision: String::new(),
+        model: model_identity("target", &s.model)?,
+        indexer: s.model.indexer.as_ref().map(|ix| IndexerGeometry {
+            head_dim: u32::try_from(ix.head_dim).unwrap_or(0),
+            dtype_bytes: u32::try_from(ix.dtype.bytes()).unwrap_or(u32::MAX),
+        }),
+        page_tokens: u32::try_from(s.page_tokens).unwrap_or(0),
+        memory_bytes,
+        disk_bytes,
+        persistent: s.persistence.is_some(),
+        data_dir: DATA_DIR.into(),
+        eviction: TierEviction {
+            policy: match s.eviction.policy {
+                EvictionPolicy::LRU => "LRU".into(),
+            },
+            high_watermark_percent: u32::try_from(s.eviction.high_watermark_percent).unwrap_or(90),
+        },
+        write_policy: match s.write_policy {
+            TierWritePolicy::WriteThrough => WritePolicy::WriteThrough,
+            TierWritePolicy::WriteBack => WritePolicy::WriteBack,
+        },
+        ports: TierPorts {
+            l3: L3_PORT,
+            health: HEALTH_PORT,
+        },
+    };
+    cfg.revision = tier_revision(&cfg, &s.image);
+    Ok(cfg)
+}
+
+/// Short hash of the config (revision blanked) and the image: equal inputs, equal revision.
+pub fn tier_revision(cfg: &TierConfig, image: &str) -> String {
+    let mut c = cfg.clone();
+    c.revision = String::new();
+    let mut h = Sha256::new();
+    h.update(serde_json::to_string(&c).unwrap_or_default().as_bytes());
+    h.update(image.as_bytes());
+    h.finalize()
+        .iter()
+        .take(5)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn meta(tier: &CacheTier, name: String, owner: &OwnerReference) -> ObjectMeta {
+    let name_of_tier = tier.metadata.name.as_deref().unwrap_or_default();
+    ObjectMeta {
+        name: Some(name),
+        namespace: tier.metadata.namespace.clone(),
+        labels: Some(labels::common(name_of_tier, Role::Cache)),
+        owner_references: Some(vec![owner.clone()]),
+        ..ObjectMeta::default()
+    }
+}
+
+/// The ConfigMap `<tier>-config` with `tier.json`.
+///
+/// # Errors
+/// JSON serialization failure (not expected).
+pub fn tier_config_map(
+    tier: &CacheTier,
+    cfg: &TierConfig,
+    owner: &OwnerReference,
+) -> Result<ConfigMap, serde_json::Error> {
+    let name = tier.metadata.name.as_deref().unwrap_or_default();
+    Ok(ConfigMap {
+        metadata: meta(tier, labels::config_map(name), owner),
+        data: Some(BTreeMap::from([(
+            TIER_CONFIG_FILE.to_owned(),
+            serde_json::to_string_pretty(cfg)?,
+        )])),
+        ..ConfigMap::default()
+    })
+}
+
+/// The headless Service `<tier>-store`: replica `i` is `<tier>-store-<i>.<tier>-store`. Only
+/// ready (serving) replicas are published.
+pub fn store_service(tier: &CacheTier, owner: &OwnerReference) -> Service {
+    let name = tier.metadata.name.as_deref().unwrap_or_default();
+    Service {
+        metadata: meta(tier, labels::store_name(name), owner),
+        spec: Some(ServiceSpec {
+            cluster_ip: Some("None".into()),
+            selector: Some(labels::selector(name, Role::Cache)),
+            ports: Some(vec![
+                service_port("l3", L3_PORT),
+                service_port("health", HEALTH_PORT),
+            ]),
+            ..ServiceSpec::default()
+        }),
+        ..Service::default()
+    }
+}
+
+fn service_port(name: &str, p: u16) -> ServicePort {
+    ServicePort {
+        name: Some(name.into()),
+        port: i32::from(p),
+        target_port: Some(IntOrString::Int(i32::from(p))),
+        ..ServicePort::default()
+    }
+}
+
+fn field_env(name: &str, path: &str) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: path.into(),
+                ..ObjectFieldSelector::default()
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    }
+}
+
+/// The store StatefulSet `<tier>-store` with `replicas` replicas (the controller passes
+/// `spec.replicas`, or 0 during teardown).
+pub fn store_statefulset(
+    tier: &CacheTier,
+    cfg: &TierConfig,
+    replicas: i32,
+    owner: &OwnerReference,
+) -> StatefulSet {
+    let name = tier.metadata.name.as_deref().unwrap_or_default();
+    let s = &tier.spec;
+    let mut pod_labels = labels::common(name, Role::Cache);
+    pod_labels.insert(labels::REVISION.into(), cfg.revision.clone());
+    let mut sts_meta = meta(tier, labels::store_name(name), owner);
+    if let Some(l) = sts_meta.labels.as_mut() {
+        l.insert(labels::REVISION.into(), cfg.revision.clone());
+    }
+    let data_volume = "data";
+    let (volumes_extra, claims) = match &s.persistence {
+        Some(p) => (
+            None,
+            Some(vec![PersistentVolumeClaim {
+                metadata: ObjectMeta {
+                    name: Some(data_volume.into()),
+                    labels: Some(labels::common(name, Role::Cache)),
+                    ..ObjectMeta::default()
+                },
+                spec: Some(PersistentVolumeClaimSpec {
+                    access_modes: Some(vec!["ReadWriteOnce".into()]),
+                    storage_class_name: p.storage_class_name.clone(),
+                    resources: Some(VolumeResourceRequirements {
+                        requests: Some(BTreeMap::from([("storage".into(), p.size.clone())])),
+                        ..VolumeResourceRequirements::default()
+                    }),
+                    ..PersistentVolumeClaimSpec::default()
+                }),
+                ..PersistentVolumeClaim::default()
+            }]),
+        ),
+        None => (
+            Some(Volume {
+                name: data_volume.into(),
+                empty_dir: Some(EmptyDirVolumeSource {
+                    size_limit: Some(s.memory.clone()),
+                    ..EmptyDirVolumeSource::default()
+                }),
+                ..Volume::default()
+            }),
+            None,
+        ),
+    };
+    let mut volumes = vec![Volume {
+        name: "config".into(),
+        config_map: Some(ConfigMapVolumeSource {
+            name: labels::config_map(name),
+            ..ConfigMapVolumeSource::default()
+        }),
+        ..Volume::default()
+    }];
+    volumes.extend(volumes_extra);
+    let container = Container {
+        name: "store".into(),
+        image: Some(s.image.clone()),
+        args: Some(vec![
+            "cache".into(),
+            "--config".into(),
+            format!("{CONFIG_DIR}/{TIER_CONFIG_FILE}"),
+        ]),
+        env: Some(vec![
+            field_env("POD_NAME", "metadata.name"),
+            field_env("POD_NAMESPACE", "metadata.namespace"),
+            field_env("POD_IP", "status.podIP"),
+        ]),
+        ports: Some(vec![
+            ContainerPort {
+                name: Some("l3".into()),
+                container_port: i32::from(L3_PORT),
+                ..ContainerPort::default()
+            },
+            ContainerPort {
+                name: Some("health".into()),
+                container_port: i32::from(HEALTH_PORT),
+                ..ContainerPort::default()
+            },
+        ]),
+        readiness_probe: Some(Probe {
+            http_get: Some(HTTPGetAction {
+                path: Some("/readyz".into()),
+                port: IntOrString::String("health".into()),
+                ..HTTPGetAction::default()
+            }),
+            period_seconds: Some(2),
+            ..Probe::default()
+        }),
+        volume_mounts: Some(vec![
+            VolumeMount {
+                name: "config".into(),
+                mount_path: CONFIG_DIR.into(),
+                read_only: Some(true),
+                ..VolumeMount::default()
+            },
+            VolumeMount {
+                name: data_volume.into(),
+                mount_path: DATA_DIR.into(),
+                ..VolumeMount::default()
+            },
+        ]),
+        ..Container::default()
+    };
+    StatefulSet {
+        metadata: sts_meta,
+        spec: StatefulSetSpec {
+            replicas: Some(replicas),
+            service_name: Some(labels::store_name(name)),
+            pod_management_policy: Some("Parallel".into()),
+            update_strategy: Some(StatefulSetUpdateStrategy {
+                type_: Some("RollingUpdate".into()),
+                ..StatefulSetUpdateStrategy::default()
+            }),
+            persistent_volume_claim_retention_policy: Some(
+                StatefulSetPersistentVolumeClaimRetentionPolicy {
+                    when_deleted: Some("Retain".into()),
+                    when_scaled: Some("Retain".into()),
+                },
+            ),
+            selector: LabelSelector {
+                match_labels: Some(labels::selector(name, Role::Cache)),
+                ..LabelSelector::default()
+            },
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(pod_labels),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(PodSpec {
+                    containers: vec![container],
+                    volumes: Some(volumes),
+                    termination_grace_period_seconds: Some(STORE_TERMINATION_GRACE_SECONDS),
+                    ..PodSpec::default()
+                }),
+            },
+            volume_claim_templates: claims,
+            ..StatefulSetSpec::default()
+        },
+        ..StatefulSet::default()
+    }
+}

@@ -1,0 +1,473 @@
+//! The reconcilers against a mock API (tower-test): exact request sequences.
+//!
+//! - a steady-state resync makes zero writes (and the `always_apply` negative control makes
+//!   writes, so the count can fail);
+//! - a PolicyConflict creates and updates no child;
+//! - once `deletionTimestamp` is set nothing creates or applies a child, including under
+//!   foreground cascading deletion (and the `reconcile_while_deleting` negative control does);
+//! - a hand-edited group replica count is restored with a `ReplicaDrift` event;
+//! - a restart rolls prefill before decode.
+
+mod support;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use kube::{Api, Client};
+use serde_json::{Value, json};
+use support::{Call, FakeApi, paths};
+use tandem_crds::{CacheTier, DecodePool, PrefillPool};
+use tandem_operator::controller::{Context, cache_tier, decode_pool, prefill_pool};
+use tandem_operator::metrics::Metrics;
+
+fn sample(file: &str) -> Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../manifests/samples")
+        .join(file);
+    serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn seed(fake: &FakeApi) {
+    fake.insert(paths::TIERS, sample("cachetier.yaml"));
+    fake.insert(paths::PREFILLS, sample("prefillpool.yaml"));
+    fake.insert(paths::DECODES, sample("decodepool.yaml"));
+}
+
+fn context(client: Client) -> Arc<Context> {
+    let mut ctx = Context::new(client, Metrics::new());
+    ctx.probe_reports = false;
+    Arc::new(ctx)
+}
+
+const TIER: &str = "llama70b-l3";
+const PREFILL: &str = "llama70b-prefill";
+const DECODE: &str = "llama70b-decode";
+
+async fn reconcile_tier(ctx: &Arc<Context>) {
+    let api: Api<CacheTier> = Api::namespaced(ctx.client.clone(), "default");
+    if let Some(t) = api.get_opt(TIER).await.unwrap() {
+        cache_tier::reconcile(Arc::new(t), ctx.clone())
+            .await
+            .unwrap();
+    }
+}
+
+async fn reconcile_prefill(ctx: &Arc<Context>) {
+    let api: Api<PrefillPool> = Api::namespaced(ctx.client.clone(), "default");
+    if let Some(p) = api.get_opt(PREFILL).await.unwrap() {
+        prefill_pool::reconcile(Arc::new(p), ctx.clone())
+            .await
+            .unwrap();
+    }
+}
+
+async fn reconcile_decode(ctx: &Arc<Context>) {
+    let api: Api<DecodePool> = Api::namespaced(ctx.client.clone(), "default");
+    if let Some(d) = api.get_opt(DECODE).await.unwrap() {
+        decode_pool::reconcile(Arc::new(d), ctx.clone())
+            .await
+            .unwrap();
+    }
+}
+
+async fn round(ctx: &Arc<Context>) {
+    reconcile_tier(ctx).await;
+    reconcile_prefill(ctx).await;
+    reconcile_decode(ctx).await;
+}
+
+/// Runs rounds (materialising pods in between) until a round writes nothing; panics after 8.
+async fn converge(fake: &FakeApi, ctx: &Arc<Context>) {
+    for _ in 0..8 {
+        fake.clear_calls();
+        round(ctx).await;
+        fake.materialize_pods();
+        if fake.writes().is_empty() {
+            return;
+        }
+    }
+    panic!(
+        "no steady state after 8 rounds; last writes: {:#?}",
+        summary(&fake.writes())
+    );
+}
+
+fn summary(calls: &[Call]) -> Vec<String> {
+    calls
+        .iter()
+        .map(|c| {
+            format!(
+                "{} {} {}",
+                c.method,
+                c.path,
+                c.content_type.as_deref().unwrap_or("")
+            )
+        })
+        .collect()
+}
+
+fn child_collections() -> [&'static str; 3] {
+    [paths::STS, paths::SVC, paths::CM]
+}
+
+/// Writes that create or apply a child (the thing a terminating or conflicting resource must
+/// never do).
+fn child_creates_or_applies(calls: &[Call]) -> Vec<String> {
+    let bad: Vec<Call> = calls
+        .iter()
+        .filter(|c| child_collections().iter().any(|p| c.path.starts_with(p)))
+        .filter(|c| {
+            c.method == "POST" || (c.method == "PATCH" && c.is_apply()) || c.method == "PUT"
+        })
+        .cloned()
+        .collect();
+    summary(&bad)
+}
+
+fn event_reasons(calls: &[Call]) -> Vec<String> {
+    calls
+        .iter()
+        .filter(|c| c.path.starts_with(paths::EVENTS) && c.method == "POST")
+        .filter_map(|c| c.body.as_ref()?["reason"].as_str().map(str::to_owned))
+        .collect()
+}
+
+#[tokio::test]
+async fn the_stack_converges_and_a_steady_state_resync_makes_zero_writes() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    let ctx = context(client);
+    converge(&fake, &ctx).await;
+
+    // What the stack became: ratio 4:1 with one decode group → four prefill groups.
+    let sts = fake.names(paths::STS);
+    for g in 0..4 {
+        assert!(sts.contains(&format!("{PREFILL}-g{g}")), "{sts:?}");
+    }
+    assert!(sts.contains(&format!("{DECODE}-g0")));
+    assert!(sts.contains(&format!("{TIER}-store")));
+    let svcs = fake.names(paths::SVC);
+    for s in [
+        DECODE,
+        "llama70b-decode-peers",
+        "llama70b-prefill-peers",
+        "llama70b-l3-store",
+    ] {
+        assert!(svcs.contains(&s.to_string()), "{svcs:?}");
+    }
+    let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
+    assert_eq!(
+        p["status"]["replicasOwner"],
+        json!("DecodePool/llama70b-decode ratio 4:1")
+    );
+    assert_eq!(p["status"]["desiredReplicas"], json!(4));
+    assert_eq!(p["status"]["readyReplicas"], json!(4));
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(
+        d["status"]["scaling"]["applied"],
+        json!({"decode": 1, "prefill": 4})
+    );
+    assert_eq!(
+        d["status"]["updateRevision"], p["status"]["updateRevision"],
+        "one revision per pair"
+    );
+    let ready = d["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "Ready")
+        .unwrap()
+        .clone();
+    assert_eq!(ready["status"], "True", "{ready}");
+    let t = fake.get(paths::TIERS, TIER).unwrap();
+    let warm = t["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "CacheWarm")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (warm["status"].as_str(), warm["reason"].as_str()),
+        (Some("True"), Some("ReadyApproximation"))
+    );
+    for o in [&p, &d, &t] {
+        assert_eq!(
+            o["metadata"]["finalizers"],
+            json!(["serving.tandem.dev/teardown"])
+        );
+    }
+
+    // The resync.
+    fake.clear_calls();
+    round(&ctx).await;
+    let calls = fake.calls();
+    assert!(calls.len() > 10, "the resync reads the world");
+    assert_eq!(
+        summary(&fake.writes()),
+        Vec::<String>::new(),
+        "steady state must not write"
+    );
+}
+
+/// Negative control: without the desired-hash comparison every resync writes every child.
+#[tokio::test]
+async fn negative_control_always_apply_makes_the_resync_write() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    let ctx = context(client.clone());
+    converge(&fake, &ctx).await;
+    let mut unsafe_ctx = Context::new(client, Metrics::new());
+    unsafe_ctx.probe_reports = false;
+    unsafe_ctx.unsafe_modes.always_apply = true;
+    let unsafe_ctx = Arc::new(unsafe_ctx);
+    fake.clear_calls();
+    round(&unsafe_ctx).await;
+    let applies = fake.writes().iter().filter(|c| c.is_apply()).count();
+    assert!(
+        applies >= 8,
+        "the zero-write test can fail: {applies} applies"
+    );
+}
+
+#[tokio::test]
+async fn a_policy_conflict_creates_no_child_and_says_why() {
+    let (fake, client) = FakeApi::start();
+    let mut tier = sample("cachetier.yaml");
+    tier["spec"]["model"]["headDim"] = json!(64);
+    fake.insert(paths::TIERS, tier);
+    fake.insert(paths::PREFILLS, sample("prefillpool.yaml"));
+    fake.insert(paths::DECODES, sample("decodepool.yaml"));
+    let ctx = context(client);
+    reconcile_prefill(&ctx).await;
+    reconcile_decode(&ctx).await;
+    reconcile_decode(&ctx).await;
+    let calls = fake.calls();
+    assert_eq!(child_creates_or_applies(&calls), Vec::<String>::new());
+    assert!(fake.names(paths::STS).is_empty());
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    let pc = d["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "PolicyConflict")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (pc["status"].as_str(), pc["reason"].as_str()),
+        (Some("True"), Some("ModelMismatch"))
+    );
+    assert!(pc["message"].as_str().unwrap().contains("head_dim"), "{pc}");
+    let reasons = event_reasons(&calls);
+    assert_eq!(
+        reasons.iter().filter(|r| *r == "ModelMismatch").count(),
+        2,
+        "one event per pool, not one per reconcile: {reasons:?}"
+    );
+}
+
+fn mark_deleting(fake: &FakeApi, collection: &str, name: &str) {
+    fake.edit(collection, name, |o| {
+        o["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+    });
+}
+
+/// Background deletion: the DecodePool stops routing, scales its groups to zero, waits for the
+/// pods, and releases its finalizer — creating or applying nothing.
+#[tokio::test]
+async fn a_deleted_decode_pool_tears_down_in_order_without_creating_or_applying() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    let ctx = context(client);
+    converge(&fake, &ctx).await;
+    mark_deleting(&fake, paths::DECODES, DECODE);
+    fake.clear_calls();
+
+    reconcile_decode(&ctx).await; // stop routing
+    assert!(
+        fake.get(paths::SVC, DECODE).is_none(),
+        "front door deleted first"
+    );
+    assert_eq!(
+        fake.get(paths::STS, "llama70b-decode-g0").unwrap()["spec"]["replicas"],
+        json!(1)
+    );
+    reconcile_decode(&ctx).await; // scale to zero
+    assert_eq!(
+        fake.get(paths::STS, "llama70b-decode-g0").unwrap()["spec"]["replicas"],
+        json!(0)
+    );
+    reconcile_decode(&ctx).await; // pods still there: wait
+    assert!(fake.get(paths::DECODES, DECODE).is_some());
+    // The PrefillPool, also deleted, waits for the decode pods.
+    mark_deleting(&fake, paths::PREFILLS, PREFILL);
+    reconcile_prefill(&ctx).await;
+    assert_eq!(
+        fake.get(paths::STS, "llama70b-prefill-g0").unwrap()["spec"]["replicas"],
+        json!(1),
+        "prefill waits for decode to drain"
+    );
+    fake.materialize_pods(); // the StatefulSet controller removes the decode pod
+    reconcile_decode(&ctx).await; // release
+    assert!(
+        fake.get(paths::DECODES, DECODE).is_none(),
+        "finalizer removed"
+    );
+    reconcile_prefill(&ctx).await; // now prefill scales down
+    assert_eq!(
+        fake.get(paths::STS, "llama70b-prefill-g0").unwrap()["spec"]["replicas"],
+        json!(0)
+    );
+
+    let calls = fake.calls();
+    assert_eq!(child_creates_or_applies(&calls), Vec::<String>::new());
+    let reasons = event_reasons(&calls);
+    let pos = |r: &str| {
+        reasons
+            .iter()
+            .position(|x| x == r)
+            .unwrap_or_else(|| panic!("{r} in {reasons:?}"))
+    };
+    assert!(pos("StopRouting") < pos("Draining"));
+    assert!(pos("Draining") < pos("TeardownComplete"));
+}
+
+/// Foreground cascading deletion: the garbage collector deletes the children (marked, then
+/// gone) before the owner; the operator must not bring any of them back.
+#[tokio::test]
+async fn foreground_deletion_never_recreates_children() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    let ctx = context(client);
+    converge(&fake, &ctx).await;
+    mark_deleting(&fake, paths::DECODES, DECODE);
+    // GC marks the dependents first...
+    for c in child_collections() {
+        for n in fake.names(c).into_iter().filter(|n| n.starts_with(DECODE)) {
+            mark_deleting(&fake, c, &n);
+        }
+    }
+    fake.clear_calls();
+    reconcile_decode(&ctx).await;
+    // ...then removes them.
+    for c in child_collections().into_iter().chain([paths::PODS]) {
+        for n in fake.names(c).into_iter().filter(|n| n.starts_with(DECODE)) {
+            fake.remove(c, &n);
+        }
+    }
+    reconcile_decode(&ctx).await;
+    reconcile_decode(&ctx).await;
+    let calls = fake.calls();
+    assert_eq!(child_creates_or_applies(&calls), Vec::<String>::new());
+    assert!(
+        fake.names(paths::STS)
+            .iter()
+            .all(|n| !n.starts_with(DECODE))
+    );
+    assert!(
+        fake.get(paths::DECODES, DECODE).is_none(),
+        "finalizer removed once pods are gone"
+    );
+}
+
+/// Negative control: a reconciler that ignores `deletionTimestamp` recreates what foreground
+/// deletion removed, and the detector above catches it.
+#[tokio::test]
+async fn negative_control_reconciling_while_deleting_recreates_children() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    let ctx = context(client.clone());
+    converge(&fake, &ctx).await;
+    mark_deleting(&fake, paths::DECODES, DECODE);
+    for c in child_collections() {
+        for n in fake.names(c).into_iter().filter(|n| n.starts_with(DECODE)) {
+            fake.remove(c, &n);
+        }
+    }
+    let mut unsafe_ctx = Context::new(client, Metrics::new());
+    unsafe_ctx.probe_reports = false;
+    unsafe_ctx.unsafe_modes.reconcile_while_deleting = true;
+    let unsafe_ctx = Arc::new(unsafe_ctx);
+    fake.clear_calls();
+    reconcile_decode(&unsafe_ctx).await;
+    assert!(!child_creates_or_applies(&fake.calls()).is_empty());
+}
+
+#[tokio::test]
+async fn a_hand_edited_group_is_restored_with_a_replica_drift_event() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    let ctx = context(client);
+    converge(&fake, &ctx).await;
+    fake.edit(paths::STS, "llama70b-decode-g0", |o| {
+        o["spec"]["replicas"] = json!(3)
+    });
+    fake.clear_calls();
+    reconcile_decode(&ctx).await;
+    let writes = fake.writes();
+    let applies: Vec<&Call> = writes.iter().filter(|c| c.is_apply()).collect();
+    assert_eq!(applies.len(), 1, "{:?}", summary(&writes));
+    assert_eq!(
+        applies[0].path,
+        format!("{}/llama70b-decode-g0", paths::STS)
+    );
+    assert_eq!(
+        fake.get(paths::STS, "llama70b-decode-g0").unwrap()["spec"]["replicas"],
+        json!(1)
+    );
+    let reasons = event_reasons(&writes);
+    assert_eq!(reasons, vec!["ReplicaDrift".to_string()]);
+    let ev = writes
+        .iter()
+        .find(|c| c.path.starts_with(paths::EVENTS))
+        .unwrap();
+    assert_eq!(ev.body.as_ref().unwrap()["type"], "Warning");
+}
+
+/// `restart.id` on the DecodePool rolls its PrefillPool first: the decode pool waits for a Ready
+/// prefill group of the new revision, then restarts one group.
+#[tokio::test]
+async fn a_restart_rolls_prefill_first_then_decode_one_group_at_a_time() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    let ctx = context(client);
+    converge(&fake, &ctx).await;
+    fake.edit(paths::DECODES, DECODE, |o| {
+        o["spec"]["restart"]["id"] = json!("second");
+        o["metadata"]["generation"] = json!(2);
+    });
+    fake.clear_calls();
+    reconcile_decode(&ctx).await;
+    let deleted_pods = |calls: &[Call]| -> Vec<String> {
+        calls
+            .iter()
+            .filter(|c| c.method == "DELETE" && c.path.starts_with(paths::PODS))
+            .map(|c| c.path.rsplit('/').next().unwrap().to_owned())
+            .collect()
+    };
+    assert!(
+        deleted_pods(&fake.calls()).is_empty(),
+        "decode waits for prefill"
+    );
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(d["status"]["rollout"]["phase"], "WaitingForPrefill");
+    reconcile_prefill(&ctx).await;
+    assert_eq!(
+        deleted_pods(&fake.calls()),
+        vec!["llama70b-prefill-g0-0".to_string()]
+    );
+    reconcile_prefill(&ctx).await;
+    assert_eq!(deleted_pods(&fake.calls()).len(), 1, "one group at a time");
+    fake.materialize_pods(); // g0 comes back at the new revision, Ready
+    fake.clear_calls();
+    reconcile_decode(&ctx).await;
+    assert_eq!(
+        deleted_pods(&fake.calls()),
+        vec!["llama70b-decode-g0-0".to_string()]
+    );
+    let reasons = event_reasons(&fake.calls());
+    assert!(
+        reasons.contains(&"RollingRestart".to_string()),
+        "{reasons:?}"
+    );
+}
