@@ -10,6 +10,9 @@
 //! Measured figures (build time, memory, disk, startup) are in `e2e/README.md`.
 
 pub mod cluster;
+pub mod demo;
 pub mod http_get;
 pub mod pidfile;
+pub mod replay;
+pub mod report;
 pub mod runner;

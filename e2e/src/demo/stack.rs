@@ -1,0 +1,539 @@
+//! The demo's cluster-side steps: worker/operator binaries, the process-runner daemon, `helm
+//! install`, the sample stack, readiness waits, the pod table, and the mid-replay patches.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::Api;
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams};
+
+use crate::replay::targets::{GROUP_LABEL, POOL_LABEL, REVISION_LABEL, ROLE_LABEL, pod_serving};
+
+/// API group of Tandem's kinds.
+pub const GROUP: &str = "serving.tandem.dev";
+/// API version of Tandem's kinds.
+pub const VERSION: &str = "v1alpha1";
+/// The CRDs the chart installs.
+pub const CRDS: [&str; 3] = [
+    "cachetiers.serving.tandem.dev",
+    "prefillpools.serving.tandem.dev",
+    "decodepools.serving.tandem.dev",
+];
+
+/// Why a step failed (the demo wraps it with the phase).
+#[derive(Debug, thiserror::Error)]
+pub enum StackError {
+    /// A command (helm, kubectl, cargo) failed.
+    #[error("{command}: {message}")]
+    Command {
+        /// The command line.
+        command: String,
+        /// Exit status and the tail of its output.
+        message: String,
+    },
+    /// The API server refused or failed.
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    /// Something did not happen in time.
+    #[error("{what} not reached after {seconds} s; last seen: {last}")]
+    Timeout {
+        /// The condition awaited.
+        what: String,
+        /// The deadline.
+        seconds: u64,
+        /// The last observation (conditions, counts).
+        last: String,
+    },
+    /// A file or binary is missing.
+    #[error("{0}")]
+    Missing(String),
+}
+
+/// Runs a command, failing with its output's tail on a non-zero exit.
+pub async fn run_command(program: &Path, args: &[&str]) -> Result<String, StackError> {
+    let line = format!("{} {}", program.display(), args.join(" "));
+    let out = tokio::process::Command::new(program)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .map_err(|e| StackError::Command {
+            command: line.clone(),
+            message: e.to_string(),
+        })?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if !out.status.success() {
+        let tail: String = text
+            .chars()
+            .rev()
+            .take(2000)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        return Err(StackError::Command {
+            command: line,
+            message: format!("{}: {tail}", out.status),
+        });
+    }
+    Ok(text)
+}
+
+/// The repository root (the workspace this binary was built from).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_owned)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// Makes sure `tandem-worker` and `tandem-operator` sit next to the running executable (where
+/// the process runner looks for them, unless `$TANDEM_WORKER_BIN` / `$TANDEM_OPERATOR_BIN` point
+/// elsewhere): builds them with cargo, same profile and target dir, when they are missing or
+/// older than their sources would warrant (cargo decides; a no-op build takes a second).
+pub async fn ensure_binaries() -> Result<(), StackError> {
+    let exe = std::env::current_exe().map_err(|e| StackError::Missing(e.to_string()))?;
+    let Some(profile_dir) = exe.parent() else {
+        return Err(StackError::Missing(format!(
+            "{} has no parent",
+            exe.display()
+        )));
+    };
+    let overridden = std::env::var_os("TANDEM_WORKER_BIN").is_some()
+        && std::env::var_os("TANDEM_OPERATOR_BIN").is_some();
+    if overridden {
+        return Ok(());
+    }
+    let release = profile_dir.file_name().is_some_and(|n| n == "release");
+    let target_dir = profile_dir.parent().unwrap_or(profile_dir);
+    let cargo = std::env::var_os("CARGO").map_or_else(|| PathBuf::from("cargo"), PathBuf::from);
+    let mut args = vec!["build", "-p", "tandem-worker", "-p", "tandem-operator"];
+    if release {
+        args.push("--release");
+    }
+    let manifest = repo_root().join("Cargo.toml");
+    let manifest = manifest.to_string_lossy().into_owned();
+    args.extend(["--manifest-path", &manifest]);
+    eprintln!(
+        "[demo] building tandem-worker and tandem-operator (cargo {})",
+        args.join(" ")
+    );
+    let out = tokio::process::Command::new(&cargo)
+        .args(&args)
+        .env("CARGO_TARGET_DIR", target_dir)
+        .stdin(std::process::Stdio::null())
+        .status()
+        .await
+        .map_err(|e| StackError::Command {
+            command: format!("cargo {}", args.join(" ")),
+            message: e.to_string(),
+        })?;
+    if !out.success() {
+        return Err(StackError::Command {
+            command: format!("cargo {}", args.join(" ")),
+            message: out.to_string(),
+        });
+    }
+    for bin in ["tandem-worker", "tandem-operator"] {
+        if !profile_dir.join(bin).is_file() {
+            return Err(StackError::Missing(format!(
+                "{} not found after the build",
+                profile_dir.join(bin).display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Polls `check` every 500 ms until it returns `Ok(Some(v))`, for at most `timeout`; prints a
+/// progress line every 10 s with the last observation. `check` returns `Ok(None)` with a
+/// description in `last` for "not yet"; API errors count as "not yet" (the description says so).
+pub async fn poll<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> Result<T, StackError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = (Option<T>, String)>,
+{
+    let started = Instant::now();
+    let mut note = started + Duration::from_secs(10);
+    let mut last = String::new();
+    loop {
+        let (got, seen) = check().await;
+        if let Some(v) = got {
+            eprintln!(
+                "[demo] {what}: done after {:.1} s",
+                started.elapsed().as_secs_f64()
+            );
+            return Ok(v);
+        }
+        last = if seen.is_empty() { last } else { seen };
+        if started.elapsed() >= timeout {
+            return Err(StackError::Timeout {
+                what: what.to_owned(),
+                seconds: timeout.as_secs(),
+                last,
+            });
+        }
+        if Instant::now() >= note {
+            eprintln!(
+                "[demo] waiting for {what} ({:.0} s): {last}",
+                started.elapsed().as_secs_f64()
+            );
+            note += Duration::from_secs(10);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Waits until every CRD of [`CRDS`] is `Established`.
+pub async fn wait_crds_established(
+    client: &kube::Client,
+    timeout: Duration,
+) -> Result<(), StackError> {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    poll("Tandem CRDs Established", timeout, || {
+        let api = api.clone();
+        async move {
+            let mut missing = Vec::new();
+            for name in CRDS {
+                let ok = api.get_opt(name).await.ok().flatten().is_some_and(|c| {
+                    c.status.and_then(|s| s.conditions).is_some_and(|cs| {
+                        cs.iter()
+                            .any(|c| c.type_ == "Established" && c.status == "True")
+                    })
+                });
+                if !ok {
+                    missing.push(name);
+                }
+            }
+            let seen = format!("not established: {missing:?}");
+            (missing.is_empty().then_some(()), seen)
+        }
+    })
+    .await
+}
+
+/// Waits until every Deployment in `namespace` (at least one) has all replicas available.
+pub async fn wait_deployments_available(
+    client: &kube::Client,
+    namespace: &str,
+    timeout: Duration,
+) -> Result<(), StackError> {
+    let api: Api<Deployment> = Api::namespaced(client.clone(), namespace);
+    poll(
+        &format!("operator Deployment in {namespace} available"),
+        timeout,
+        || {
+            let api = api.clone();
+            async move {
+                let list = match api.list(&ListParams::default()).await {
+                    Ok(l) => l.items,
+                    Err(e) => return (None, format!("list failed: {e}")),
+                };
+                let state: Vec<String> = list
+                    .iter()
+                    .map(|d| {
+                        let want = d.spec.replicas.unwrap_or(1);
+                        let have = d
+                            .status
+                            .as_ref()
+                            .and_then(|s| s.available_replicas)
+                            .unwrap_or(0);
+                        format!(
+                            "{} {have}/{want}",
+                            d.metadata.name.as_deref().unwrap_or("?")
+                        )
+                    })
+                    .collect();
+                let ok = !list.is_empty()
+                    && list.iter().all(|d| {
+                        let want = d.spec.replicas.unwrap_or(1);
+                        d.status
+                            .as_ref()
+                            .and_then(|s| s.available_replicas)
+                            .unwrap_or(0)
+                            >= want
+                    });
+                (ok.then_some(()), format!("{state:?}"))
+            }
+        },
+    )
+    .await
+}
+
+/// The dynamic API of one Tandem kind (`CacheTier`, `PrefillPool`, `DecodePool`).
+pub fn tandem_api(client: &kube::Client, namespace: &str, kind: &str) -> Api<DynamicObject> {
+    let plural = format!("{}s", kind.to_lowercase());
+    let gvk = GroupVersionKind::gvk(GROUP, VERSION, kind);
+    let ar = ApiResource::from_gvk_with_plural(&gvk, &plural);
+    Api::namespaced_with(client.clone(), namespace, &ar)
+}
+
+/// `(type, status, reason)` of each status condition of a custom resource.
+pub fn conditions(obj: &DynamicObject) -> Vec<(String, String, String)> {
+    let field =
+        |c: &serde_json::Value, k: &str| c.get(k).and_then(|v| v.as_str()).unwrap_or("").to_owned();
+    obj.data
+        .pointer("/status/conditions")
+        .and_then(|v| v.as_array())
+        .map(|cs| {
+            cs.iter()
+                .map(|c| (field(c, "type"), field(c, "status"), field(c, "reason")))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// True when the object's `Ready` condition is `True`.
+pub fn is_ready(obj: &DynamicObject) -> bool {
+    conditions(obj)
+        .iter()
+        .any(|(t, s, _)| t == "Ready" && s == "True")
+}
+
+/// Waits until each `(kind, name)` is Ready.
+pub async fn wait_resources_ready(
+    client: &kube::Client,
+    namespace: &str,
+    resources: &[(&str, &str)],
+    timeout: Duration,
+) -> Result<(), StackError> {
+    poll(
+        "CacheTier, PrefillPool and DecodePool Ready",
+        timeout,
+        || async move {
+            let mut seen = Vec::new();
+            let mut all = true;
+            for &(kind, name) in resources {
+                match tandem_api(client, namespace, kind).get_opt(name).await {
+                    Ok(Some(o)) => {
+                        all &= is_ready(&o);
+                        let cs: Vec<String> = conditions(&o)
+                            .into_iter()
+                            .map(|(t, s, r)| {
+                                format!(
+                                    "{t}={s}{}",
+                                    if r.is_empty() {
+                                        String::new()
+                                    } else {
+                                        format!("({r})")
+                                    }
+                                )
+                            })
+                            .collect();
+                        seen.push(format!("{kind}/{name} [{}]", cs.join(" ")));
+                    }
+                    Ok(None) => {
+                        all = false;
+                        seen.push(format!("{kind}/{name} absent"));
+                    }
+                    Err(e) => {
+                        all = false;
+                        seen.push(format!("{kind}/{name}: {e}"));
+                    }
+                }
+            }
+            (all.then_some(()), seen.join("; "))
+        },
+    )
+    .await
+}
+
+/// A row of the "what is running" table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodRow {
+    /// Pod name.
+    pub name: String,
+    /// Role label.
+    pub role: String,
+    /// Pool label.
+    pub pool: String,
+    /// Group label.
+    pub group: String,
+    /// Revision label.
+    pub revision: String,
+    /// Pod IP.
+    pub ip: String,
+    /// Phase.
+    pub phase: String,
+    /// Serving (Ready, Running, not deleting).
+    pub ready: bool,
+}
+
+/// Table rows for Tandem pods, sorted by role (cache, prefill, decode), pool, group, name.
+pub fn pod_rows(pods: &[Pod]) -> Vec<PodRow> {
+    let label = |p: &Pod, k: &str| {
+        p.metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(k))
+            .cloned()
+            .unwrap_or_else(|| "-".to_owned())
+    };
+    let mut rows: Vec<PodRow> = pods
+        .iter()
+        .map(|p| PodRow {
+            name: p.metadata.name.clone().unwrap_or_default(),
+            role: label(p, ROLE_LABEL),
+            pool: label(p, POOL_LABEL),
+            group: label(p, GROUP_LABEL),
+            revision: label(p, REVISION_LABEL),
+            ip: p
+                .status
+                .as_ref()
+                .and_then(|s| s.pod_ip.clone())
+                .unwrap_or_else(|| "-".to_owned()),
+            phase: p
+                .status
+                .as_ref()
+                .and_then(|s| s.phase.clone())
+                .unwrap_or_else(|| "-".to_owned()),
+            ready: pod_serving(p),
+        })
+        .collect();
+    let rank = |r: &str| match r {
+        "cache" => 0,
+        "prefill" => 1,
+        "decode" => 2,
+        _ => 3,
+    };
+    rows.sort_by(|a, b| {
+        (rank(&a.role), &a.pool, &a.group, &a.name).cmp(&(
+            rank(&b.role),
+            &b.pool,
+            &b.group,
+            &b.name,
+        ))
+    });
+    rows
+}
+
+/// The rows as an aligned text table.
+pub fn render_table(rows: &[PodRow]) -> String {
+    let mut cells = vec![[
+        "NAME".to_owned(),
+        "ROLE".to_owned(),
+        "POOL".to_owned(),
+        "GROUP".to_owned(),
+        "REVISION".to_owned(),
+        "IP".to_owned(),
+        "PHASE".to_owned(),
+        "READY".to_owned(),
+    ]];
+    for r in rows {
+        cells.push([
+            r.name.clone(),
+            r.role.clone(),
+            r.pool.clone(),
+            r.group.clone(),
+            r.revision.clone(),
+            r.ip.clone(),
+            r.phase.clone(),
+            if r.ready { "yes" } else { "no" }.to_owned(),
+        ]);
+    }
+    let widths: Vec<usize> = (0..8)
+        .map(|i| cells.iter().map(|c| c[i].len()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for c in &cells {
+        let line: Vec<String> = c
+            .iter()
+            .zip(&widths)
+            .map(|(s, w)| format!("{s:<w$}"))
+            .collect();
+        out.push_str(line.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// Tandem pods (any pod with a role label) in `namespace`.
+pub async fn list_tandem_pods(
+    client: &kube::Client,
+    namespace: &str,
+) -> Result<Vec<Pod>, StackError> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    Ok(api
+        .list(&ListParams::default().labels(ROLE_LABEL))
+        .await?
+        .items)
+}
+
+/// `spec.replicas` of a DecodePool (1 when unset, the CRD default).
+pub async fn decode_replicas(
+    client: &kube::Client,
+    namespace: &str,
+    pool: &str,
+) -> Result<i64, StackError> {
+    let o = tandem_api(client, namespace, "DecodePool")
+        .get(pool)
+        .await?;
+    Ok(o.data
+        .pointer("/spec/replicas")
+        .and_then(|v| v.as_i64())
+        .unwrap_or(1))
+}
+
+/// Merge-patches a DecodePool's spec.
+pub async fn patch_decode_pool(
+    client: &kube::Client,
+    namespace: &str,
+    pool: &str,
+    spec: serde_json::Value,
+) -> Result<(), StackError> {
+    tandem_api(client, namespace, "DecodePool")
+        .patch(
+            pool,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "spec": spec })),
+        )
+        .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_orders_roles_and_aligns() {
+        let pod = |name: &str, role: &str| -> Pod {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "labels": {ROLE_LABEL: role, POOL_LABEL: "p", GROUP_LABEL: "0", REVISION_LABEL: "r1"}},
+                "status": {"phase": "Running", "podIP": "127.100.0.9", "conditions": [{"type": "Ready", "status": "True"}]}
+            }))
+            .unwrap()
+        };
+        let rows = pod_rows(&[
+            pod("d-0", "decode"),
+            pod("c-0", "cache"),
+            pod("p-0", "prefill"),
+        ]);
+        let roles: Vec<&str> = rows.iter().map(|r| r.role.as_str()).collect();
+        assert_eq!(roles, ["cache", "prefill", "decode"]);
+        let t = render_table(&rows);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].starts_with("NAME  ROLE"));
+        assert!(lines[1].starts_with("c-0   cache"));
+        assert!(lines[1].ends_with("yes"));
+    }
+
+    #[test]
+    fn conditions_of_a_dynamic_object() {
+        let o: DynamicObject = serde_json::from_value(serde_json::json!({
+            "apiVersion": "serving.tandem.dev/v1alpha1", "kind": "DecodePool",
+            "metadata": {"name": "d"},
+            "status": {"conditions": [{"type": "Ready", "status": "True", "reason": "AllGroupsReady"}]}
+        }))
+        .unwrap();
+        assert!(is_ready(&o));
+        assert_eq!(conditions(&o)[0].2, "AllGroupsReady");
+    }
+}

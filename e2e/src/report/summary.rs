@@ -1,0 +1,484 @@
+//! The report of one replay (`results.json` and the stdout summary): pure aggregation of the
+//! per-request results, the worker samples and the events.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use super::events::{Event, RESTART};
+use super::percentile::{Percentiles, summarize};
+use super::workers::{Counters, Sample, incarnations, per_round_increase, totals};
+use crate::demo::teardown::TeardownReport;
+use crate::replay::{Outcome, RequestResult};
+
+/// Everything the report is made from.
+#[derive(Debug, Clone)]
+pub struct ReportInput<'a> {
+    /// Where the workload came from (`generated (seed 42)` or the trace path).
+    pub source: String,
+    /// The `--time-scale` used.
+    pub time_scale: f64,
+    /// The workload's hit ratio with an unbounded cache (the ceiling for the measured one).
+    pub unbounded_hit_ratio: f64,
+    /// Per-request results.
+    pub results: &'a [RequestResult],
+    /// Worker `/report` samples.
+    pub samples: &'a [Sample],
+    /// Scale/restart/pod events.
+    pub events: &'a [Event],
+    /// Teardown observations (demo only).
+    pub teardown: Option<TeardownReport>,
+}
+
+/// Request counts by outcome.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestCounts {
+    /// All requests.
+    pub total: usize,
+    /// First attempt completed.
+    pub ok: usize,
+    /// Completed after retries.
+    pub retried: usize,
+    /// Lost (retry budget exhausted or refused for good).
+    pub failed: usize,
+    /// Retries made in all.
+    pub retries: u64,
+}
+
+/// Token-weighted prefix hit ratios (hit tokens / prompt tokens of completed requests).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct HitRatio {
+    /// From L1.
+    pub l1: f64,
+    /// From L2.
+    pub l2: f64,
+    /// From L3.
+    pub l3: f64,
+    /// All tiers.
+    pub total: f64,
+    /// Prompt tokens counted.
+    pub prompt_tokens: u64,
+}
+
+/// One time window of the over-time series.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Window {
+    /// Window start (ms on the replay clock).
+    pub t_ms: f64,
+    /// Completed requests that finished in the window.
+    pub requests: usize,
+    /// Their hit ratio.
+    pub hit: HitRatio,
+    /// Completions per second in the window.
+    pub requests_per_s: f64,
+    /// Output tokens per second in the window.
+    pub output_tokens_per_s: f64,
+}
+
+/// KV transfer figures.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct KvTransfer {
+    /// Sum of the responses' `tandem.kv_bytes`.
+    pub bytes_in_responses: u64,
+    /// Workers' `kv_bytes_sent`, all incarnations.
+    pub bytes_sent: u64,
+    /// Workers' `kv_bytes_received`, all incarnations.
+    pub bytes_received: u64,
+    /// `bytes_received` (or the responses' bytes when no worker reported) over the replay time.
+    pub mean_bytes_per_s: f64,
+    /// Highest per-sampling-round receive rate.
+    pub peak_bytes_per_s: f64,
+    /// `(t_ms, bytes/s)` per sampling round.
+    pub over_time: Vec<(f64, f64)>,
+}
+
+/// One pass/fail check of the run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Check {
+    /// What is checked.
+    pub name: String,
+    /// Whether it held.
+    pub passed: bool,
+    /// The figures behind it.
+    pub detail: String,
+}
+
+/// `results.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    /// Workload source.
+    pub source: String,
+    /// Time scale.
+    pub time_scale: f64,
+    /// Replay wall time (first send to last finish, ms).
+    pub duration_ms: f64,
+    /// Outcomes.
+    pub requests: RequestCounts,
+    /// TTFT percentiles (ms), completed requests.
+    pub ttft_ms: Option<Percentiles>,
+    /// TPOT percentiles (ms), completed requests with ≥ 2 tokens.
+    pub tpot_ms: Option<Percentiles>,
+    /// Completions per second over the replay.
+    pub requests_per_s: f64,
+    /// Output tokens per second over the replay.
+    pub output_tokens_per_s: f64,
+    /// The workload's ceiling with an unbounded cache.
+    pub unbounded_hit_ratio: f64,
+    /// Measured prefix hit ratio, whole replay.
+    pub hit_ratio: HitRatio,
+    /// Hit ratio before the first restart event (None without one).
+    pub hit_ratio_before_restart: Option<HitRatio>,
+    /// Hit ratio after the first restart event.
+    pub hit_ratio_after_restart: Option<HitRatio>,
+    /// Per-window series.
+    pub over_time: Vec<Window>,
+    /// KV transfer.
+    pub kv: KvTransfer,
+    /// Worker counters summed over all incarnations.
+    pub worker_counters: Counters,
+    /// Worker process incarnations seen.
+    pub worker_incarnations: usize,
+    /// `/report` GETs that failed.
+    pub sample_errors: usize,
+    /// Sum of the responses' `tandem.corrupt_chunks`.
+    pub corrupt_chunks_in_responses: u64,
+    /// `l3_pages_loaded_back` of the incarnations that started after the first restart event.
+    pub l3_pages_loaded_back_after_restart: Option<u64>,
+    /// Events.
+    pub events: Vec<Event>,
+    /// Teardown (demo).
+    pub teardown: Option<TeardownReport>,
+    /// Pass/fail checks.
+    pub checks: Vec<Check>,
+    /// PNG files written (relative to the output dir).
+    pub plots: Vec<String>,
+}
+
+impl Summary {
+    /// Every check passed.
+    pub fn passed(&self) -> bool {
+        self.checks.iter().all(|c| c.passed)
+    }
+
+    /// Appends a check.
+    pub fn check(&mut self, name: &str, passed: bool, detail: impl Into<String>) {
+        self.checks.push(Check {
+            name: name.to_owned(),
+            passed,
+            detail: detail.into(),
+        });
+    }
+}
+
+fn hit_ratio<'a>(results: impl IntoIterator<Item = &'a RequestResult>) -> HitRatio {
+    let (mut l1, mut l2, mut l3, mut prompt) = (0u64, 0u64, 0u64, 0u64);
+    for r in results {
+        if r.outcome == Outcome::Failed {
+            continue;
+        }
+        prompt += u64::from(r.input_tokens);
+        if let Some(t) = &r.tandem {
+            l1 += t.prefix_hit_tokens.l1;
+            l2 += t.prefix_hit_tokens.l2;
+            l3 += t.prefix_hit_tokens.l3;
+        }
+    }
+    let f = |x: u64| {
+        if prompt == 0 {
+            0.0
+        } else {
+            x as f64 / prompt as f64
+        }
+    };
+    HitRatio {
+        l1: f(l1),
+        l2: f(l2),
+        l3: f(l3),
+        total: f(l1 + l2 + l3),
+        prompt_tokens: prompt,
+    }
+}
+
+/// Window length for the over-time series: about 40 windows, at least 1 s.
+pub fn window_ms(duration_ms: f64) -> f64 {
+    (duration_ms / 40.0).max(1000.0)
+}
+
+/// Builds the summary with the two checks every replay has (no corrupt page, no lost request);
+/// the demo adds its own with [`Summary::check`].
+pub fn summarize_run(input: ReportInput<'_>) -> Summary {
+    let res = input.results;
+    let mut counts = RequestCounts {
+        total: res.len(),
+        ..Default::default()
+    };
+    for r in res {
+        match r.outcome {
+            Outcome::Ok => counts.ok += 1,
+            Outcome::Retried => counts.retried += 1,
+            Outcome::Failed => counts.failed += 1,
+        }
+        counts.retries += u64::from(r.attempts.saturating_sub(1));
+    }
+    let start = res.iter().map(|r| r.sent_ms).fold(f64::INFINITY, f64::min);
+    let end = res.iter().map(|r| r.finished_ms).fold(0.0, f64::max);
+    let duration_ms = if start.is_finite() {
+        (end - start).max(0.0)
+    } else {
+        0.0
+    };
+    let secs = (duration_ms / 1000.0).max(1e-9);
+    let done: Vec<&RequestResult> = res
+        .iter()
+        .filter(|r| r.outcome != Outcome::Failed)
+        .collect();
+    let out_tokens: u64 = done.iter().map(|r| r.completion_tokens).sum();
+
+    let w = window_ms(duration_ms);
+    let mut over_time = Vec::new();
+    if start.is_finite() {
+        let n = (duration_ms / w).ceil().max(1.0) as usize;
+        for i in 0..n {
+            let t0 = start + i as f64 * w;
+            let in_w: Vec<&RequestResult> = done
+                .iter()
+                .copied()
+                .filter(|r| r.finished_ms >= t0 && (r.finished_ms < t0 + w || i + 1 == n))
+                .collect();
+            over_time.push(Window {
+                t_ms: t0,
+                requests: in_w.len(),
+                hit: hit_ratio(in_w.iter().copied()),
+                requests_per_s: in_w.len() as f64 / (w / 1000.0),
+                output_tokens_per_s: in_w.iter().map(|r| r.completion_tokens).sum::<u64>() as f64
+                    / (w / 1000.0),
+            });
+        }
+    }
+
+    let restart_ms = input
+        .events
+        .iter()
+        .filter(|e| e.kind == RESTART)
+        .map(|e| e.t_ms)
+        .reduce(f64::min);
+    let (before, after) = match restart_ms {
+        Some(t) => (
+            Some(hit_ratio(done.iter().copied().filter(|r| r.sent_ms < t))),
+            Some(hit_ratio(done.iter().copied().filter(|r| r.sent_ms >= t))),
+        ),
+        None => (None, None),
+    };
+
+    let incs = incarnations(input.samples);
+    let counters = totals(&incs);
+    let loaded_after = restart_ms.map(|t| {
+        incs.iter()
+            .filter(|i| i.first_ms >= t)
+            .map(|i| i.last.l3_pages_loaded_back)
+            .sum()
+    });
+    let rounds = per_round_increase(input.samples, |c| c.kv_bytes_received);
+    let mut rates = Vec::new();
+    for pair in rounds.windows(2) {
+        let dt = (pair[1].0 - pair[0].0) / 1000.0;
+        if dt > 0.0 {
+            rates.push((pair[1].0, pair[1].1 as f64 / dt));
+        }
+    }
+    let bytes_in_responses: u64 = done
+        .iter()
+        .filter_map(|r| r.tandem.as_ref())
+        .map(|t| t.kv_bytes)
+        .sum();
+    let moved = if counters.kv_bytes_received > 0 {
+        counters.kv_bytes_received
+    } else {
+        bytes_in_responses
+    };
+    let kv = KvTransfer {
+        bytes_in_responses,
+        bytes_sent: counters.kv_bytes_sent,
+        bytes_received: counters.kv_bytes_received,
+        mean_bytes_per_s: moved as f64 / secs,
+        peak_bytes_per_s: rates.iter().map(|r| r.1).fold(0.0, f64::max),
+        over_time: rates,
+    };
+    let corrupt_chunks: u64 = done
+        .iter()
+        .filter_map(|r| r.tandem.as_ref())
+        .map(|t| t.corrupt_chunks)
+        .sum();
+    let mut s = Summary {
+        source: input.source,
+        time_scale: input.time_scale,
+        duration_ms,
+        requests: counts,
+        ttft_ms: summarize(done.iter().filter_map(|r| r.ttft_ms)),
+        tpot_ms: summarize(done.iter().filter_map(|r| r.tpot_ms)),
+        requests_per_s: done.len() as f64 / secs,
+        output_tokens_per_s: out_tokens as f64 / secs,
+        unbounded_hit_ratio: input.unbounded_hit_ratio,
+        hit_ratio: hit_ratio(done.iter().copied()),
+        hit_ratio_before_restart: before,
+        hit_ratio_after_restart: after,
+        over_time,
+        kv,
+        worker_counters: counters,
+        worker_incarnations: incs.len(),
+        sample_errors: input.samples.iter().filter(|s| s.error.is_some()).count(),
+        corrupt_chunks_in_responses: corrupt_chunks,
+        l3_pages_loaded_back_after_restart: loaded_after,
+        events: input.events.to_vec(),
+        teardown: input.teardown,
+        checks: Vec::new(),
+        plots: Vec::new(),
+    };
+    let corrupt = s.worker_counters.corrupt_pages_read + s.corrupt_chunks_in_responses;
+    s.check(
+        "no corrupt pages",
+        corrupt == 0,
+        format!(
+            "corrupt_pages_read {} (workers), corrupt_chunks {} (responses)",
+            s.worker_counters.corrupt_pages_read, s.corrupt_chunks_in_responses
+        ),
+    );
+    s.check(
+        "no request lost beyond the retry budget",
+        counts.failed == 0,
+        format!(
+            "{} failed of {} ({} retried, {} retries)",
+            counts.failed, counts.total, counts.retried, counts.retries
+        ),
+    );
+    s
+}
+
+fn pct(p: &Option<Percentiles>) -> String {
+    match p {
+        Some(p) => format!(
+            "p50 {:.1}  p90 {:.1}  p99 {:.1}  max {:.1} ms  (n={})",
+            p.p50, p.p90, p.p99, p.max, p.count
+        ),
+        None => "no data".to_owned(),
+    }
+}
+
+fn ratio(h: &HitRatio) -> String {
+    format!(
+        "{:.3} (L1 {:.3}, L2 {:.3}, L3 {:.3})",
+        h.total, h.l1, h.l2, h.l3
+    )
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1024.0 * 1024.0)
+}
+
+impl fmt::Display for Summary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let r = &self.requests;
+        let c = &self.worker_counters;
+        writeln!(
+            f,
+            "workload      {} (time scale {})",
+            self.source, self.time_scale
+        )?;
+        writeln!(
+            f,
+            "requests      {} total: {} ok, {} retried ({} retries), {} failed, in {:.1} s",
+            r.total,
+            r.ok,
+            r.retried,
+            r.retries,
+            r.failed,
+            self.duration_ms / 1000.0
+        )?;
+        writeln!(f, "TTFT          {}", pct(&self.ttft_ms))?;
+        writeln!(f, "TPOT          {}", pct(&self.tpot_ms))?;
+        writeln!(
+            f,
+            "throughput    {:.2} req/s, {:.0} output tokens/s",
+            self.requests_per_s, self.output_tokens_per_s
+        )?;
+        writeln!(
+            f,
+            "prefix hits   {}; unbounded-cache ceiling {:.3}",
+            ratio(&self.hit_ratio),
+            self.unbounded_hit_ratio
+        )?;
+        if let (Some(b), Some(a)) = (
+            &self.hit_ratio_before_restart,
+            &self.hit_ratio_after_restart,
+        ) {
+            writeln!(
+                f,
+                "  before restart {}\n  after restart  {}",
+                ratio(b),
+                ratio(a)
+            )?;
+        }
+        writeln!(
+            f,
+            "KV transfer   {:.1} MiB received ({:.1} MiB in responses), mean {:.1} MiB/s, peak {:.1} MiB/s",
+            mib(self.kv.bytes_received),
+            mib(self.kv.bytes_in_responses),
+            self.kv.mean_bytes_per_s / 1048576.0,
+            self.kv.peak_bytes_per_s / 1048576.0
+        )?;
+        writeln!(
+            f,
+            "aborts        {} rooms aborted, {} acks; {} pages quarantined",
+            c.rooms_aborted, c.abort_acks, c.pages_quarantined
+        )?;
+        writeln!(
+            f,
+            "corruption    {} corrupt pages read, {} corrupt chunks in responses",
+            c.corrupt_pages_read, self.corrupt_chunks_in_responses
+        )?;
+        writeln!(
+            f,
+            "L3            {} pages written, {} loaded back{}",
+            c.l3_pages_written,
+            c.l3_pages_loaded_back,
+            self.l3_pages_loaded_back_after_restart
+                .map(|n| format!(" ({n} by workers started after the restart)"))
+                .unwrap_or_default()
+        )?;
+        writeln!(
+            f,
+            "workers       {} process incarnations sampled, {} failed /report GETs",
+            self.worker_incarnations, self.sample_errors
+        )?;
+        for e in &self.events {
+            writeln!(
+                f,
+                "event         {:>9.1} s  {:<14} {}",
+                e.t_ms / 1000.0,
+                e.kind,
+                e.detail
+            )?;
+        }
+        if let Some(t) = &self.teardown {
+            writeln!(
+                f,
+                "teardown      {} pods, order {}",
+                t.pods.len(),
+                match &t.violation {
+                    None => "held (decode → prefill → cache)".to_owned(),
+                    Some(v) => format!("VIOLATED: {v}"),
+                }
+            )?;
+        }
+        for c in &self.checks {
+            writeln!(
+                f,
+                "check         [{}] {}: {}",
+                if c.passed { "pass" } else { "FAIL" },
+                c.name,
+                c.detail
+            )?;
+        }
+        Ok(())
+    }
+}

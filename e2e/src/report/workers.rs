@@ -1,0 +1,268 @@
+//! Worker `/report` samples (INTERFACES §4) and their aggregation.
+//!
+//! Counters are cumulative per worker process and start over when the process restarts, so a
+//! total is the sum, over every process *incarnation*, of its last sampled value. An incarnation
+//! is one pod uid (a restarted StatefulSet pod keeps its name but gets a new uid); within one key,
+//! any counter going down also starts a new incarnation (the process restarted in place).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// The counters of INTERFACES §4 (all u64; a counter a worker does not report is 0).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Counters {
+    /// Requests completed.
+    pub requests_ok: u64,
+    /// Requests failed.
+    pub requests_failed: u64,
+    /// Prompt tokens looked up in the prefix cache.
+    pub prefix_lookup_tokens: u64,
+    /// Prefix tokens found in L1 (device).
+    pub prefix_hit_tokens_l1: u64,
+    /// Prefix tokens found in L2 (host).
+    pub prefix_hit_tokens_l2: u64,
+    /// Prefix tokens found in L3 (CacheTier store).
+    pub prefix_hit_tokens_l3: u64,
+    /// KV bytes sent (prefill → decode).
+    pub kv_bytes_sent: u64,
+    /// KV bytes received.
+    pub kv_bytes_received: u64,
+    /// Transfer rooms aborted (DESIGN contract 3).
+    pub rooms_aborted: u64,
+    /// Abort acknowledgements received.
+    pub abort_acks: u64,
+    /// Pages quarantined because a write could still land.
+    pub pages_quarantined: u64,
+    /// Pages whose verification failed on read (must stay 0).
+    pub corrupt_pages_read: u64,
+    /// Pages loaded back from L3 after a restart (DESIGN contract 7).
+    pub l3_pages_loaded_back: u64,
+    /// Pages written to L3.
+    pub l3_pages_written: u64,
+}
+
+macro_rules! each_counter {
+    ($m:ident) => {
+        $m!(
+            requests_ok,
+            requests_failed,
+            prefix_lookup_tokens,
+            prefix_hit_tokens_l1,
+            prefix_hit_tokens_l2,
+            prefix_hit_tokens_l3,
+            kv_bytes_sent,
+            kv_bytes_received,
+            rooms_aborted,
+            abort_acks,
+            pages_quarantined,
+            corrupt_pages_read,
+            l3_pages_loaded_back,
+            l3_pages_written
+        )
+    };
+}
+
+impl Counters {
+    /// Field-wise sum (saturating).
+    pub fn add(&mut self, o: &Counters) {
+        macro_rules! add {
+            ($($f:ident),*) => { $( self.$f = self.$f.saturating_add(o.$f); )* };
+        }
+        each_counter!(add);
+    }
+
+    /// Some counter is lower than in `earlier`: the process started over.
+    pub fn went_back_from(&self, earlier: &Counters) -> bool {
+        macro_rules! back {
+            ($($f:ident),*) => { false $( || self.$f < earlier.$f )* };
+        }
+        each_counter!(back)
+    }
+}
+
+/// A worker's `/report` body.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct WorkerReport {
+    /// Admitting work.
+    pub ready: bool,
+    /// prefill | decode | cache | store-client.
+    pub role: String,
+    /// Pool (or tier) name.
+    pub pool: String,
+    /// Revision the worker runs.
+    pub revision: String,
+    /// Degradations (free-form reasons).
+    pub degraded: Vec<serde_json::Value>,
+    /// Cumulative counters.
+    pub counters: Counters,
+    /// Cache replicas: loadback finished.
+    pub warm: Option<bool>,
+    /// Cache replicas: objects held.
+    pub objects: Option<u64>,
+    /// Cache replicas: bytes held.
+    pub bytes: Option<u64>,
+}
+
+/// One GET of one worker's `/report`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// Sampling round (all workers of a round share it).
+    pub round: u64,
+    /// When the answer came (ms on the replay clock).
+    pub t_ms: f64,
+    /// Pod name (or the URL for fixed targets).
+    pub pod: String,
+    /// Pod uid (or the URL): the incarnation key.
+    pub uid: String,
+    /// The report, when the GET succeeded and parsed.
+    pub report: Option<WorkerReport>,
+    /// Why not, otherwise.
+    pub error: Option<String>,
+}
+
+/// One worker process as seen through its samples.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Incarnation {
+    /// Pod name.
+    pub pod: String,
+    /// Role reported.
+    pub role: String,
+    /// Pool reported.
+    pub pool: String,
+    /// Revision reported.
+    pub revision: String,
+    /// First sample (ms).
+    pub first_ms: f64,
+    /// Last sample (ms).
+    pub last_ms: f64,
+    /// Counters at the last sample.
+    pub last: Counters,
+}
+
+/// Splits samples into process incarnations (see the module doc), in order of first appearance.
+pub fn incarnations(samples: &[Sample]) -> Vec<Incarnation> {
+    let mut out: Vec<Incarnation> = Vec::new();
+    let mut current: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut ordered: Vec<&Sample> = samples.iter().filter(|s| s.report.is_some()).collect();
+    ordered.sort_by(|a, b| a.t_ms.total_cmp(&b.t_ms));
+    for s in ordered {
+        let Some(r) = &s.report else { continue };
+        match current.get(s.uid.as_str()) {
+            Some(&i) if !r.counters.went_back_from(&out[i].last) => {
+                let inc = &mut out[i];
+                inc.last_ms = s.t_ms;
+                inc.last = r.counters;
+                inc.revision.clone_from(&r.revision);
+            }
+            _ => {
+                current.insert(&s.uid, out.len());
+                out.push(Incarnation {
+                    pod: s.pod.clone(),
+                    role: r.role.clone(),
+                    pool: r.pool.clone(),
+                    revision: r.revision.clone(),
+                    first_ms: s.t_ms,
+                    last_ms: s.t_ms,
+                    last: r.counters,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Sum of every incarnation's last counters.
+pub fn totals(incs: &[Incarnation]) -> Counters {
+    let mut c = Counters::default();
+    for i in incs {
+        c.add(&i.last);
+    }
+    c
+}
+
+/// Per-round increase of one counter summed over all workers: `(t_ms, increase since the
+/// previous round)`. A worker seen for the first time, or after a reset, contributes its whole
+/// value (it was counted from 0 by a process the previous round did not see).
+pub fn per_round_increase(samples: &[Sample], counter: fn(&Counters) -> u64) -> Vec<(f64, u64)> {
+    let mut rounds: BTreeMap<u64, (f64, u64)> = BTreeMap::new();
+    let mut prev: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut ordered: Vec<&Sample> = samples.iter().filter(|s| s.report.is_some()).collect();
+    ordered.sort_by(|a, b| a.round.cmp(&b.round).then(a.t_ms.total_cmp(&b.t_ms)));
+    for s in ordered {
+        let Some(r) = &s.report else { continue };
+        let v = counter(&r.counters);
+        let before = prev.insert(&s.uid, v).unwrap_or(0);
+        let inc = if v >= before { v - before } else { v };
+        let e = rounds.entry(s.round).or_insert((s.t_ms, 0));
+        e.0 = e.0.min(s.t_ms);
+        e.1 += inc;
+    }
+    rounds.into_values().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(round: u64, t: f64, uid: &str, kv: u64, loaded: u64) -> Sample {
+        Sample {
+            round,
+            t_ms: t,
+            pod: "d-0".into(),
+            uid: uid.into(),
+            report: Some(WorkerReport {
+                role: "decode".into(),
+                counters: Counters {
+                    kv_bytes_received: kv,
+                    l3_pages_loaded_back: loaded,
+                    ..Default::default()
+                },
+                ..Default::default()
+            }),
+            error: None,
+        }
+    }
+
+    #[test]
+    fn report_parses_with_missing_counters() {
+        let r: WorkerReport = serde_json::from_str(
+            r#"{"ready":true,"role":"cache","pool":"t","revision":"r","degraded":[],
+                "counters":{"l3_pages_written":5},"warm":true,"objects":3,"bytes":9}"#,
+        )
+        .unwrap();
+        assert_eq!(r.counters.l3_pages_written, 5);
+        assert_eq!(r.counters.corrupt_pages_read, 0);
+        assert_eq!(r.warm, Some(true));
+    }
+
+    #[test]
+    fn totals_add_every_incarnation_across_restarts() {
+        let s = [
+            sample(0, 0.0, "u1", 10, 0),
+            sample(1, 1000.0, "u1", 30, 0),
+            // Same pod restarted in place: counters went back.
+            sample(2, 2000.0, "u1", 5, 2),
+            // Pod recreated: new uid.
+            sample(3, 3000.0, "u2", 7, 4),
+            sample(4, 4000.0, "u2", 9, 4),
+        ];
+        let incs = incarnations(&s);
+        assert_eq!(incs.len(), 3);
+        assert_eq!(totals(&incs).kv_bytes_received, 30 + 5 + 9);
+        assert_eq!(incs[2].first_ms, 3000.0);
+        let rate = per_round_increase(&s, |c| c.kv_bytes_received);
+        assert_eq!(
+            rate,
+            vec![
+                (0.0, 10),
+                (1000.0, 20),
+                (2000.0, 5),
+                (3000.0, 7),
+                (4000.0, 2)
+            ]
+        );
+    }
+}
