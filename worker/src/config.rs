@@ -410,7 +410,7 @@ impl Default for CacheEviction {
 pub struct CachePorts {
     /// L3 framed-TCP protocol (`cache::l3_wire`), default 7420.
     #[serde(default = "default_store_port")]
-    pub store: u16,
+    pub l3: u16,
     /// Health, readiness, metrics and `/report` (HTTP), default 8080.
     #[serde(default = "default_health_port")]
     pub health: u16,
@@ -427,7 +427,7 @@ fn default_health_port() -> u16 {
 impl Default for CachePorts {
     fn default() -> Self {
         Self {
-            store: default_store_port(),
+            l3: default_store_port(),
             health: default_health_port(),
         }
     }
@@ -448,9 +448,27 @@ pub struct CacheTierConfig {
     pub namespace: String,
     /// CacheTier name.
     pub tier: String,
-    /// What every stored object must agree on: model identity and KV geometry, layout, page tokens,
-    /// TP and CP sizes. A restart with another identity turns every old object into a miss.
-    pub identity: crate::cache::manifest::StoreIdentity,
+    /// Revision of the replicas' config (informational; the operator's rollout key).
+    #[serde(default)]
+    pub revision: String,
+    /// Model identity and KV geometry of every stored object.
+    pub model: ModelIdentity,
+    /// Indexer geometry of the model, when it has a sparse-attention indexer (its keys are
+    /// stored beside the KV pages).
+    #[serde(default)]
+    pub indexer: Option<IndexerGeometry>,
+    /// Tokens per page; objects are whole pages.
+    pub page_tokens: u32,
+    /// Chunk order of object bytes, default `layerFirst`.
+    #[serde(default)]
+    pub layout: crate::pool::PoolLayout,
+    /// Largest tensor-parallel size of a client pool (object shards must have `tpRank` below it),
+    /// default [`DEFAULT_MAX_PARALLEL`].
+    #[serde(default = "default_max_parallel")]
+    pub max_tensor: u32,
+    /// Largest context-parallel size of a client pool, default [`DEFAULT_MAX_PARALLEL`].
+    #[serde(default = "default_max_parallel")]
+    pub max_context: u32,
     /// Bytes of object data a replica keeps in memory (`CacheTier.memory`).
     pub memory_bytes: u64,
     /// Bytes of object data a replica keeps on disk (`CacheTier.persistence.size`; without
@@ -473,8 +491,16 @@ pub struct CacheTierConfig {
     /// [`CacheConfig::write_policy`]).
     pub write_policy: WritePolicy,
     /// What a failed L3 registration does in the tier's clients (reported; clients read theirs
-    /// from [`MemoryPolicy::registration_failure`]).
-    pub registration_failure: FailurePolicy,
+    /// from [`MemoryPolicy::registration_failure`]); optional here.
+    #[serde(default)]
+    pub registration_failure: Option<FailurePolicy>,
+}
+
+/// Default of [`CacheTierConfig::max_tensor`] and [`CacheTierConfig::max_context`].
+pub const DEFAULT_MAX_PARALLEL: u32 = 64;
+
+fn default_max_parallel() -> u32 {
+    DEFAULT_MAX_PARALLEL
 }
 
 impl CacheTierConfig {
@@ -506,14 +532,11 @@ impl CacheTierConfig {
             });
         }
         let bad = |m: String| Err(ConfigError::Inconsistent(m));
-        if let Err(e) = self.identity.model.validate() {
-            return bad(format!("identity.model: {e}"));
+        if let Err(e) = self.model.validate() {
+            return bad(format!("model: {e}"));
         }
-        if self.identity.page_tokens == 0
-            || self.identity.tp_size == 0
-            || self.identity.cp_size == 0
-        {
-            return bad("identity.pageTokens, tpSize and cpSize must be positive".into());
+        if self.page_tokens == 0 || self.max_tensor == 0 || self.max_context == 0 {
+            return bad("pageTokens, maxTensor and maxContext must be positive".into());
         }
         if self.memory_bytes == 0 {
             return bad("memoryBytes must be positive".into());
@@ -525,6 +548,18 @@ impl CacheTierConfig {
             ));
         }
         Ok(())
+    }
+
+    /// What every stored object must agree on (DESIGN contract 7): model, layout, page size and
+    /// the parallel bounds. A restart with another identity turns every old object into a miss.
+    pub fn identity(&self) -> crate::cache::manifest::StoreIdentity {
+        crate::cache::manifest::StoreIdentity {
+            model: self.model.clone(),
+            layout: self.layout,
+            page_tokens: self.page_tokens,
+            tp_size: self.max_tensor,
+            cp_size: self.max_context,
+        }
     }
 
     /// `(memory, disk)` budgets with the high watermark applied: eviction keeps usage at or below
@@ -567,15 +602,18 @@ mod tests {
             "apiVersion": CACHE_TIER_CONFIG_API_VERSION,
             "namespace": "serving",
             "tier": "l3",
-            "identity": {
-                "model": {"name": "llama-3-8b", "layers": 32, "attention": "gqa",
-                          "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2},
-                "layout": "layerFirst", "pageTokens": 512, "tpSize": 1, "cpSize": 1
-            },
+            "revision": "abc",
+            "model": {"name": "llama-3-8b", "layers": 32, "attention": "gqa",
+                      "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2},
+            "indexer": null,
+            "pageTokens": 512,
             "memoryBytes": 1u64 << 30,
             "diskBytes": 16u64 << 30,
+            "persistent": true,
+            "dataDir": "/var/lib/tandem/cache",
+            "eviction": {"policy": "LRU", "highWatermarkPercent": 90},
             "writePolicy": "writeThrough",
-            "registrationFailure": "failClosed"
+            "ports": {"l3": 7420, "health": 8080}
         })
     }
 
@@ -587,10 +625,12 @@ mod tests {
         assert_eq!(
             cfg.ports,
             CachePorts {
-                store: 7420,
+                l3: 7420,
                 health: 8080
             }
         );
+        assert_eq!(cfg.identity().tp_size, DEFAULT_MAX_PARALLEL);
+        assert_eq!(cfg.registration_failure, None);
         assert_eq!(cfg.eviction.high_watermark_percent, 90);
         assert_eq!(
             cfg.effective_budgets(),

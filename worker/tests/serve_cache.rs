@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use serde_json::Value;
 use serve_support::*;
-use tandem_worker::cache::manifest::StoreIdentity;
 use tandem_worker::config::*;
 use tandem_worker::pool::PoolLayout;
 use tandem_worker::store_client::ClientMode;
@@ -34,24 +33,24 @@ fn tier(w: &World, model: &WorkerConfig) -> CacheTierConfig {
         api_version: CACHE_TIER_CONFIG_API_VERSION.into(),
         namespace: "serving".into(),
         tier: "l3".into(),
-        identity: StoreIdentity {
-            model: model.model.clone(),
-            layout: PoolLayout::LayerFirst,
-            page_tokens: 512,
-            tp_size: 1,
-            cp_size: 1,
-        },
+        revision: "t1".into(),
+        model: model.model.clone(),
+        indexer: None,
+        page_tokens: 512,
+        layout: PoolLayout::LayerFirst,
+        max_tensor: DEFAULT_MAX_PARALLEL,
+        max_context: DEFAULT_MAX_PARALLEL,
         memory_bytes: 64 << 20,
         disk_bytes: 256 << 20,
         persistent: true,
         data_dir: DEFAULT_CACHE_DATA_DIR.into(),
         ports: CachePorts {
-            store: 7420,
+            l3: 7420,
             health: w.ports.health,
         },
         eviction: CacheEviction::default(),
         write_policy: WritePolicy::WriteThrough,
-        registration_failure: tandem_worker::registration::FailurePolicy::FailClosed,
+        registration_failure: None,
     }
 }
 

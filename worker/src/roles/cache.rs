@@ -78,9 +78,9 @@ pub fn run(args: Args) -> Result<(), RoleError> {
             let (memory, disk) = cfg.effective_budgets();
             let ip = tandem_worker::serve::pod_ip();
             (
-                cfg.identity.clone(),
+                cfg.identity(),
                 resolve_path(&cfg.data_dir),
-                SocketAddr::new(ip, cfg.ports.store),
+                SocketAddr::new(ip, cfg.ports.l3),
                 memory,
                 disk,
                 Some((SocketAddr::new(ip, cfg.ports.health), cfg.tier)),
