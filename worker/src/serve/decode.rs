@@ -342,6 +342,12 @@ impl DecodeServer {
             "connecting to prefill peers",
         );
         let layout = knobs.layout(cfg);
+        if opts.bind_ip.is_unspecified() {
+            tracing::warn!(
+                "POD_IP is not set: the KV receiver advertises an unspecified address, which only \
+                 a prefill on this host can reach"
+            );
+        }
         let node = DecodeNode::start(DecodeConfig {
             worker_id: opts.worker_id.clone(),
             rank: super::ordinal_from_env(),
