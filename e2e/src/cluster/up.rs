@@ -5,6 +5,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node, ServiceAccount};
+use k8s_openapi::api::storage::v1::StorageClass;
 use kube::Api;
 use kube::api::{ListParams, Patch, PatchParams};
 
@@ -14,6 +15,7 @@ use super::nodes::{kwok_node, kwok_node_name};
 use super::wait::wait_for;
 use super::{ClusterConfig, ClusterError, client_for, io_err, tools_dir};
 use crate::http_get;
+use crate::runner::storage::{STORAGE_CLASS, storage_class};
 
 /// Field manager of everything `cluster up` writes.
 const FIELD_MANAGER: &str = "tandem-e2e";
@@ -32,7 +34,9 @@ pub struct RunningCluster {
 }
 
 /// Builds (per `config.build`) and starts the cluster, waiting until the API server is ready, the
-/// controllers answer, kwok nodes are Ready and the `default` ServiceAccount exists.
+/// controllers answer, kwok nodes are Ready and the `default` ServiceAccount exists. Also creates
+/// the default StorageClass `tandem-e2e-local` (provisioned by the process runner, see
+/// [`crate::runner::storage`]).
 ///
 /// On a failed start every component started so far is stopped again; the state dir (with the
 /// logs) is kept for diagnosis. Errors: [`ClusterError::AlreadyRunning`] when pid files of live
@@ -101,6 +105,16 @@ async fn start_all(config: &ClusterConfig, bin_dir: &BinDir) -> Result<(), Clust
         || readyz(&client),
     )
     .await?;
+
+    // The default StorageClass whose claims the process runner provisions (INTERFACES §5).
+    let classes: Api<StorageClass> = Api::all(client.clone());
+    classes
+        .patch(
+            STORAGE_CLASS,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&storage_class()),
+        )
+        .await?;
 
     if config.controller_manager {
         run_script(config, bin_dir, &["start", "kube-controller-manager"]).await?;

@@ -8,19 +8,29 @@
 //! root announced in `TANDEM_ROOT` ([`volumes`]), the service-account token from the TokenRequest
 //! API, and `KUBERNETES_SERVICE_HOST/PORT` pointing at the local API server. Status (phase, podIP,
 //! container states, readiness from the readiness probe) is reported by [`pod`]'s supervisor, and
-//! deletion follows the kubelet: SIGTERM, grace period, SIGKILL, delete with grace 0.
+//! deletion follows the kubelet: SIGTERM, grace period, SIGKILL, delete with grace 0. Native
+//! sidecars (init containers with `restartPolicy: Always`) start before the main containers and
+//! stop after them.
+//!
+//! Cluster-level emulation, one task each per runner: Services as a hosts file written from
+//! EndpointSlices ([`hosts`], path in every pod's `TANDEM_HOSTS_FILE`), and `persistentVolumeClaim`
+//! volumes of the `tandem-e2e-local` class provisioned as directories under the runner dir
+//! ([`storage`]).
 //!
 //! What it is not: no images, no isolation (processes share the host's filesystem, users and
-//! network namespace), no liveness/startup probes, no `kubectl logs/exec` (logs are files under
+//! network namespace), no kube-proxy (ClusterIPs are not routed; names resolve through the hosts
+//! file), no liveness/startup probes, no `kubectl logs/exec` (logs are files under
 //! `<runner dir>/pods/<ns>_<name>_<uid>/logs/`), no volume updates after start.
 
 pub mod env;
+pub mod hosts;
 pub mod image;
 pub mod node;
 pub mod pod;
 pub mod pod_ip;
 pub mod probe;
 pub mod status;
+pub mod storage;
 pub mod volumes;
 
 use std::collections::HashMap;
@@ -37,6 +47,7 @@ use kube::{Api, Client};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
+use self::hosts::{HostsWriter, maintain_hosts_file};
 use self::image::ImageTable;
 use self::node::{
     LEASE_RENEW, NodeSpecification, STATUS_REFRESH, node_lease, node_status, runner_node,
@@ -86,23 +97,83 @@ pub struct RunnerConfig {
     pub api_port: u16,
 }
 
+/// What the runner adds to every pod beyond its spec (INTERFACES §5).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PodDefaults {
+    /// Extra environment variables (`--pod-env K=V`), set after the runner's own variables and
+    /// before the container's `envFrom`/`env`, which therefore override them. Used for the
+    /// worker's simulation knobs (`TANDEM_SIM_*`, INTERFACES §2).
+    pub env: Vec<(String, String)>,
+}
+
+impl PodDefaults {
+    /// Parses `K=V` (the `--pod-env` syntax): the key must be a non-empty C identifier; the value
+    /// may contain `=`. `None` when malformed.
+    pub fn parse_env(spec: &str) -> Option<(String, String)> {
+        let (k, v) = spec.split_once('=')?;
+        let ident = !k.is_empty()
+            && !k.starts_with(|c: char| c.is_ascii_digit())
+            && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        ident.then(|| (k.to_owned(), v.to_owned()))
+    }
+}
+
+/// The hosts file a runner with working dir `dir` maintains (`<dir>/hosts`).
+pub fn hosts_file(dir: &std::path::Path) -> PathBuf {
+    dir.join("hosts")
+}
+
+/// Where a runner with working dir `dir` keeps provisioned volumes (`<dir>/volumes/pvc-<uid>`).
+pub fn volumes_dir(dir: &std::path::Path) -> PathBuf {
+    dir.join("volumes")
+}
+
 /// A running process runner; [`ProcessRunner::shutdown`] stops it and its pods' processes.
 pub struct ProcessRunner {
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     client: Client,
     nodes: Vec<String>,
+    hosts_file: PathBuf,
 }
 
 impl ProcessRunner {
-    /// Registers the nodes (returns once they exist with a Ready status) and starts serving them.
+    /// Registers the nodes (returns once they exist with a Ready status) and starts serving them,
+    /// with no [`PodDefaults`].
     pub async fn start(client: Client, config: RunnerConfig) -> Result<Self, RunnerError> {
-        std::fs::create_dir_all(config.dir.join("pids")).map_err(|source| RunnerError::Io {
-            path: config.dir.clone(),
-            source,
-        })?;
+        Self::start_with(client, config, PodDefaults::default()).await
+    }
+
+    /// [`ProcessRunner::start`] with extra per-pod settings (`--pod-env`).
+    pub async fn start_with(
+        client: Client,
+        config: RunnerConfig,
+        defaults: PodDefaults,
+    ) -> Result<Self, RunnerError> {
+        let io = |path: &std::path::Path| {
+            let path = path.to_owned();
+            move |source| RunnerError::Io { path, source }
+        };
+        for d in [config.dir.join("pids"), volumes_dir(&config.dir)] {
+            std::fs::create_dir_all(&d).map_err(io(&d))?;
+        }
+        let hosts_path = hosts_file(&config.dir);
+        // Exists (empty) before the first pod starts, so readers never see a missing file.
+        let mut writer = HostsWriter::new(hosts_path.clone());
+        writer.write("").map_err(io(&hosts_path))?;
         let (shutdown, _) = watch::channel(false);
-        let mut tasks = Vec::new();
+        let mut tasks = vec![
+            tokio::spawn(maintain_hosts_file(
+                client.clone(),
+                writer,
+                shutdown.subscribe(),
+            )),
+            tokio::spawn(storage::provision_volumes(
+                client.clone(),
+                volumes_dir(&config.dir),
+                shutdown.subscribe(),
+            )),
+        ];
         let mut names = Vec::new();
         for (i, spec) in config.nodes.iter().enumerate() {
             let ips = PodIpAllocator::new(config.first_node_index + i as u32)?;
@@ -116,6 +187,8 @@ impl ProcessRunner {
                 images: config.images.clone(),
                 dir: config.dir.clone(),
                 api_port: config.api_port,
+                hosts_file: hosts_path.clone(),
+                pod_env: defaults.env.clone(),
             });
             tasks.push(tokio::spawn(heartbeat(
                 client.clone(),
@@ -133,12 +206,18 @@ impl ProcessRunner {
             tasks,
             client,
             nodes: names,
+            hosts_file: hosts_path,
         })
     }
 
     /// Names of the nodes this runner serves.
     pub fn nodes(&self) -> &[String] {
         &self.nodes
+    }
+
+    /// The hosts file given to pods in `TANDEM_HOSTS_FILE`.
+    pub fn hosts_file(&self) -> &std::path::Path {
+        &self.hosts_file
     }
 
     /// Stops every pod process (SIGTERM, 5 s, SIGKILL) and the heartbeats, leaving API objects as
@@ -296,4 +375,28 @@ async fn on_apply(
     let (tx, rx) = mpsc::unbounded_channel();
     let handle = tokio::spawn(supervise(ctx.clone(), pod, rx, shutdown.clone()));
     pods.insert(uid, (tx, handle));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pod_env_specs() {
+        assert_eq!(
+            PodDefaults::parse_env("TANDEM_SIM_TPOT_MS=5"),
+            Some(("TANDEM_SIM_TPOT_MS".into(), "5".into()))
+        );
+        assert_eq!(
+            PodDefaults::parse_env("A=b=c"),
+            Some(("A".into(), "b=c".into()))
+        );
+        assert_eq!(
+            PodDefaults::parse_env("EMPTY="),
+            Some(("EMPTY".into(), String::new()))
+        );
+        for bad in ["", "=v", "NOEQ", "1X=v", "A-B=v", "A B=v"] {
+            assert_eq!(PodDefaults::parse_env(bad), None, "{bad:?}");
+        }
+    }
 }

@@ -6,9 +6,18 @@
 //! (`restartPolicy`, back-off 1 s doubling to 10 s), runs readiness probes, refreshes projected
 //! tokens at 80 % of their lifetime, and patches `pods/status` when it changed.
 //!
-//! Deletion (a `deletionTimestamp` appears): SIGTERM to every container's process group, up to the
-//! pod's `deletionGracePeriodSeconds` for them to exit, SIGKILL to what is left, then the pod is
-//! deleted with grace 0 (uid precondition) so the API object goes — the kubelet's sequence.
+//! Native sidecars (KEP-753: init containers with `restartPolicy: Always`) start in their place in
+//! the init sequence and the sequence moves on once they run; they are restarted whenever they exit
+//! (whatever the pod's policy), their readiness counts for the pod's, and they are stopped after
+//! the main containers — when all of those finished for good, or on deletion.
+//!
+//! Deletion (a `deletionTimestamp` appears): SIGTERM to the main containers' process groups, up to
+//! the pod's `deletionGracePeriodSeconds` for them to exit, then SIGTERM to the sidecars one by one
+//! in reverse order within what is left of the grace period, SIGKILL to what is left, then the pod
+//! is deleted with grace 0 (uid precondition) so the API object goes — the kubelet's sequence.
+//!
+//! `persistentVolumeClaim` volumes are the bound volume's directory ([`super::storage`]); every
+//! container gets `TANDEM_HOSTS_FILE` ([`super::hosts`]) and the runner's extra env.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::os::unix::process::ExitStatusExt;
@@ -26,10 +35,12 @@ use tokio::process::Child;
 use tokio::sync::{mpsc, watch};
 
 use super::env::{PodAddresses, PodSources, container_env, expand_all, referenced_objects};
+use super::hosts::HOSTS_FILE_ENV;
 use super::image::ImageTable;
 use super::pod_ip::PodIpAllocator;
 use super::probe::{ProbeState, run_probe};
 use super::status::{ConditionClock, ContainerRun, ContainerView, Exit, PodView, pod_status};
+use super::storage::claim_directory;
 use super::volumes::{ROOT_ENV, Tokens, link_mounts, plan_volume, token_needs, write_volume};
 use crate::pidfile::ProcessId;
 
@@ -60,6 +71,10 @@ pub(crate) struct NodeContext {
     pub dir: PathBuf,
     /// API server port on 127.0.0.1 (`KUBERNETES_SERVICE_PORT`).
     pub api_port: u16,
+    /// The runner's hosts file (`TANDEM_HOSTS_FILE`).
+    pub hosts_file: PathBuf,
+    /// Extra env for every container (`--pod-env`).
+    pub pod_env: Vec<(String, String)>,
 }
 
 struct Slot {
@@ -75,6 +90,8 @@ struct Slot {
     done: bool,
     /// Started at least once.
     ever_started: bool,
+    /// A native sidecar: an init container with `restartPolicy: Always`.
+    sidecar: bool,
 }
 
 struct TokenState {
@@ -131,6 +148,7 @@ pub(crate) async fn supervise(
         retry_at: None,
         done: false,
         ever_started: false,
+        sidecar: c.restart_policy.as_deref() == Some("Always"),
     };
     let mut sup = Supervisor {
         api: Api::namespaced(ctx.client.clone(), &ns),
@@ -219,8 +237,22 @@ impl Supervisor {
                 self.start_if_due(i, now);
             }
             self.probe(now).await;
+            if !self.app.is_empty() && self.app.iter().all(|s| s.done) {
+                // The main containers finished for good: the sidecars go too.
+                let grace = self.deletion_grace();
+                self.stop_sidecars(Instant::now() + grace).await;
+            }
         }
         self.publish().await;
+    }
+
+    /// Whether the init sequence is through: regular init containers succeeded, sidecars started.
+    fn initialized(&self) -> bool {
+        self.prepared
+            && self
+                .init
+                .iter()
+                .all(|s| s.done || (s.sidecar && s.ever_started))
     }
 
     fn restart_policy(&self) -> String {
@@ -231,11 +263,27 @@ impl Supervisor {
             .unwrap_or_else(|| "Always".into())
     }
 
-    /// Init containers one at a time; true when all succeeded.
+    /// Init containers one at a time; true when all succeeded (sidecars: started). Sidecars that
+    /// started are kept running: restarted with back-off whenever they exit.
     fn run_init(&mut self, now: Instant) -> bool {
         let policy = self.restart_policy();
         for i in 0..self.init.len() {
             if self.init[i].done {
+                continue;
+            }
+            if self.init[i].sidecar {
+                if let Some(exit) = try_reap(&mut self.init[i]) {
+                    tracing::info!(pod = %self.name, container = %self.init[i].spec.name, code = exit.exit_code, "sidecar exited");
+                    self.init[i].view.run = ContainerRun::Terminated(exit);
+                    schedule_restart(&mut self.init[i], now);
+                }
+                let slot = &self.init[i];
+                if slot.child.is_none() && slot.retry_at.is_none_or(|t| now >= t) {
+                    self.start_slot(true, i, now);
+                }
+                if !self.init[i].ever_started {
+                    return false;
+                }
                 continue;
             }
             if let Some(exit) = try_reap(&mut self.init[i]) {
@@ -360,7 +408,8 @@ impl Supervisor {
 
     async fn probe(&mut self, now: Instant) {
         let ip = IpAddr::V4(self.ip);
-        for slot in &mut self.app {
+        let sidecars = self.init.iter_mut().filter(|s| s.sidecar);
+        for slot in sidecars.chain(self.app.iter_mut()) {
             let ContainerRun::Running { started_at, .. } = slot.view.run else {
                 continue;
             };
@@ -382,7 +431,7 @@ impl Supervisor {
         if self.failed {
             return "Failed";
         }
-        if !self.prepared || self.init.iter().any(|s| !s.done) {
+        if !self.initialized() {
             return "Pending";
         }
         if !self.app.is_empty() && self.app.iter().all(|s| s.done) {
@@ -409,10 +458,15 @@ impl Supervisor {
             pod_ip: self.prepared.then_some(ip.as_str()),
             host_ip: &host,
             start_time: self.start_time,
-            initialized: self.prepared && self.init.iter().all(|s| s.done),
+            initialized: self.initialized(),
             sandbox_ready: self.prepared,
             init_containers: &init_views,
             containers: &app_views,
+            sidecars_ready: self
+                .init
+                .iter()
+                .filter(|s| s.sidecar)
+                .all(|s| s.view.ready()),
             message: None,
         };
         let status = pod_status(&view, &mut self.clock, Timestamp::now());
@@ -467,6 +521,14 @@ impl Supervisor {
             .and_then(|s| s.volumes.clone())
             .unwrap_or_default();
         for v in &volumes {
+            if let Some(claim) = &v.persistent_volume_claim {
+                let target = claim_directory(&self.ctx.client, &ns, &claim.claim_name)
+                    .await
+                    .map_err(|e| format!("volume {}: {e}", v.name))?;
+                link_volume(&self.volume_dir(&v.name), &target)
+                    .map_err(|e| format!("volume {}: {e}", v.name))?;
+                continue;
+            }
             let files =
                 plan_volume(&self.pod, v, &addrs, &sources, &tokens).map_err(|e| e.to_string())?;
             write_volume(&self.volume_dir(&v.name), files.as_deref()).map_err(|e| e.to_string())?;
@@ -519,12 +581,17 @@ impl Supervisor {
                 self.ctx.api_port.to_string(),
             ),
             (ROOT_ENV.to_owned(), root.display().to_string()),
+            (
+                HOSTS_FILE_ENV.to_owned(),
+                self.ctx.hosts_file.display().to_string(),
+            ),
         ];
         for pass in ["RUST_LOG", "RUST_BACKTRACE"] {
             if let Ok(v) = std::env::var(pass) {
                 env.push((pass.to_owned(), v));
             }
         }
+        env.extend(self.ctx.pod_env.iter().cloned());
         let sa_mount = format!("/{SERVICE_ACCOUNT_DIR}");
         if c.volume_mounts
             .iter()
@@ -650,31 +717,18 @@ impl Supervisor {
         Duration::from_secs(secs.max(0) as u64)
     }
 
-    /// SIGTERM to every process group, wait up to `grace`, SIGKILL the rest, reap all.
+    /// The kubelet's stop order: SIGTERM to the main (and running regular init) containers, wait
+    /// for them up to `grace`; then the sidecars in reverse order, each SIGTERMed and awaited in
+    /// turn within what is left of `grace`; SIGKILL whatever still runs at the deadline; reap all.
     async fn stop_processes(&mut self, grace: Duration) {
-        let slots = self.init.iter_mut().chain(self.app.iter_mut());
-        let mut live: Vec<&mut Slot> = slots.filter(|s| s.child.is_some()).collect();
-        for s in &live {
-            if let Some(id) = s.id {
-                id.signal(Signal::TERM, true);
-            }
-        }
         let deadline = Instant::now() + grace;
-        loop {
-            live.retain_mut(|s| try_reap(s).is_none());
-            if live.is_empty() || Instant::now() >= deadline {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        for s in live {
-            if let Some(id) = s.id {
-                id.signal(Signal::KILL, true);
-            }
-            if let Some(mut child) = s.child.take() {
-                let _ = child.wait().await;
-            }
-        }
+        let main = self
+            .init
+            .iter_mut()
+            .filter(|s| !s.sidecar)
+            .chain(self.app.iter_mut());
+        terminate(main.collect(), deadline).await;
+        self.stop_sidecars(deadline).await;
         for s in self.init.iter().chain(self.app.iter()) {
             let file = self
                 .ctx
@@ -682,6 +736,17 @@ impl Supervisor {
                 .join("pids")
                 .join(format!("{}-{}.pid", self.uid, s.spec.name));
             let _ = std::fs::remove_file(file);
+        }
+    }
+
+    /// Stops the sidecars for good, last declared first, each within `deadline`.
+    async fn stop_sidecars(&mut self, deadline: Instant) {
+        for s in self.init.iter_mut().rev().filter(|s| s.sidecar) {
+            s.done = true;
+            if s.child.is_some() {
+                tracing::info!(pod = %self.name, container = %s.spec.name, "stopping sidecar");
+                terminate(vec![s], deadline).await;
+            }
         }
     }
 
@@ -709,6 +774,52 @@ impl Supervisor {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
+}
+
+/// SIGTERM to each slot's process group, wait until they exited or `deadline`, SIGKILL the rest;
+/// every process is reaped and its state recorded.
+async fn terminate(mut live: Vec<&mut Slot>, deadline: Instant) {
+    live.retain(|s| s.child.is_some());
+    for s in &live {
+        if let Some(id) = s.id {
+            id.signal(Signal::TERM, true);
+        }
+    }
+    loop {
+        live.retain_mut(|s| match try_reap(s) {
+            Some(exit) => {
+                s.view.run = ContainerRun::Terminated(exit);
+                false
+            }
+            None => true,
+        });
+        if live.is_empty() || Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for s in live {
+        if let Some(id) = s.id {
+            id.signal(Signal::KILL, true);
+        }
+        if let Some(mut child) = s.child.take() {
+            let _ = child.wait().await;
+        }
+        s.id = None;
+    }
+}
+
+/// Makes `link` (a pod's volume dir) a symlink to `target` (a claim's directory).
+fn link_volume(link: &Path, target: &Path) -> std::io::Result<()> {
+    if let Some(parent) = link.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    match link.symlink_metadata() {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(link)?,
+        Ok(_) => std::fs::remove_file(link)?,
+        Err(_) => {}
+    }
+    std::os::unix::fs::symlink(target, link)
 }
 
 /// Takes the exit of a slot's process, if it ended.

@@ -137,13 +137,18 @@ pub struct PodView<'a> {
     pub init_containers: &'a [ContainerView],
     /// App containers' views.
     pub containers: &'a [ContainerView],
+    /// Every native sidecar (restartable init container) is running and ready; their readiness
+    /// counts for `ContainersReady`/`Ready` (KEP-753). `true` when there are none.
+    pub sidecars_ready: bool,
     /// A pod-level reason/message (e.g. a config error), if any.
     pub message: Option<(&'a str, &'a str)>,
 }
 
 /// Builds the status object to patch into `pods/status`.
 pub fn pod_status(view: &PodView<'_>, clock: &mut ConditionClock, now: Timestamp) -> PodStatus {
-    let all_ready = !view.containers.is_empty() && view.containers.iter().all(ContainerView::ready);
+    let all_ready = !view.containers.is_empty()
+        && view.containers.iter().all(ContainerView::ready)
+        && view.sidecars_ready;
     let mut cond = |kind: &'static str, value: bool| PodCondition {
         type_: kind.to_owned(),
         status: if value { "True" } else { "False" }.to_owned(),
@@ -295,6 +300,7 @@ mod tests {
             sandbox_ready: true,
             init_containers: &[],
             containers,
+            sidecars_ready: true,
             message: None,
         }
     }

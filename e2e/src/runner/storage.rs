@@ -1,0 +1,381 @@
+//! Local persistent volumes: the `tandem-e2e-local` StorageClass and its provisioner (INTERFACES §5).
+//!
+//! `cluster up` creates [`storage_class`], the cluster's default class (provisioner
+//! [`PROVISIONER`], `Immediate` binding, reclaim `Delete`). The runner plays the external
+//! provisioner: for every `Pending` claim of that class without a volume it creates a
+//! PersistentVolume ([`volume_for_claim`]) — a `hostPath` directory `<runner dir>/volumes/pvc-<uid>`
+//! pre-bound to the claim through `claimRef` — and kube-controller-manager's PV controller then binds
+//! the pair, exactly as with a CSI provisioner. When a claim is deleted the volume goes `Released`;
+//! the runner removes the directory (only one under its own dir) and the PersistentVolume
+//! ([`should_reclaim`]).
+//!
+//! Pods mount such a claim as that directory ([`claim_directory`]), so data outlives the pod: a
+//! StatefulSet pod deleted and recreated finds what it wrote (the L3 store's loadback after a rolling
+//! restart depends on it). Capacity is not enforced and `readOnly` is not honoured (no mount
+//! namespace); access modes are copied from the claim.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{
+    HostPathVolumeSource, ObjectReference, PersistentVolume, PersistentVolumeClaim,
+    PersistentVolumeSpec,
+};
+use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::api::{ObjectMeta, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client};
+use tokio::sync::watch;
+
+/// Name of the default StorageClass `cluster up` creates.
+pub const STORAGE_CLASS: &str = "tandem-e2e-local";
+/// Its provisioner name.
+pub const PROVISIONER: &str = "tandem.dev/e2e-local";
+/// Annotation the provisioner sets on volumes it made (the external-provisioner convention).
+pub const PROVISIONED_BY: &str = "pv.kubernetes.io/provisioned-by";
+/// Annotation marking the default StorageClass.
+pub const DEFAULT_CLASS_ANNOTATION: &str = "storageclass.kubernetes.io/is-default-class";
+
+/// Why a claim cannot be mounted (the pod waits with `CreateContainerConfigError` and retries).
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    /// The claim does not exist.
+    #[error("persistentvolumeclaim {0:?} not found")]
+    NotFound(String),
+    /// The claim has no volume yet.
+    #[error("persistentvolumeclaim {0:?} is not bound yet")]
+    NotBound(String),
+    /// Its volume is not a `hostPath` volume (nothing else exists on this machine).
+    #[error("persistentvolume {0:?} is not a hostPath volume")]
+    NotHostPath(String),
+    /// The API failed.
+    #[error("persistentvolumeclaim {claim:?}: {source}")]
+    Api {
+        /// The claim.
+        claim: String,
+        /// The API error.
+        source: kube::Error,
+    },
+    /// The directory could not be created.
+    #[error("{path}: {source}")]
+    Io {
+        /// The directory.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+}
+
+/// The default StorageClass of an e2e cluster.
+pub fn storage_class() -> StorageClass {
+    StorageClass {
+        metadata: ObjectMeta {
+            name: Some(STORAGE_CLASS.to_owned()),
+            annotations: Some(BTreeMap::from([(
+                DEFAULT_CLASS_ANNOTATION.to_owned(),
+                "true".to_owned(),
+            )])),
+            ..Default::default()
+        },
+        provisioner: PROVISIONER.to_owned(),
+        reclaim_policy: Some("Delete".to_owned()),
+        volume_binding_mode: Some("Immediate".to_owned()),
+        ..Default::default()
+    }
+}
+
+/// Whether the runner must provision a volume for `claim`: of our class, `Pending` (or no status
+/// yet), no `volumeName`, not being deleted.
+pub fn needs_volume(claim: &PersistentVolumeClaim) -> bool {
+    let Some(spec) = &claim.spec else {
+        return false;
+    };
+    let phase = claim.status.as_ref().and_then(|s| s.phase.as_deref());
+    spec.storage_class_name.as_deref() == Some(STORAGE_CLASS)
+        && spec.volume_name.as_deref().unwrap_or("").is_empty()
+        && matches!(phase, None | Some("Pending"))
+        && claim.metadata.deletion_timestamp.is_none()
+}
+
+/// The PersistentVolume for `claim`: `pvc-<claim uid>`, a `hostPath` directory under `volumes_dir`,
+/// capacity = the claim's storage request (1Gi if it has none), the claim's access modes and volume
+/// mode, reclaim `Delete`, pre-bound by `claimRef` (namespace, name, uid).
+pub fn volume_for_claim(claim: &PersistentVolumeClaim, volumes_dir: &Path) -> PersistentVolume {
+    let uid = claim.metadata.uid.clone().unwrap_or_default();
+    let name = format!("pvc-{uid}");
+    let spec = claim.spec.clone().unwrap_or_default();
+    let storage = spec
+        .resources
+        .as_ref()
+        .and_then(|r| r.requests.as_ref())
+        .and_then(|r| r.get("storage").cloned())
+        .unwrap_or_else(|| Quantity("1Gi".into()));
+    PersistentVolume {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            annotations: Some(BTreeMap::from([(
+                PROVISIONED_BY.to_owned(),
+                PROVISIONER.to_owned(),
+            )])),
+            ..Default::default()
+        },
+        spec: Some(PersistentVolumeSpec {
+            capacity: Some(BTreeMap::from([("storage".to_owned(), storage)])),
+            access_modes: spec
+                .access_modes
+                .clone()
+                .or_else(|| Some(vec!["ReadWriteOnce".into()])),
+            volume_mode: spec.volume_mode.clone(),
+            storage_class_name: Some(STORAGE_CLASS.to_owned()),
+            persistent_volume_reclaim_policy: Some("Delete".to_owned()),
+            host_path: Some(HostPathVolumeSource {
+                path: volumes_dir.join(&name).display().to_string(),
+                type_: Some("DirectoryOrCreate".to_owned()),
+            }),
+            claim_ref: Some(ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("PersistentVolumeClaim".into()),
+                namespace: claim.metadata.namespace.clone(),
+                name: claim.metadata.name.clone(),
+                uid: Some(uid),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// The directory of a volume this runner provisioned and may now delete: `Released` (its claim is
+/// gone), reclaim `Delete`, provisioned by us, its `hostPath` inside `volumes_dir`. `None` otherwise
+/// — a volume of another runner, or one whose path points elsewhere, is never touched.
+pub fn should_reclaim(volume: &PersistentVolume, volumes_dir: &Path) -> Option<PathBuf> {
+    let ours = volume
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(PROVISIONED_BY))
+        .is_some_and(|p| p == PROVISIONER);
+    let spec = volume.spec.as_ref()?;
+    let released = volume.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Released");
+    let delete = spec.persistent_volume_reclaim_policy.as_deref() == Some("Delete");
+    let path = PathBuf::from(&spec.host_path.as_ref()?.path);
+    let inside = path.parent() == Some(volumes_dir)
+        && path
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("pvc-"));
+    (ours && released && delete && inside).then_some(path)
+}
+
+/// The directory backing claim `claim` in `namespace`: its bound volume's `hostPath` (created if
+/// missing, `DirectoryOrCreate`).
+pub async fn claim_directory(
+    client: &Client,
+    namespace: &str,
+    claim: &str,
+) -> Result<PathBuf, ClaimError> {
+    let api_err = |source| ClaimError::Api {
+        claim: claim.to_owned(),
+        source,
+    };
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
+    let pvc = claims
+        .get_opt(claim)
+        .await
+        .map_err(api_err)?
+        .ok_or_else(|| ClaimError::NotFound(claim.to_owned()))?;
+    let bound = pvc.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
+    let volume = pvc
+        .spec
+        .as_ref()
+        .and_then(|s| s.volume_name.clone())
+        .filter(|v| !v.is_empty() && bound)
+        .ok_or_else(|| ClaimError::NotBound(claim.to_owned()))?;
+    let volumes: Api<PersistentVolume> = Api::all(client.clone());
+    let pv = volumes.get(&volume).await.map_err(api_err)?;
+    let path = pv
+        .spec
+        .and_then(|s| s.host_path)
+        .map(|h| PathBuf::from(h.path))
+        .ok_or(ClaimError::NotHostPath(volume))?;
+    std::fs::create_dir_all(&path).map_err(|source| ClaimError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    Ok(path)
+}
+
+/// The runner task: provisions volumes for new claims of [`STORAGE_CLASS`] and reclaims released
+/// ones under `volumes_dir`, until `shutdown` turns true.
+pub async fn provision_volumes(
+    client: Client,
+    volumes_dir: PathBuf,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let claims = watcher(
+        Api::<PersistentVolumeClaim>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .applied_objects()
+    .map(|r| r.map(|c| Work::Claim(Box::new(c))));
+    let volumes = watcher(
+        Api::<PersistentVolume>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .applied_objects()
+    .map(|r| r.map(|v| Work::Volume(Box::new(v))));
+    let events = futures::stream::select(claims, volumes);
+    futures::pin_mut!(events);
+    let pv_api: Api<PersistentVolume> = Api::all(client);
+    loop {
+        let ev = tokio::select! {
+            _ = shutdown.changed() => return,
+            ev = events.next() => ev,
+        };
+        match ev {
+            Some(Ok(Work::Claim(claim))) if needs_volume(&claim) => {
+                let pv = volume_for_claim(&claim, &volumes_dir);
+                match pv_api.create(&PostParams::default(), &pv).await {
+                    Ok(_) => tracing::info!(
+                        claim = ?claim.metadata.name,
+                        namespace = ?claim.metadata.namespace,
+                        volume = ?pv.metadata.name,
+                        "provisioned"
+                    ),
+                    Err(kube::Error::Api(s)) if s.code == 409 => {}
+                    Err(e) => tracing::warn!(claim = ?claim.metadata.name, "provisioning: {e}"),
+                }
+            }
+            Some(Ok(Work::Volume(pv))) => {
+                let Some(path) = should_reclaim(&pv, &volumes_dir) else {
+                    continue;
+                };
+                if let Err(e) = std::fs::remove_dir_all(&path)
+                    && e.kind() != std::io::ErrorKind::NotFound
+                {
+                    tracing::warn!(path = %path.display(), "reclaiming: {e}");
+                    continue;
+                }
+                let name = pv.metadata.name.clone().unwrap_or_default();
+                match pv_api.delete(&name, &Default::default()).await {
+                    Ok(_) => tracing::info!(volume = %name, "reclaimed"),
+                    Err(kube::Error::Api(s)) if s.code == 404 => {}
+                    Err(e) => tracing::warn!(volume = %name, "reclaiming: {e}"),
+                }
+            }
+            Some(Ok(_)) => {}
+            Some(Err(e)) => tracing::warn!("storage watch: {e}"),
+            None => return,
+        }
+    }
+}
+
+enum Work {
+    Claim(Box<PersistentVolumeClaim>),
+    Volume(Box<PersistentVolume>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn claim(class: &str, phase: Option<&str>, volume: Option<&str>) -> PersistentVolumeClaim {
+        serde_json::from_value(json!({
+            "metadata": {"name": "data", "namespace": "ns", "uid": "u-1"},
+            "spec": {"storageClassName": class, "volumeName": volume,
+                     "accessModes": ["ReadWriteOnce"],
+                     "resources": {"requests": {"storage": "2Gi"}}},
+            "status": {"phase": phase},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn only_pending_unbound_claims_of_our_class_get_a_volume() {
+        assert!(needs_volume(&claim(STORAGE_CLASS, Some("Pending"), None)));
+        assert!(needs_volume(&claim(STORAGE_CLASS, None, None)));
+        assert!(!needs_volume(&claim("other", Some("Pending"), None)));
+        assert!(!needs_volume(&claim(
+            STORAGE_CLASS,
+            Some("Bound"),
+            Some("pv")
+        )));
+        assert!(!needs_volume(&claim(
+            STORAGE_CLASS,
+            Some("Pending"),
+            Some("pv")
+        )));
+    }
+
+    #[test]
+    fn the_volume_is_pre_bound_to_the_claim_with_its_size_and_modes() {
+        let pv = volume_for_claim(
+            &claim(STORAGE_CLASS, Some("Pending"), None),
+            Path::new("/r/volumes"),
+        );
+        assert_eq!(pv.metadata.name.as_deref(), Some("pvc-u-1"));
+        let spec = pv.spec.unwrap();
+        assert_eq!(spec.capacity.unwrap()["storage"].0, "2Gi");
+        assert_eq!(spec.access_modes.unwrap(), ["ReadWriteOnce"]);
+        assert_eq!(spec.host_path.unwrap().path, "/r/volumes/pvc-u-1");
+        let r = spec.claim_ref.unwrap();
+        assert_eq!(
+            (r.namespace.as_deref(), r.name.as_deref(), r.uid.as_deref()),
+            (Some("ns"), Some("data"), Some("u-1"))
+        );
+        assert_eq!(spec.storage_class_name.as_deref(), Some(STORAGE_CLASS));
+    }
+
+    #[test]
+    fn only_our_released_volumes_inside_our_dir_are_reclaimed() {
+        let dir = Path::new("/r/volumes");
+        let mut pv = volume_for_claim(&claim(STORAGE_CLASS, None, None), dir);
+        assert_eq!(should_reclaim(&pv, dir), None, "no status: still in use");
+        pv.status = Some(serde_json::from_value(json!({"phase": "Released"})).unwrap());
+        assert_eq!(
+            should_reclaim(&pv, dir),
+            Some(PathBuf::from("/r/volumes/pvc-u-1"))
+        );
+        assert_eq!(
+            should_reclaim(&pv, Path::new("/other/volumes")),
+            None,
+            "another runner's volume"
+        );
+        let mut escaped = pv.clone();
+        escaped
+            .spec
+            .as_mut()
+            .unwrap()
+            .host_path
+            .as_mut()
+            .unwrap()
+            .path = "/etc".into();
+        assert_eq!(should_reclaim(&escaped, Path::new("/")), None);
+        let mut retained = pv.clone();
+        retained
+            .spec
+            .as_mut()
+            .unwrap()
+            .persistent_volume_reclaim_policy = Some("Retain".into());
+        assert_eq!(should_reclaim(&retained, dir), None);
+        let mut foreign = pv;
+        foreign.metadata.annotations = None;
+        assert_eq!(should_reclaim(&foreign, dir), None);
+    }
+
+    #[test]
+    fn the_class_is_the_default_and_binds_immediately() {
+        let c = storage_class();
+        assert_eq!(
+            c.metadata.annotations.unwrap()[DEFAULT_CLASS_ANNOTATION],
+            "true"
+        );
+        assert_eq!(c.provisioner, PROVISIONER);
+        assert_eq!(c.volume_binding_mode.as_deref(), Some("Immediate"));
+    }
+}

@@ -1,0 +1,475 @@
+//! The Helm chart `charts/tandem` with the real Helm and a real API server (issue 4).
+//!
+//! * `chart_lints_renders_and_rejects_bad_values` (no cluster): `helm lint --strict`; the committed
+//!   `manifests/install.yaml` equals a fresh rendering (`e2e/tools/render-install.sh`, drift
+//!   check); the values schema rejects `replicas: -1`, an unknown key and a foreign image name; the
+//!   template guards refuse two replicas without leader election and a ServiceMonitor on a cluster
+//!   without its API; values change what they should (PDB, namespace-scoped binding).
+//! * `chart_installs_with_least_privilege_rbac` (own cluster, ports + 4200, one runner node):
+//!   `helm install` creates the CRDs, ServiceAccount, RBAC and Deployment; `kubectl auth can-i` as
+//!   the operator's ServiceAccount says yes to everything INTERFACES §1 lists and no to what the
+//!   operator must not do (Secrets, CRDs, creating pods, nodes, other Leases, RBAC). When the
+//!   workspace's `tandem-operator` binary exists, the Deployment's pod runs it through the process
+//!   runner with the chart's ServiceAccount token and must become Ready and hold the Lease.
+//!
+//! Both skip (with a line saying why) when Helm / the control plane is not cached, unless
+//! `TANDEM_E2E_REQUIRE_CLUSTER` is set: then they build what is missing and must pass.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::ListParams;
+use tandem_e2e::cluster::build::{BinDir, BuildMode, ensure_binaries};
+use tandem_e2e::cluster::down::down;
+use tandem_e2e::cluster::up::{RunningCluster, up};
+use tandem_e2e::cluster::{ClusterConfig, ClusterError, Ports, client_for};
+use tandem_e2e::runner::image::{ImageTable, locate_binary};
+use tandem_e2e::runner::node::NodeSpecification;
+use tandem_e2e::runner::{ProcessRunner, RunnerConfig};
+
+const RELEASE_NS: &str = "tandem-system";
+const SA: &str = "system:serviceaccount:tandem-system:tandem-operator";
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+fn chart() -> PathBuf {
+    repo().join("charts/tandem")
+}
+
+fn required() -> bool {
+    std::env::var_os("TANDEM_E2E_REQUIRE_CLUSTER").is_some()
+}
+
+fn mode() -> BuildMode {
+    if required() {
+        BuildMode::BuildIfMissing
+    } else {
+        BuildMode::CachedOnly
+    }
+}
+
+/// Runs a tool; `Ok(stdout)` on success, `Err(stdout + stderr)` otherwise.
+fn run(program: &Path, args: &[&str], env: &[(&str, &Path)]) -> Result<String, String> {
+    let mut cmd = Command::new(program);
+    cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}", program.display()));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    if out.status.success() {
+        Ok(stdout)
+    } else {
+        Err(format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)))
+    }
+}
+
+fn template(helm: &Path, extra: &[&str]) -> Result<String, String> {
+    let chart = chart();
+    let mut args = vec![
+        "template",
+        "tandem",
+        chart.to_str().unwrap(),
+        "--namespace",
+        RELEASE_NS,
+    ];
+    args.extend_from_slice(extra);
+    run(helm, &args, &[])
+}
+
+#[tokio::test]
+async fn chart_lints_renders_and_rejects_bad_values() {
+    let bins = match ensure_binaries(mode()).await {
+        Ok(b) => b,
+        Err(ClusterError::NotBuilt) => {
+            println!("SKIPPED chart_lints_renders_and_rejects_bad_values: helm is not built");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let helm = bins.helm();
+    let chart = chart();
+    let lint = run(&helm, &["lint", "--strict", chart.to_str().unwrap()], &[]);
+    assert!(lint.is_ok(), "helm lint --strict: {lint:?}");
+
+    let drift = run(
+        Path::new("bash"),
+        &[
+            repo().join("e2e/tools/render-install.sh").to_str().unwrap(),
+            helm.to_str().unwrap(),
+        ],
+        &[("CHECK", Path::new("1"))],
+    );
+    assert!(
+        drift.is_ok(),
+        "manifests/install.yaml drifted from the chart (run e2e/tools/render-install.sh):\n{}",
+        drift.unwrap_err()
+    );
+
+    // The schema and the guards refuse bad values before anything is applied.
+    let refusals: [(&[&str], &str); 5] = [
+        (&["--set", "replicas=-1"], "replicas"),
+        (&["--set", "replicaCount=2"], "replicaCount"),
+        (
+            &["--set", "image.repository=ghcr.io/x/other-operator"],
+            "repository",
+        ),
+        (
+            &[
+                "--set",
+                "replicas=2",
+                "--set",
+                "leaderElection.enabled=false",
+            ],
+            "needs leaderElection.enabled=true",
+        ),
+        (
+            &["--set", "serviceMonitor.enabled=true"],
+            "no monitoring.coreos.com/v1 ServiceMonitor",
+        ),
+    ];
+    for (args, want) in refusals {
+        match template(&helm, args) {
+            Ok(_) => panic!("helm template {args:?} was accepted"),
+            Err(msg) => assert!(msg.contains(want), "{args:?}: {msg}"),
+        }
+    }
+
+    // Defaults: one replica, a PDB that never blocks a drain, a cluster-wide binding.
+    let default = template(&helm, &[]).unwrap();
+    assert!(default.contains("maxUnavailable: 1") && !default.contains("minAvailable"));
+    assert!(default.contains("kind: ClusterRoleBinding"));
+    assert!(default.contains("image: \"ghcr.io/tandem-serving/tandem-operator:0.1.0\""));
+    assert!(!default.contains("kind: ServiceMonitor"));
+    for never in [
+        "\"secrets\"",
+        "\"nodes\"",
+        "customresourcedefinitions",
+        "\"*\"",
+    ] {
+        assert!(
+            !default.contains(never),
+            "the operator is never granted {never}"
+        );
+    }
+    let ha = template(&helm, &["--set", "replicas=2"]).unwrap();
+    assert!(ha.contains("minAvailable: 1") && ha.contains("replicas: 2"));
+    let scoped = template(&helm, &["--set", "watchNamespace=serving"]).unwrap();
+    assert!(!scoped.contains("kind: ClusterRoleBinding"));
+    assert!(scoped.contains("--watch-namespace=serving"));
+    assert!(
+        scoped.contains(
+            "kind: RoleBinding\nmetadata:\n  name: tandem-operator\n  namespace: serving"
+        )
+    );
+    let monitored = template(
+        &helm,
+        &[
+            "--set",
+            "serviceMonitor.enabled=true",
+            "--api-versions",
+            "monitoring.coreos.com/v1/ServiceMonitor",
+        ],
+    )
+    .unwrap();
+    assert!(monitored.contains("kind: ServiceMonitor"));
+    let no_le = template(&helm, &["--set", "leaderElection.enabled=false"]).unwrap();
+    assert!(no_le.contains("--no-leader-election") && !no_le.contains("kind: Role\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chart_installs_with_least_privilege_rbac() {
+    let tmp = tempfile::Builder::new()
+        .prefix("tandem-e2e-chart")
+        .tempdir()
+        .unwrap();
+    let config = ClusterConfig {
+        state_dir: tmp.path().join("cluster"),
+        ports: Ports::with_offset(4200),
+        controller_manager: true,
+        scheduler: true,
+        kwok_nodes: 0,
+        kwok_gpus_per_node: 0,
+        build: mode(),
+    };
+    let cluster = match up(&config).await {
+        Ok(c) => c,
+        Err(ClusterError::NotBuilt) if !required() => {
+            println!("SKIPPED chart_installs_with_least_privilege_rbac: control plane not built");
+            return;
+        }
+        Err(e) => panic!("cluster up: {e}"),
+    };
+    let started = Instant::now();
+    let outcome = install_and_check(&cluster).await;
+    println!(
+        "install scenario took {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+    if outcome.is_err() {
+        let log = config.runner_dir();
+        println!("runner dir (pod logs): {}", log.display());
+    }
+    down(&config, false).await.expect("down");
+    if let Err(e) = outcome {
+        panic!("{e}");
+    }
+}
+
+async fn install_and_check(cluster: &RunningCluster) -> Result<(), String> {
+    let client = client_for(&cluster.kubeconfig)
+        .await
+        .map_err(|e| e.to_string())?;
+    let operator_bin = locate_binary("tandem-operator", "TANDEM_OPERATOR_BIN");
+    let runner = ProcessRunner::start(
+        client.clone(),
+        RunnerConfig {
+            nodes: vec![NodeSpecification {
+                name: "runner-0".into(),
+                gpus: 0,
+            }],
+            first_node_index: 0,
+            dir: cluster.config.runner_dir(),
+            images: ImageTable::tandem(),
+            api_port: cluster.config.ports.api,
+        },
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let result = async {
+        helm_install(cluster)?;
+        can_i_matrix(&cluster.bin_dir, &cluster.kubeconfig)?;
+        if operator_bin.is_file() {
+            operator_runs_under_its_service_account(&client).await
+        } else {
+            println!(
+                "NOTE: {} not built: the operator pod is not run (build it with \
+                 `cargo build -p tandem-operator` to include that check)",
+                operator_bin.display()
+            );
+            Ok(())
+        }
+    }
+    .await;
+    runner.shutdown(true).await;
+    result
+}
+
+fn helm_install(cluster: &RunningCluster) -> Result<(), String> {
+    let helm = cluster.bin_dir.helm();
+    let chart = chart();
+    let kc = cluster.kubeconfig.as_path();
+    let out = run(
+        &helm,
+        &[
+            "install",
+            "tandem",
+            chart.to_str().unwrap(),
+            "--namespace",
+            RELEASE_NS,
+            "--create-namespace",
+            "--set",
+            "logFormat=text",
+        ],
+        &[("KUBECONFIG", kc)],
+    )
+    .map_err(|e| format!("helm install: {e}"))?;
+    if !out.contains("STATUS: deployed") {
+        return Err(format!("helm install said:\n{out}"));
+    }
+    let kubectl = cluster.bin_dir.kubectl();
+    for object in [
+        "crd/cachetiers.serving.tandem.dev",
+        "crd/prefillpools.serving.tandem.dev",
+        "crd/decodepools.serving.tandem.dev",
+        "clusterrole/tandem-operator",
+        "clusterrolebinding/tandem-operator",
+    ] {
+        run(&kubectl, &["get", object], &[("KUBECONFIG", kc)])
+            .map_err(|e| format!("{object}: {e}"))?;
+    }
+    for object in [
+        "serviceaccount/tandem-operator",
+        "deployment/tandem-operator",
+        "role/tandem-operator-leader-election",
+        "rolebinding/tandem-operator-leader-election",
+        "service/tandem-operator-metrics",
+        "poddisruptionbudget/tandem-operator",
+    ] {
+        run(
+            &kubectl,
+            &["get", "-n", RELEASE_NS, object],
+            &[("KUBECONFIG", kc)],
+        )
+        .map_err(|e| format!("{object}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// `kubectl auth can-i --as <the operator's SA>`: every grant it needs, and none it must not have.
+fn can_i_matrix(bins: &BinDir, kubeconfig: &Path) -> Result<(), String> {
+    let yes: &[&[&str]] = &[
+        &["list", "decodepools.serving.tandem.dev", "-A"],
+        &["watch", "cachetiers.serving.tandem.dev", "-A"],
+        &["patch", "prefillpools.serving.tandem.dev", "-n", "serving"],
+        &[
+            "patch",
+            "decodepools.serving.tandem.dev",
+            "--subresource=status",
+            "-n",
+            "x",
+        ],
+        &[
+            "update",
+            "cachetiers.serving.tandem.dev",
+            "--subresource=finalizers",
+            "-n",
+            "x",
+        ],
+        &["create", "statefulsets.apps", "-n", "serving"],
+        &["delete", "statefulsets.apps", "-n", "serving"],
+        &[
+            "patch",
+            "statefulsets.apps",
+            "--subresource=scale",
+            "-n",
+            "serving",
+        ],
+        &["create", "services", "-n", "serving"],
+        &["update", "configmaps", "-n", "serving"],
+        &["delete", "pods", "-n", "serving"],
+        &["watch", "pods", "-A"],
+        &["delete", "persistentvolumeclaims", "-n", "serving"],
+        &["create", "events.events.k8s.io", "-n", "serving"],
+        &["create", "leases.coordination.k8s.io", "-n", RELEASE_NS],
+        &[
+            "update",
+            "leases.coordination.k8s.io/tandem-operator",
+            "-n",
+            RELEASE_NS,
+        ],
+    ];
+    let no: &[&[&str]] = &[
+        &["get", "secrets", "-n", RELEASE_NS],
+        &["list", "secrets", "-A"],
+        &["delete", "customresourcedefinitions.apiextensions.k8s.io"],
+        &["create", "customresourcedefinitions.apiextensions.k8s.io"],
+        &["create", "pods", "-n", "serving"],
+        &["list", "nodes"],
+        &["create", "decodepools.serving.tandem.dev", "-n", "serving"],
+        &["delete", "cachetiers.serving.tandem.dev", "-n", "serving"],
+        &[
+            "update",
+            "leases.coordination.k8s.io/other",
+            "-n",
+            RELEASE_NS,
+        ],
+        &["create", "leases.coordination.k8s.io", "-n", "serving"],
+        &["create", "clusterrolebindings.rbac.authorization.k8s.io"],
+        &["escalate", "clusterroles.rbac.authorization.k8s.io"],
+        &["create", "persistentvolumeclaims", "-n", "serving"],
+        &["create", "pods/exec", "-n", "serving"],
+    ];
+    let kubectl = bins.kubectl();
+    let ask = |args: &[&str]| -> String {
+        let mut full = vec!["auth", "can-i", "--as", SA];
+        full.extend_from_slice(args);
+        match run(&kubectl, &full, &[("KUBECONFIG", kubeconfig)]) {
+            Ok(s) | Err(s) => s.lines().next().unwrap_or("").trim().to_owned(),
+        }
+    };
+    let mut wrong = Vec::new();
+    for args in yes {
+        let a = ask(args);
+        if a != "yes" {
+            wrong.push(format!("want yes, got {a:?}: {args:?}"));
+        }
+    }
+    for args in no {
+        let a = ask(args);
+        if a != "no" {
+            wrong.push(format!("want no, got {a:?}: {args:?}"));
+        }
+    }
+    if wrong.is_empty() {
+        println!(
+            "RBAC: {} grants and {} refusals as {SA}",
+            yes.len(),
+            no.len()
+        );
+        Ok(())
+    } else {
+        Err(wrong.join("\n"))
+    }
+}
+
+/// The chart's Deployment runs the real operator (through the runner, with the chart's SA token):
+/// it becomes Ready and takes the leader-election Lease.
+async fn operator_runs_under_its_service_account(client: &kube::Client) -> Result<(), String> {
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), RELEASE_NS);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), RELEASE_NS);
+    let leases: Api<Lease> = Api::namespaced(client.clone(), RELEASE_NS);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let d = deployments
+            .get("tandem-operator")
+            .await
+            .map_err(|e| e.to_string())?;
+        let ready = d
+            .status
+            .as_ref()
+            .and_then(|s| s.ready_replicas)
+            .unwrap_or(0);
+        let holder = leases
+            .get_opt("tandem-operator")
+            .await
+            .ok()
+            .flatten()
+            .and_then(|l| l.spec?.holder_identity);
+        if ready >= 1
+            && let Some(holder) = &holder
+        {
+            let list = pods
+                .list(&ListParams::default().labels("app.kubernetes.io/name=tandem-operator"))
+                .await
+                .map_err(|e| e.to_string())?;
+            if list
+                .items
+                .iter()
+                .any(|p| p.metadata.name.as_deref() == Some(holder.as_str()))
+            {
+                println!("operator pod {holder} Ready and holding the Lease");
+                return Ok(());
+            }
+        }
+        if Instant::now() >= deadline {
+            let status = pods
+                .list(&ListParams::default())
+                .await
+                .map(|l| {
+                    l.items
+                        .into_iter()
+                        .map(|p| format!("{:?}: {:?}", p.metadata.name, p.status))
+                        .collect::<Vec<_>>()
+                })
+                .unwrap_or_default();
+            return Err(format!(
+                "operator not Ready with the Lease after 90 s (ready {ready}, lease holder \
+                 {holder:?}); pods: {status:?}"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
