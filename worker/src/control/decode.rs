@@ -125,6 +125,54 @@ struct Entry {
     pages: Vec<u32>,
     peer: String,
     done: Option<oneshot::Sender<Result<(), FailureCause>>>,
+    /// The receiver fence failed when the room completed: its pages go to quarantine, never to
+    /// the free list.
+    unfenced: bool,
+}
+
+/// A completed room's pages, held while the request decodes: the KV must stay resident while
+/// decoding reads it. [`KvLease::finish`] (decode ended) or [`KvLease::abort`] (e.g. the spec guard,
+/// DESIGN contract 8) returns them through the release gate of contract 3; dropping the lease
+/// finishes it, so no path forgets the pages.
+#[must_use = "dropping the lease frees the KV pages at once"]
+pub struct KvLease {
+    node: Arc<DecodeNode>,
+    key: RoomKey,
+    ended: bool,
+}
+
+impl KvLease {
+    /// The room whose pages are held.
+    pub fn key(&self) -> RoomKey {
+        self.key
+    }
+
+    /// Decoding ended normally: the pages return to the pool.
+    pub fn finish(mut self) {
+        self.ended = true;
+        self.node.finish(self.key);
+    }
+
+    /// Decoding was aborted for `cause`: the room fails through the release gate (a completed room
+    /// has no write that can still land, so its pages are freed at once).
+    pub fn abort(mut self, cause: FailureCause) {
+        self.ended = true;
+        self.node.fail(self.key, cause);
+    }
+}
+
+impl Drop for KvLease {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.node.finish(self.key);
+        }
+    }
+}
+
+impl std::fmt::Debug for KvLease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvLease").field("key", &self.key).finish()
+    }
 }
 
 #[derive(Default)]
@@ -402,7 +450,14 @@ impl DecodeNode {
         let keys: Vec<RoomKey> = lock(&self.state)
             .rooms
             .iter()
-            .filter(|(_, e)| e.peer == link.addr)
+            // A room whose writes all concluded is being decoded; the peer's death cannot touch it.
+            .filter(|(_, e)| {
+                e.peer == link.addr
+                    && !matches!(
+                        e.room.state(),
+                        ReceiverState::Success | ReceiverState::Committed
+                    )
+            })
             .map(|(k, _)| *k)
             .collect();
         for key in keys {
@@ -529,8 +584,12 @@ impl DecodeNode {
                         .map(|e| e.pages.clone())
                         .unwrap_or_default()
                 };
-                st.rooms.remove(&key);
-                st.free.extend(pages);
+                let unfenced = st.rooms.remove(&key).is_some_and(|e| e.unfenced);
+                if unfenced && !from_quarantine {
+                    st.quarantine.admit(key, pages, None, Instant::now());
+                } else {
+                    st.free.extend(pages);
+                }
                 self.receiver.forget_room(key.room);
             }
             GateVerdict::Quarantine => {
@@ -546,13 +605,36 @@ impl DecodeNode {
         }
     }
 
-    /// Transfers one request's KV from `link` within `deadline`; verifies every chunk on arrival.
+    /// Transfers one request's KV from `link` within `deadline`, verifies every chunk on arrival,
+    /// and returns the pages to the pool at once (a transfer-only client: tests and benches).
+    ///
+    /// # Errors
+    /// As [`DecodeNode::transfer_held`].
     pub async fn transfer(
         self: &Arc<Self>,
         link: &PrefillLink,
         request: pb::RequestSpec,
         deadline: Duration,
     ) -> Result<TransferOutcome, DecodeError> {
+        let (outcome, lease) = self.transfer_held(link, request, deadline).await?;
+        if let Some(lease) = lease {
+            lease.finish();
+        }
+        Ok(outcome)
+    }
+
+    /// Transfers one request's KV from `link` within `deadline` and verifies every chunk on
+    /// arrival. On [`TransferOutcome::Completed`] the pages stay held by the returned [`KvLease`]
+    /// for the decode that reads them; a failed room's pages follow the release gate.
+    ///
+    /// # Errors
+    /// [`DecodeError::NoPages`] when the pool cannot hold the prompt; the transfer never started.
+    pub async fn transfer_held(
+        self: &Arc<Self>,
+        link: &PrefillLink,
+        request: pb::RequestSpec,
+        deadline: Duration,
+    ) -> Result<(TransferOutcome, Option<KvLease>), DecodeError> {
         let layout = self.cfg.layout;
         let need = (request.input_tokens.max(1)).div_ceil(layout.page_tokens) as usize;
         let key = RoomKey::new(self.next_room.fetch_add(1, Ordering::Relaxed), 1);
@@ -576,6 +658,7 @@ impl DecodeNode {
                     pages: pages.clone(),
                     peer: link.addr.clone(),
                     done: Some(done_tx),
+                    unfenced: false,
                 },
             );
             pages
@@ -597,10 +680,13 @@ impl DecodeNode {
             Err(status) => {
                 tracing::warn!(%key, %status, "OpenRoom failed");
                 self.fail(key, FailureCause::TransferFailed);
-                return Ok(TransferOutcome::Failed {
-                    key,
-                    cause: FailureCause::TransferFailed,
-                });
+                return Ok((
+                    TransferOutcome::Failed {
+                        key,
+                        cause: FailureCause::TransferFailed,
+                    },
+                    None,
+                ));
             }
         };
         let result = tokio::time::timeout(deadline, done_rx).await;
@@ -610,38 +696,66 @@ impl DecodeNode {
                 if let Some(entry) = lock(&self.state).rooms.get_mut(&key) {
                     let _ = entry.room.commit();
                 }
-                // The simulated decode ends here. Every write of the room completed; the fence closes
-                // the room on the receiver before its pages return to the pool.
+                // Every write of the room completed; the fence closes the room on the receiver so
+                // that nothing lands in its pages while the request decodes. Without the fence the
+                // pages are quarantined when the lease ends.
                 let fenced = self
                     .receiver
                     .fence(key, Instant::now() + Duration::from_secs(1))
                     .is_ok();
-                let mut st = lock(&self.state);
-                if let Some(entry) = st.rooms.remove(&key) {
-                    if fenced {
-                        st.free.extend(entry.pages);
-                    } else {
-                        st.quarantine.admit(key, entry.pages, None, Instant::now());
-                    }
+                if let Some(entry) = lock(&self.state).rooms.get_mut(&key) {
+                    entry.unfenced = !fenced;
                 }
-                drop(st);
-                self.receiver.forget_room(key.room);
-                Ok(TransferOutcome::Completed {
+                let lease = KvLease {
+                    node: self.clone(),
                     key,
-                    corrupt_chunks: corrupt,
-                    hits,
-                    kv_bytes: layout.page_bytes() * pages.len() as u64,
-                })
+                    ended: false,
+                };
+                Ok((
+                    TransferOutcome::Completed {
+                        key,
+                        corrupt_chunks: corrupt,
+                        hits,
+                        kv_bytes: layout.page_bytes() * pages.len() as u64,
+                    },
+                    Some(lease),
+                ))
             }
-            Ok(Ok(Err(cause))) => Ok(TransferOutcome::Failed { key, cause }),
+            Ok(Ok(Err(cause))) => Ok((TransferOutcome::Failed { key, cause }, None)),
             Ok(Err(_)) | Err(_) => {
                 self.fail(key, FailureCause::Timeout);
-                Ok(TransferOutcome::Failed {
-                    key,
-                    cause: FailureCause::Timeout,
-                })
+                Ok((
+                    TransferOutcome::Failed {
+                        key,
+                        cause: FailureCause::Timeout,
+                    },
+                    None,
+                ))
             }
         }
+    }
+
+    /// Ends a completed room after its decode: its pages return to the pool (to quarantine when
+    /// the receiver fence failed at completion). A room that failed meanwhile follows the gate
+    /// instead; an unknown room is ignored.
+    fn finish(&self, key: RoomKey) {
+        let mut st = lock(&self.state);
+        let committed = st
+            .rooms
+            .get(&key)
+            .is_some_and(|e| e.room.state() == ReceiverState::Committed);
+        if !committed {
+            return;
+        }
+        if let Some(entry) = st.rooms.remove(&key) {
+            if entry.unfenced {
+                st.quarantine.admit(key, entry.pages, None, Instant::now());
+            } else {
+                st.free.extend(entry.pages);
+            }
+        }
+        drop(st);
+        self.receiver.forget_room(key.room);
     }
 
     /// Verifies every chunk of a request's pages; returns the number of bad chunks.

@@ -1,8 +1,10 @@
 //! The serving counters of one worker: one set of monotonic `u64`s, exported both as the
 //! `counters` object of `/report` (INTERFACES §4, exact names) and as Prometheus counters
-//! `tandem_<name>_total` on `/metrics`.
+//! `tandem_<name>_total` on `/metrics`; plus [`ReasonCounters`], counters labelled by a reason code
+//! (`tandem_<name>_total{reason="…"}`).
 
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 
 macro_rules! counters {
@@ -66,6 +68,45 @@ counters! {
     peer_revision_refusals,
     /// Requests refused at admission (not ready, draining, no peer, capacity).
     requests_refused,
+    /// Decode attempts aborted by the speculative-decoding guard (DESIGN contract 8).
+    spec_guard_aborts,
+    /// Attempts retried on another prefill peer after a spec-guard abort.
+    spec_guard_retries,
+}
+
+type ReasonFamily = Family<Vec<(String, String)>, Counter>;
+
+/// Counters labelled by a stable reason code; cheap to clone (clones share their values).
+#[derive(Debug, Clone, Default)]
+pub struct ReasonCounters {
+    /// Spec-guard anomalies by reason (`low_accept_length`, `high_accept_rate`): Prometheus
+    /// `tandem_spec_guard_anomalies_total{reason}`.
+    pub spec_guard_anomalies: ReasonFamily,
+}
+
+fn reason(code: &str) -> Vec<(String, String)> {
+    vec![("reason".to_owned(), code.to_owned())]
+}
+
+impl ReasonCounters {
+    /// Counts one spec-guard anomaly of `code`.
+    pub fn spec_guard_anomaly(&self, code: &str) {
+        self.spec_guard_anomalies.get_or_create(&reason(code)).inc();
+    }
+
+    /// Spec-guard anomalies of `code` so far.
+    pub fn spec_guard_anomalies_of(&self, code: &str) -> u64 {
+        self.spec_guard_anomalies.get_or_create(&reason(code)).get()
+    }
+
+    /// Registers every family as `tandem_<name>` (the text encoder appends `_total`).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "tandem_spec_guard_anomalies",
+            "spec_guard anomalies by reason",
+            self.spec_guard_anomalies.clone(),
+        );
+    }
 }
 
 /// Sets a counter that mirrors a monotonic source (e.g. a node's own atomic) to `value`; a smaller
@@ -113,5 +154,18 @@ mod tests {
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
         assert!(text.contains("tandem_requests_ok_total 1"), "{text}");
+
+        let r = ReasonCounters::default();
+        r.spec_guard_anomaly("low_accept_length");
+        r.spec_guard_anomaly("low_accept_length");
+        assert_eq!(r.spec_guard_anomalies_of("low_accept_length"), 2);
+        let mut reg = Registry::default();
+        r.register(&mut reg);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
+        assert!(
+            text.contains(r#"tandem_spec_guard_anomalies_total{reason="low_accept_length"} 2"#),
+            "{text}"
+        );
     }
 }

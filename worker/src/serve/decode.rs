@@ -5,16 +5,31 @@
 //! prompt's pages, receive and verify the KV within the KV deadline (past it the room aborts
 //! through the release protocol — seed 004), and, when the peer fails mid-request, retry on another
 //! peer within the retry budget. Pages return to the pool only through the release gate of
-//! [`DecodeNode`]. Token generation is simulated at `TANDEM_SIM_TPOT_MS` per step
-//! ([`DecodeEngine::decode_plan`]); with `speculative` set, each step emits a simulated accept
-//! length of `1..=draftTokens+1` tokens.
+//! [`DecodeNode`]; a request's pages stay held (a [`KvLease`]) until its last token is generated or
+//! its decode is aborted. Token generation is simulated at `TANDEM_SIM_TPOT_MS` per step
+//! ([`DecodeEngine::decode_plan`]); with `speculative` set, each step is a verification step of
+//! `draftTokens` draft tokens whose leading tokens are accepted with probability 0.8 each, so a
+//! step emits `1..=draftTokens+1` tokens.
+//!
+//! The speculative-decoding anomaly guard (DESIGN contract 8, seed 004; [`crate::spec_guard`]):
+//! with `speculative` and `specGuard` set, every verification step of an attempt is fed to a
+//! [`SpecGuard`] before its tokens are emitted. An anomaly (mean accept length below
+//! `minAcceptLength`, or accept rate above `maxAcceptRate`, after `afterTokens` tokens) means the
+//! draft/target KV state is corrupt and the output garbage: the attempt's pages are released through
+//! the release gate (contract 3, cause `SpecGuard`), `spec_guard_aborts` and
+//! `tandem_spec_guard_anomalies_total{reason}` count it, and the request is retried (fresh KV from
+//! another prefill peer when there is one, fresh decode) within `specGuard.retryBudget`
+//! (`spec_guard_retries`). Beyond the budget the client gets 503 `spec_guard_anomaly`. A streamed
+//! response cannot take back the tokens it already sent: it ends with an error event of the same
+//! code and no `[DONE]`, and the client retries elsewhere. `TANDEM_SIM_SPEC_FAULT` (test-only, see
+//! [`super::sim`]) makes the simulated draft anomalous.
+//!
+//! `/report` adds `peers`, `refused_peers`, `kv_pages` `{free, held, quarantined}` (pages of the
+//! receive region) and `spec_guard` `{enabled, anomalies_by_reason}` to INTERFACES §4.
 //!
 //! Readiness: ready only while at least one same-revision prefill peer is connected; `/report`
 //! says why not otherwise. Drain (SIGTERM): readiness 503 at once, new requests 503, in-flight
 //! requests finish until the grace deadline.
-//!
-//! The speculative-decoding anomaly guard (DESIGN contract 8) is not applied: no guard module
-//! exists in this crate yet; `specGuard` is read and reported only.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -28,12 +43,13 @@ use super::front_door;
 use super::health::{ServeState, router, spawn_http};
 use super::peers::{PeerSet, PeerTarget};
 use super::resolve::Resolver;
-use super::sim::{SimKnobs, region_pages};
+use super::sim::{SimKnobs, SpecFaultMode, region_pages};
 use super::{ServeError, pod_ip};
-use crate::config::WorkerConfig;
-use crate::control::decode::{DecodeConfig, DecodeError, DecodeNode, TransferOutcome};
+use crate::config::{self, WorkerConfig};
+use crate::control::decode::{DecodeConfig, DecodeError, DecodeNode, KvLease, TransferOutcome};
 use crate::control::pb;
 use crate::room::receiver::{FailureCause, GateMode};
+use crate::spec_guard::{Anomaly, AnomalyReason, SpecGuard, Thresholds, Verdict};
 
 /// Process-level options (the config decides the rest).
 #[derive(Debug, Clone)]
@@ -122,13 +138,125 @@ pub struct Prefilled {
     pub retries: u32,
 }
 
+/// One step of the simulated decode (one TPOT).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeStep {
+    /// Tokens emitted.
+    pub tokens: u32,
+    /// Draft tokens proposed (0 without speculation).
+    pub proposed: u32,
+    /// Draft tokens accepted (`tokens - 1` with speculation, 0 without).
+    pub accepted: u32,
+}
+
 /// The simulated decode of one request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DecodePlan {
-    /// Tokens emitted per step (each step takes one TPOT); sums to the requested tokens.
-    pub steps: Vec<u32>,
-    /// Mean accepted tokens per step with speculation, 0.0 without.
+    /// The steps; their tokens sum to the requested tokens.
+    pub steps: Vec<DecodeStep>,
+    /// Mean tokens per step with speculation, 0.0 without.
     pub accept_length: f64,
+}
+
+/// One attempt's decode: the plan's steps, each judged by the spec guard (when there is one)
+/// before its tokens are emitted.
+#[derive(Debug)]
+pub struct Decoding {
+    steps: std::vec::IntoIter<DecodeStep>,
+    guard: Option<SpecGuard>,
+    tokens: u64,
+    emitted_steps: u64,
+    proposed: u64,
+    accepted: u64,
+}
+
+impl Decoding {
+    /// The steps of `plan`, judged by `guard`.
+    pub fn new(plan: DecodePlan, guard: Option<SpecGuard>) -> Self {
+        Self {
+            steps: plan.steps.into_iter(),
+            guard,
+            tokens: 0,
+            emitted_steps: 0,
+            proposed: 0,
+            accepted: 0,
+        }
+    }
+
+    /// The next step's tokens to emit: `Ok(None)` when the plan is done.
+    ///
+    /// # Errors
+    /// The guard's [`Anomaly`]: the step's tokens must not be emitted and the attempt ends.
+    pub fn next_step(&mut self) -> Result<Option<u32>, Anomaly> {
+        let Some(step) = self.steps.next() else {
+            return Ok(None);
+        };
+        if step.proposed > 0
+            && let Some(g) = self.guard.as_mut()
+        {
+            match g.observe(step.proposed, step.accepted) {
+                Ok(Verdict::Anomaly(a)) => return Err(a),
+                Ok(_) => {}
+                Err(e) => tracing::error!(error = %e, "malformed simulated verification step"),
+            }
+        }
+        self.tokens += u64::from(step.tokens);
+        self.emitted_steps += 1;
+        self.proposed += u64::from(step.proposed);
+        self.accepted += u64::from(step.accepted);
+        Ok(Some(step.tokens))
+    }
+
+    /// Mean tokens per speculative step emitted so far; 0.0 without speculation.
+    pub fn accept_length(&self) -> f64 {
+        if self.proposed == 0 {
+            0.0
+        } else {
+            self.tokens as f64 / self.emitted_steps as f64
+        }
+    }
+
+    /// Accepted / proposed draft tokens so far; 0.0 without speculation.
+    pub fn accept_rate(&self) -> f64 {
+        if self.proposed == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.proposed as f64
+        }
+    }
+}
+
+/// What the spec guard did for one request: the `tandem.spec_guard` field of the final response
+/// or of the error.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GuardReport {
+    /// Whether the guard judged this request (speculative decoding and `specGuard` configured).
+    pub enabled: bool,
+    /// Each aborted attempt's anomaly and the prefill peer whose KV it decoded.
+    pub anomalies: Vec<(Anomaly, String)>,
+    /// Attempts retried after an anomaly.
+    pub retries: u32,
+}
+
+impl GuardReport {
+    /// The JSON form: `{"enabled","aborts","retries","anomalies":[{"reason","accept_length",
+    /// "accept_rate","tokens","prefill_worker"}]}`.
+    pub fn json(&self) -> serde_json::Value {
+        let anomalies: Vec<serde_json::Value> = self
+            .anomalies
+            .iter()
+            .map(|(a, peer)| {
+                serde_json::json!({
+                    "reason": a.reason.code(), "accept_length": a.accept_length,
+                    "accept_rate": a.accept_rate, "tokens": a.tokens, "prefill_worker": peer,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "enabled": self.enabled, "aborts": self.anomalies.len(), "retries": self.retries,
+            "anomalies": anomalies,
+        })
+    }
 }
 
 /// What the front door needs of the decode worker.
@@ -148,6 +276,7 @@ pub struct DecodeEngine {
     inflight: Arc<Semaphore>,
     max_inflight: usize,
     draft_tokens: Option<u32>,
+    spec_guard: Option<config::SpecGuard>,
     kv_deadline: Duration,
     retry_budget: u32,
     next_request: AtomicU64,
@@ -161,24 +290,54 @@ fn splitmix(state: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// Per-mille chance that the target accepts a draft token: 800 healthy (accept length
+/// ≈ 3.4 and accept rate ≈ 0.59 with 4 draft tokens), 50 under an injected `low_accept` fault
+/// (accept length ≈ 1.05), 1000 under `high_accept` (accept rate 1).
+fn accept_per_mille(fault: Option<SpecFaultMode>) -> u64 {
+    match fault {
+        None => 800,
+        Some(SpecFaultMode::LowAccept) => 50,
+        Some(SpecFaultMode::HighAccept) => 1000,
+    }
+}
+
 /// Steps of a simulated decode of `tokens` tokens: one token per step without speculation, else
-/// an accept length drawn uniformly from `1..=draft_tokens+1` per step (deterministic in `seed`),
-/// the last step cut to the tokens left.
-pub fn decode_plan(tokens: u32, draft_tokens: Option<u32>, seed: u64) -> DecodePlan {
-    let Some(draft) = draft_tokens else {
+/// verification steps of `draft_tokens` draft tokens whose leading tokens are each accepted with
+/// a fixed chance (skewed by an injected `fault`), emitting the accepted tokens plus one;
+/// deterministic in `seed`, the last step cut to the tokens left.
+pub fn decode_plan(
+    tokens: u32,
+    draft_tokens: Option<u32>,
+    seed: u64,
+    fault: Option<SpecFaultMode>,
+) -> DecodePlan {
+    let Some(draft) = draft_tokens.map(|d| d.max(1)) else {
+        let one = DecodeStep {
+            tokens: 1,
+            proposed: 0,
+            accepted: 0,
+        };
         return DecodePlan {
-            steps: vec![1; tokens as usize],
+            steps: vec![one; tokens as usize],
             accept_length: 0.0,
         };
     };
+    let chance = accept_per_mille(fault);
     let mut state = seed;
     let mut left = tokens;
     let mut steps = Vec::new();
     while left > 0 {
-        let a = 1 + (splitmix(&mut state) % (u64::from(draft) + 1)) as u32;
-        let a = a.min(left);
-        steps.push(a);
-        left -= a;
+        let mut accepted = 0;
+        while accepted < draft && splitmix(&mut state) % 1000 < chance {
+            accepted += 1;
+        }
+        let emitted = (accepted + 1).min(left);
+        steps.push(DecodeStep {
+            tokens: emitted,
+            proposed: draft,
+            accepted: emitted - 1,
+        });
+        left -= emitted;
     }
     let accept_length = if steps.is_empty() {
         0.0
@@ -216,13 +375,60 @@ impl DecodeEngine {
         self.next_request.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// The simulated decode of a request.
-    pub fn decode_plan(&self, request_id: u64, tokens: u32) -> DecodePlan {
-        decode_plan(tokens, self.draft_tokens, request_id)
+    /// The simulated decode of attempt `attempt` (0 = the first) of a request.
+    pub fn decode_plan(&self, request_id: u64, attempt: u32, tokens: u32) -> DecodePlan {
+        let fault = self
+            .knobs
+            .spec_fault
+            .filter(|f| f.applies_to(attempt))
+            .map(|f| f.mode);
+        let seed = request_id ^ (u64::from(attempt) << 48);
+        decode_plan(tokens, self.draft_tokens, seed, fault)
     }
 
-    /// Receives the KV of a prompt from a same-revision prefill peer, retrying on another peer
-    /// when one fails (within the retry budget).
+    /// Whether the spec guard judges requests (speculative decoding and `specGuard` configured).
+    pub fn spec_guard_enabled(&self) -> bool {
+        self.spec_guard.is_some()
+    }
+
+    /// Retries after a spec-guard abort (`specGuard.retryBudget`; 0 without a guard).
+    pub fn spec_retry_budget(&self) -> u32 {
+        self.spec_guard.as_ref().map_or(0, |g| g.retry_budget)
+    }
+
+    /// One attempt's decode of `tokens` tokens, judged by a fresh guard when enabled.
+    pub fn decoding(&self, request_id: u64, attempt: u32, tokens: u32) -> Decoding {
+        let guard = self
+            .spec_guard
+            .as_ref()
+            .map(|g| SpecGuard::new(Thresholds::from(g)));
+        Decoding::new(self.decode_plan(request_id, attempt, tokens), guard)
+    }
+
+    /// Aborts an attempt the spec guard judged anomalous: the pages go back through the release
+    /// gate (cause `SpecGuard`), and the abort is counted by reason and logged.
+    pub fn spec_abort(&self, request_id: u64, lease: KvLease, anomaly: &Anomaly, peer: &str) {
+        tracing::warn!(
+            request_id,
+            room = %lease.key(),
+            reason = anomaly.reason.code(),
+            accept_length = anomaly.accept_length,
+            accept_rate = anomaly.accept_rate,
+            tokens = anomaly.tokens,
+            prefill_worker = peer,
+            "spec guard: decode aborted"
+        );
+        lease.abort(FailureCause::SpecGuard);
+        self.state.counters.spec_guard_aborts.inc();
+        self.state
+            .by_reason
+            .spec_guard_anomaly(anomaly.reason.code());
+    }
+
+    /// Receives the KV of a prompt from a same-revision prefill peer, preferring peers not in
+    /// `avoid` (those whose KV an aborted attempt decoded), retrying on another peer when one
+    /// fails (within the retry budget). The pages stay held by the returned [`KvLease`] until
+    /// the decode ends.
     ///
     /// # Errors
     /// [`RequestError`]: no peer, capacity (no free pages), timeout (room aborted), or every
@@ -233,7 +439,8 @@ impl DecodeEngine {
         input_tokens: u32,
         output_tokens: u32,
         kv_block_hashes: Vec<u64>,
-    ) -> Result<Prefilled, RequestError> {
+        avoid: &[String],
+    ) -> Result<(Prefilled, KvLease), RequestError> {
         let spec = pb::RequestSpec {
             request_id,
             input_tokens: input_tokens.max(1),
@@ -244,7 +451,12 @@ impl DecodeEngine {
         let mut tried: Vec<String> = Vec::new();
         let mut last_error = None;
         for attempt in 0..=self.retry_budget {
-            let Some(link) = self.peers.pick(&tried) else {
+            let shunned: Vec<String> = tried.iter().chain(avoid).cloned().collect();
+            let Some(link) = self
+                .peers
+                .pick(&shunned)
+                .or_else(|| self.peers.pick(&tried))
+            else {
                 break;
             };
             if attempt > 0 {
@@ -254,26 +466,34 @@ impl DecodeEngine {
             tried.push(link.addr().to_owned());
             match self
                 .node
-                .transfer(&link, spec.clone(), self.kv_deadline)
+                .transfer_held(&link, spec.clone(), self.kv_deadline)
                 .await
             {
-                Ok(TransferOutcome::Completed {
-                    corrupt_chunks,
-                    hits,
-                    kv_bytes,
-                    ..
-                }) => {
+                Ok((
+                    TransferOutcome::Completed {
+                        corrupt_chunks,
+                        hits,
+                        kv_bytes,
+                        ..
+                    },
+                    Some(lease),
+                )) => {
                     c.kv_bytes_received.inc_by(kv_bytes);
                     c.corrupt_pages_read.inc_by(corrupt_chunks);
-                    return Ok(Prefilled {
+                    let prefilled = Prefilled {
                         hits,
                         kv_bytes,
                         corrupt_chunks,
                         peer: link.addr().to_owned(),
                         retries: attempt,
-                    });
+                    };
+                    return Ok((prefilled, lease));
                 }
-                Ok(TransferOutcome::Failed { key, cause }) => {
+                Ok((TransferOutcome::Completed { key, .. }, None)) => {
+                    // transfer_held always leases a completed room; never reached.
+                    last_error = Some(format!("room {key} completed without a lease"));
+                }
+                Ok((TransferOutcome::Failed { key, cause }, _)) => {
                     c.rooms_aborted.inc();
                     tracing::warn!(request_id, %key, ?cause, peer = %link.addr(), "room failed");
                     if cause == FailureCause::Timeout {
@@ -370,6 +590,20 @@ impl DecodeServer {
             Resolver::from_env(),
             state.counters.clone(),
         );
+        let spec_guard = match (&cfg.speculative, &cfg.spec_guard) {
+            (Some(_), Some(g)) => Some(g.clone()),
+            (None, Some(_)) => {
+                tracing::warn!("specGuard is set without speculative decoding: nothing to guard");
+                None
+            }
+            (_, None) => None,
+        };
+        if cfg.speculative.is_some() && spec_guard.is_none() {
+            tracing::warn!(
+                "speculative decoding without specGuard: corrupt KV state goes undetected \
+                 (DESIGN contract 8)"
+            );
+        }
         let engine = Arc::new(DecodeEngine {
             state: state.clone(),
             model: cfg.model.name.clone(),
@@ -381,6 +615,7 @@ impl DecodeServer {
             inflight: Arc::new(Semaphore::new(opts.max_inflight.max(1))),
             max_inflight: opts.max_inflight.max(1),
             draft_tokens: cfg.speculative.as_ref().map(|s| s.draft_tokens.max(1)),
+            spec_guard,
             kv_deadline: opts.kv_deadline,
             retry_budget: opts.retry_budget,
             next_request: AtomicU64::new(1),
@@ -392,10 +627,28 @@ impl DecodeServer {
             mirror(&c.pages_quarantined, n.pages().quarantined as u64);
         });
         let p = peers.clone();
+        let (st, guarded, n) = (state.clone(), engine.spec_guard_enabled(), node.clone());
         state.set_extra(move || {
             let mut m = serde_json::Map::new();
+            let pages = n.pages();
+            m.insert(
+                "kv_pages".into(),
+                serde_json::json!({"free": pages.free, "held": pages.held,
+                    "quarantined": pages.quarantined}),
+            );
             m.insert("peers".into(), serde_json::json!(p.addrs()));
             m.insert("refused_peers".into(), serde_json::json!(p.refused()));
+            let by_reason: serde_json::Map<String, serde_json::Value> = AnomalyReason::ALL
+                .iter()
+                .map(|r| {
+                    let n = st.by_reason.spec_guard_anomalies_of(r.code());
+                    (r.code().to_owned(), serde_json::json!(n))
+                })
+                .collect();
+            m.insert(
+                "spec_guard".into(),
+                serde_json::json!({"enabled": guarded, "anomalies_by_reason": by_reason}),
+            );
             m
         });
         let (health_addr, http) = spawn_http(
@@ -459,17 +712,60 @@ mod tests {
 
     #[test]
     fn plans_cover_the_tokens() {
-        let p = decode_plan(7, None, 1);
-        assert_eq!(p.steps, vec![1; 7]);
+        let p = decode_plan(7, None, 1, None);
+        assert!(p.steps.iter().all(|s| s.tokens == 1 && s.proposed == 0));
+        assert_eq!(p.steps.len(), 7);
         assert!(p.accept_length.abs() < f64::EPSILON);
-        let s = decode_plan(200, Some(4), 9);
-        assert_eq!(s.steps.iter().sum::<u32>(), 200);
-        assert!(s.steps.iter().all(|a| (1..=5).contains(a)));
+        let s = decode_plan(200, Some(4), 9, None);
+        assert_eq!(s.steps.iter().map(|s| s.tokens).sum::<u32>(), 200);
         assert!(
-            s.accept_length > 1.5 && s.accept_length < 4.5,
+            s.steps
+                .iter()
+                .all(|s| (1..=5).contains(&s.tokens) && s.accepted == s.tokens - 1)
+        );
+        assert!(
+            s.accept_length > 2.5 && s.accept_length < 4.5,
             "{}",
             s.accept_length
         );
-        assert_eq!(decode_plan(200, Some(4), 9), s, "deterministic");
+        assert_eq!(decode_plan(200, Some(4), 9, None), s, "deterministic");
+    }
+
+    fn judge(plan: DecodePlan) -> Result<u64, Anomaly> {
+        let mut d = Decoding::new(plan, Some(SpecGuard::new(Thresholds::SEED_004)));
+        let mut tokens = 0;
+        while let Some(n) = d.next_step()? {
+            tokens += u64::from(n);
+        }
+        Ok(tokens)
+    }
+
+    #[test]
+    fn healthy_plans_pass_the_seed_004_guard_and_faulty_ones_trip_it() {
+        use crate::spec_guard::AnomalyReason;
+        for seed in 0..50 {
+            for draft in [1, 2, 4, 8] {
+                let healthy = decode_plan(512, Some(draft), seed, None);
+                assert_eq!(judge(healthy), Ok(512), "seed {seed} draft {draft}");
+                let low = decode_plan(512, Some(draft), seed, Some(SpecFaultMode::LowAccept));
+                let a = judge(low).unwrap_err();
+                assert_eq!(a.reason, AnomalyReason::LowAcceptLength);
+                assert!(a.tokens >= 128 && a.tokens < 140, "{a:?}");
+                let high = decode_plan(512, Some(draft), seed, Some(SpecFaultMode::HighAccept));
+                assert_eq!(
+                    judge(high).unwrap_err().reason,
+                    AnomalyReason::HighAcceptRate
+                );
+            }
+        }
+        // Without a guard the faulty plan streams every token.
+        let low = decode_plan(512, Some(4), 3, Some(SpecFaultMode::LowAccept));
+        let mut d = Decoding::new(low, None);
+        let mut tokens = 0;
+        while let Some(n) = d.next_step().unwrap() {
+            tokens += n;
+        }
+        assert_eq!(tokens, 512);
+        assert!(d.accept_length() < 1.4);
     }
 }

@@ -10,6 +10,12 @@
 //! - `GET /v1/models`: the served model.
 //! - Errors: `{"error":{"message","type","code"}}` with 400 (malformed), 503 (not ready, draining,
 //!   no prefill peer of this revision, KV deadline passed), 429 (at capacity), 500 (internal).
+//! - Spec guard (DESIGN contract 8, see [`super::decode`]): the last event / object carries
+//!   `tandem.spec_guard` `{"enabled","aborts","retries","anomalies":[…]}` and
+//!   `tandem.spec_accept_rate`. When every attempt within `specGuard.retryBudget` was judged
+//!   anomalous: 503 with code `spec_guard_anomaly`, `error.reason` (`low_accept_length` or
+//!   `high_accept_rate`) and `tandem.spec_guard`; a stream instead ends with that error as its last
+//!   event and no `[DONE]` (the tokens it sent cannot be taken back).
 //!
 //! Generated text is a deterministic placeholder word per token.
 
@@ -29,7 +35,9 @@ use serde_json::{Value, json};
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::decode::{DecodeEngine, DecodePlan, Prefilled, RequestError};
+use super::decode::{DecodeEngine, Decoding, GuardReport, Prefilled, RequestError};
+use crate::control::decode::KvLease;
+use crate::spec_guard::Anomaly;
 
 const WORDS: [&str; 16] = [
     "the", "cache", "page", "layer", "room", "token", "prefix", "decode", "prefill", "tier",
@@ -95,6 +103,38 @@ fn error(status: StatusCode, kind: &str, code: &str, message: impl Into<String>)
     (status, axum::Json(body)).into_response()
 }
 
+/// The 503 of a request whose every attempt the spec guard judged anomalous (`last` is the last).
+fn spec_guard_body(last: &Anomaly, guard: &GuardReport) -> Value {
+    json!({
+        "error": {
+            "message": format!("{last}; {} attempt(s) aborted", guard.anomalies.len()),
+            "type": "service_unavailable",
+            "code": "spec_guard_anomaly",
+            "reason": last.reason.code(),
+        },
+        "tandem": {"spec_guard": guard.json()},
+    })
+}
+
+/// An error response; after a spec-guard abort it carries `tandem.spec_guard` too.
+fn request_error_after(e: &RequestError, guard: &GuardReport) -> Response {
+    let resp = request_error(e);
+    if guard.anomalies.is_empty() {
+        return resp;
+    }
+    let status = resp.status();
+    let mut body = match e {
+        RequestError::NotReady(_) | RequestError::NoPeer(_) | RequestError::Timeout(_) => {
+            json!({"error": {"message": e.to_string(), "type": "service_unavailable",
+                "code": "spec_guard_retry_failed"}})
+        }
+        _ => json!({"error": {"message": e.to_string(), "type": "internal_error",
+            "code": "spec_guard_retry_failed"}}),
+    };
+    body["tandem"] = json!({"spec_guard": guard.json()});
+    (status, axum::Json(body)).into_response()
+}
+
 fn request_error(e: &RequestError) -> Response {
     let m = e.to_string();
     match e {
@@ -151,11 +191,11 @@ struct Reply {
     prompt_tokens: u32,
     completion_tokens: u32,
     prefilled: Prefilled,
-    plan: DecodePlan,
+    guard: GuardReport,
 }
 
 impl Reply {
-    fn tandem(&self) -> Value {
+    fn tandem(&self, decoding: &Decoding) -> Value {
         let h = &self.prefilled.hits;
         json!({
             "prefix_hit_tokens": {"l1": h.l1, "l2": h.l2, "l3": h.l3},
@@ -163,7 +203,9 @@ impl Reply {
             "prefill_worker": self.prefilled.peer,
             "revision": self.revision,
             "corrupt_chunks": self.prefilled.corrupt_chunks,
-            "spec_accept_length": self.plan.accept_length,
+            "spec_accept_length": decoding.accept_length(),
+            "spec_accept_rate": decoding.accept_rate(),
+            "spec_guard": self.guard.json(),
         })
     }
 
@@ -183,12 +225,38 @@ impl Reply {
         })
     }
 
-    fn last(&self, text: &str) -> Value {
+    fn last(&self, text: &str, decoding: &Decoding) -> Value {
         let mut v = self.chunk(text, Some("length"));
         v["usage"] = self.usage();
-        v["tandem"] = self.tandem();
+        v["tandem"] = self.tandem(decoding);
         v
     }
+}
+
+/// Generates one attempt's text (not streamed): the first token, then the steps, one TPOT each.
+///
+/// # Errors
+/// The spec guard's anomaly; nothing of the attempt reaches the client.
+async fn generate(
+    engine: &DecodeEngine,
+    request_id: u64,
+    max_tokens: u32,
+    decoding: &mut Decoding,
+) -> Result<String, Anomaly> {
+    let mut text = String::new();
+    let mut position = 0;
+    if max_tokens > 0 {
+        text.push_str(&token_text(request_id, 0));
+        position = 1;
+    }
+    while let Some(tokens) = decoding.next_step()? {
+        tokio::time::sleep(engine.knobs.tpot).await;
+        for _ in 0..tokens {
+            text.push_str(&token_text(request_id, position));
+            position += 1;
+        }
+    }
+    Ok(text)
 }
 
 async fn completions(State(engine): State<Arc<DecodeEngine>>, body: Bytes) -> Response {
@@ -218,59 +286,77 @@ async fn completions(State(engine): State<Arc<DecodeEngine>>, body: Bytes) -> Re
     };
     let request_id = engine.next_request_id();
     let prompt_tokens = req.prompt_tokens();
-    let prefilled = match engine
-        .prefill(
-            request_id,
+    let mut guard = GuardReport {
+        enabled: engine.spec_guard_enabled(),
+        ..GuardReport::default()
+    };
+    // Prefill peers whose KV an aborted attempt decoded: the retry prefers another.
+    let mut avoid: Vec<String> = Vec::new();
+    let mut attempt = 0u32;
+    loop {
+        let (prefilled, lease) = match engine
+            .prefill(
+                request_id,
+                prompt_tokens,
+                max_tokens,
+                req.kv_block_hashes.clone(),
+                &avoid,
+            )
+            .await
+        {
+            Ok(p) => p,
+            Err(e) => {
+                engine.state.counters.requests_failed.inc();
+                return request_error_after(&e, &guard);
+            }
+        };
+        let mut decoding = engine.decoding(request_id, attempt, max_tokens.saturating_sub(1));
+        let peer = prefilled.peer.clone();
+        let reply = Reply {
+            id: format!("cmpl-{}-{request_id}", engine.worker_id),
+            created: now_secs(),
+            model: engine.model.clone(),
+            revision: engine.revision.clone(),
             prompt_tokens,
-            max_tokens,
-            req.kv_block_hashes.clone(),
-        )
-        .await
-    {
-        Ok(p) => p,
-        Err(e) => {
-            engine.state.counters.requests_failed.inc();
-            return request_error(&e);
+            completion_tokens: max_tokens,
+            prefilled,
+            guard: guard.clone(),
+        };
+        if req.stream {
+            return stream(engine, reply, decoding, request_id, permit, lease).into_response();
         }
-    };
-    let plan = engine.decode_plan(request_id, max_tokens.saturating_sub(1));
-    let reply = Reply {
-        id: format!("cmpl-{}-{request_id}", engine.worker_id),
-        created: now_secs(),
-        model: engine.model.clone(),
-        revision: engine.revision.clone(),
-        prompt_tokens,
-        completion_tokens: max_tokens,
-        prefilled,
-        plan,
-    };
-    if req.stream {
-        stream(engine, reply, request_id, permit).into_response()
-    } else {
-        let mut text = String::new();
-        let mut position = 0;
-        if max_tokens > 0 {
-            text.push_str(&token_text(request_id, 0));
-            position = 1;
-        }
-        for step in &reply.plan.steps {
-            tokio::time::sleep(engine.knobs.tpot).await;
-            for _ in 0..*step {
-                text.push_str(&token_text(request_id, position));
-                position += 1;
+        match generate(&engine, request_id, max_tokens, &mut decoding).await {
+            Ok(text) => {
+                lease.finish();
+                drop(permit);
+                engine.state.counters.requests_ok.inc();
+                return axum::Json(reply.last(&text, &decoding)).into_response();
+            }
+            Err(anomaly) => {
+                engine.spec_abort(request_id, lease, &anomaly, &peer);
+                guard.anomalies.push((anomaly, peer.clone()));
+                avoid.push(peer);
+                if attempt >= engine.spec_retry_budget() {
+                    engine.state.counters.requests_failed.inc();
+                    let body = spec_guard_body(&anomaly, &guard);
+                    return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
+                }
+                attempt += 1;
+                guard.retries += 1;
+                engine.state.counters.spec_guard_retries.inc();
+                tracing::info!(request_id, attempt, "spec guard: retrying the request");
             }
         }
-        drop(permit);
-        engine.state.counters.requests_ok.inc();
-        axum::Json(reply.last(&text)).into_response()
     }
 }
 
 fn stream(
     engine: Arc<DecodeEngine>,
     reply: Reply,
+    mut decoding: Decoding,
     request_id: u64,
     permit: OwnedSemaphorePermit,
+    lease: KvLease,
 ) -> Sse<ReceiverStream<Result<Event, Infallible>>> {
     let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(16);
     tokio::spawn(async move {
@@ -285,12 +371,22 @@ fn stream(
                 .is_ok();
             position = 1;
         }
-        for step in &reply.plan.steps {
-            if !ok {
-                break;
-            }
+        while ok {
+            let tokens = match decoding.next_step() {
+                Ok(Some(t)) => t,
+                Ok(None) => break,
+                Err(anomaly) => {
+                    let peer = reply.prefilled.peer.clone();
+                    engine.spec_abort(request_id, lease, &anomaly, &peer);
+                    let mut guard = reply.guard.clone();
+                    guard.anomalies.push((anomaly, peer));
+                    let _ = tx.send(send(spec_guard_body(&anomaly, &guard))).await;
+                    engine.state.counters.requests_failed.inc();
+                    return;
+                }
+            };
             tokio::time::sleep(engine.knobs.tpot).await;
-            for _ in 0..*step {
+            for _ in 0..tokens {
                 ok &= tx
                     .send(send(reply.chunk(&token_text(request_id, position), None)))
                     .await
@@ -298,8 +394,10 @@ fn stream(
                 position += 1;
             }
         }
+        // The last token is generated (or the client left): the KV may go.
+        lease.finish();
         ok = ok
-            && tx.send(send(reply.last(""))).await.is_ok()
+            && tx.send(send(reply.last("", &decoding))).await.is_ok()
             && tx.send(Ok(Event::default().data("[DONE]"))).await.is_ok();
         if ok {
             engine.state.counters.requests_ok.inc();

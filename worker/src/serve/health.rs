@@ -16,7 +16,7 @@ use axum::routing::get;
 use prometheus_client::registry::Registry;
 use serde_json::{Map, Value, json};
 
-use super::counters::Counters;
+use super::counters::{Counters, ReasonCounters};
 use crate::health::Health;
 
 /// Where a serving process is in its life.
@@ -45,6 +45,8 @@ pub struct ServeState {
     pub health: Health,
     /// Counters.
     pub counters: Counters,
+    /// Counters labelled by reason (exported on `/metrics`; roles add them to `/report` extras).
+    pub by_reason: ReasonCounters,
     phase: Mutex<Phase>,
     registry: Registry,
     refresh: Mutex<Vec<Hook>>,
@@ -61,12 +63,15 @@ impl ServeState {
         let counters = Counters::default();
         let mut registry = Registry::default();
         counters.register(&mut registry);
+        let by_reason = ReasonCounters::default();
+        by_reason.register(&mut registry);
         Arc::new(Self {
             role,
             pool: pool.to_owned(),
             revision: revision.to_owned(),
             health: Health::new(),
             counters,
+            by_reason,
             phase: Mutex::new(Phase::Starting(reason.to_owned())),
             registry,
             refresh: Mutex::new(Vec::new()),

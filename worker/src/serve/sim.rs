@@ -7,6 +7,12 @@
 //! - `TANDEM_SIM_TPOT_MS`: decode time per output token, default 2 ms.
 //! - `TANDEM_SIM_PREFILL_US_PER_TOKEN`: prefill compute time per prompt token not served from a
 //!   cache tier, default 20 µs.
+//! - `TANDEM_SIM_SPEC_FAULT` (**test-only** fault injection; unset in production):
+//!   `low_accept` or `high_accept`, optionally `:N`. With speculative decoding configured, the
+//!   simulated draft of this decode worker is then anomalous — almost every draft token rejected
+//!   (`low_accept`, the garbled-output signature of seed 004) or every one accepted (`high_accept`,
+//!   the repetition signature) — for the first `N` attempts of every request (all attempts without
+//!   `:N`). It exists to exercise the spec guard (DESIGN contract 8) end to end.
 
 use std::time::Duration;
 
@@ -35,6 +41,48 @@ pub struct SimKnobs {
     pub tpot: Duration,
     /// Prefill compute time per uncached prompt token.
     pub prefill_per_token: Duration,
+    /// Test-only speculative fault (`TANDEM_SIM_SPEC_FAULT`); `None` in production.
+    pub spec_fault: Option<SpecFault>,
+}
+
+/// How an injected speculative fault skews the simulated draft (test-only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecFaultMode {
+    /// Almost every draft token rejected: accept length near 1 (seed 004: garbled output).
+    LowAccept,
+    /// Every draft token accepted: accept rate 1 (seed 004: repetition loops).
+    HighAccept,
+}
+
+/// A test-only speculative fault: `mode` on the first `attempts` attempts of each request (every
+/// attempt when `None`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpecFault {
+    /// How the draft is skewed.
+    pub mode: SpecFaultMode,
+    /// Attempts of a request that are faulty; `None` = all.
+    pub attempts: Option<u32>,
+}
+
+impl SpecFault {
+    /// Parses `low_accept|high_accept[:N]`; `None` when malformed.
+    pub fn parse(value: &str) -> Option<Self> {
+        let (mode, attempts) = match value.trim().split_once(':') {
+            Some((m, n)) => (m, Some(n.trim().parse::<u32>().ok()?)),
+            None => (value.trim(), None),
+        };
+        let mode = match mode {
+            "low_accept" => SpecFaultMode::LowAccept,
+            "high_accept" => SpecFaultMode::HighAccept,
+            _ => return None,
+        };
+        Some(Self { mode, attempts })
+    }
+
+    /// Whether attempt `attempt` (0 = the first) of a request is faulty.
+    pub fn applies_to(&self, attempt: u32) -> bool {
+        self.attempts.is_none_or(|n| attempt < n)
+    }
 }
 
 impl Default for SimKnobs {
@@ -43,18 +91,21 @@ impl Default for SimKnobs {
             kv_bytes_per_token: None,
             tpot: Duration::from_millis(2),
             prefill_per_token: Duration::from_micros(20),
+            spec_fault: None,
         }
     }
 }
 
 /// A knob that is set but not a number.
 #[derive(Debug, thiserror::Error)]
-#[error("environment variable {name}={value:?} is not a non-negative integer")]
+#[error("environment variable {name}={value:?} is not {expected}")]
 pub struct KnobError {
     /// Variable name.
     pub name: &'static str,
     /// Its value.
     pub value: String,
+    /// What the variable takes.
+    pub expected: &'static str,
 }
 
 impl SimKnobs {
@@ -78,11 +129,25 @@ impl SimKnobs {
                     .trim()
                     .parse::<u64>()
                     .map(Some)
-                    .map_err(|_| KnobError { name, value }),
+                    .map_err(|_| KnobError {
+                        name,
+                        value,
+                        expected: "a non-negative integer",
+                    }),
             }
         };
         let d = Self::default();
+        let fault = "TANDEM_SIM_SPEC_FAULT";
+        let spec_fault = match get(fault).filter(|v| !v.trim().is_empty()) {
+            None => None,
+            Some(value) => Some(SpecFault::parse(&value).ok_or(KnobError {
+                name: fault,
+                value,
+                expected: "low_accept or high_accept, optionally followed by :N",
+            })?),
+        };
         Ok(Self {
+            spec_fault,
             kv_bytes_per_token: num("TANDEM_SIM_KV_BYTES_PER_TOKEN")?.filter(|b| *b > 0),
             tpot: num("TANDEM_SIM_TPOT_MS")?.map_or(d.tpot, Duration::from_millis),
             prefill_per_token: num("TANDEM_SIM_PREFILL_US_PER_TOKEN")?
@@ -142,6 +207,24 @@ mod tests {
         assert_eq!(k.prefill_per_token, Duration::from_micros(5));
         let e = SimKnobs::from_lookup(|n| (n == "TANDEM_SIM_TPOT_MS").then(|| "fast".into()));
         assert!(e.is_err());
+    }
+
+    #[test]
+    fn the_spec_fault_knob_parses_and_counts_attempts() {
+        let knob = |v: &'static str| {
+            SimKnobs::from_lookup(move |n| (n == "TANDEM_SIM_SPEC_FAULT").then(|| v.into()))
+        };
+        let all = knob("low_accept").unwrap().spec_fault.unwrap();
+        assert_eq!(all.mode, SpecFaultMode::LowAccept);
+        assert!(all.applies_to(0) && all.applies_to(7));
+        let first = knob(" high_accept:1 ").unwrap().spec_fault.unwrap();
+        assert_eq!(first.mode, SpecFaultMode::HighAccept);
+        assert!(first.applies_to(0) && !first.applies_to(1));
+        assert_eq!(knob("").unwrap().spec_fault, None);
+        for bad in ["sometimes", "low_accept:", "low_accept:x", "high:1"] {
+            let e = knob(bad).unwrap_err();
+            assert_eq!(e.name, "TANDEM_SIM_SPEC_FAULT", "{bad}");
+        }
     }
 
     #[test]
