@@ -178,6 +178,41 @@ pub struct SpecGuard {
     pub retry_budget: u32,
 }
 
+/// Most retries a spec-guard budget may ask for (the DecodePool CRD's bound).
+pub const MAX_SPEC_GUARD_RETRIES: u32 = 10;
+
+impl SpecGuard {
+    /// Checks the bounds the DecodePool CRD enforces: `afterTokens ≥ 1`, `minAcceptLength ≥ 1.0`
+    /// (one token per step is plain decoding), `maxAcceptRate` in `(0, 1]`, `retryBudget ≤ 10`.
+    ///
+    /// # Errors
+    /// The first broken bound, as a message.
+    pub fn check(&self) -> Result<(), String> {
+        if self.after_tokens == 0 {
+            return Err("specGuard.afterTokens must be at least 1".into());
+        }
+        if !(self.min_accept_length.is_finite() && self.min_accept_length >= 1.0) {
+            return Err(format!(
+                "specGuard.minAcceptLength {} must be at least 1.0",
+                self.min_accept_length
+            ));
+        }
+        if !(self.max_accept_rate > 0.0 && self.max_accept_rate <= 1.0) {
+            return Err(format!(
+                "specGuard.maxAcceptRate {} must be in (0, 1]",
+                self.max_accept_rate
+            ));
+        }
+        if self.retry_budget > MAX_SPEC_GUARD_RETRIES {
+            return Err(format!(
+                "specGuard.retryBudget {} exceeds {MAX_SPEC_GUARD_RETRIES}",
+                self.retry_budget
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Speculative decoding: the draft model (its pools share the target's allocator domain).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -300,7 +335,8 @@ impl WorkerConfig {
     }
 
     /// Checks the invariants the operator guarantees: version, segment sum, owner-map length,
-    /// client mode only with a cache, Standalone only in SharedMemory (seed 000).
+    /// client mode only with a cache, Standalone only in SharedMemory (seed 000), spec-guard bounds
+    /// ([`SpecGuard::check`]).
     ///
     /// # Errors
     /// [`ConfigError::Version`] or [`ConfigError::Inconsistent`] naming the broken invariant.
@@ -339,6 +375,9 @@ impl WorkerConfig {
         }
         if self.speculative.is_some() != (m.draft_pool_bytes > 0) {
             return bad("draftPoolBytes is positive exactly when speculative is set".into());
+        }
+        if let Some(g) = &self.spec_guard {
+            g.check().map_err(ConfigError::Inconsistent)?;
         }
         if let Some(ls) = &self.layer_split {
             if ls.owners.len() != self.model.layers as usize {
@@ -663,6 +702,46 @@ mod tests {
         v["memoryBytes"] = serde_json::json!(0);
         let cfg: CacheTierConfig = serde_json::from_value(v).unwrap();
         assert!(matches!(cfg.check(), Err(ConfigError::Inconsistent(_))));
+    }
+
+    #[test]
+    fn spec_guard_bounds_are_checked() {
+        let ok = SpecGuard {
+            min_accept_length: 1.4,
+            max_accept_rate: 0.96,
+            after_tokens: 128,
+            retry_budget: 2,
+        };
+        ok.check().unwrap();
+        let broken = [
+            SpecGuard {
+                after_tokens: 0,
+                ..ok.clone()
+            },
+            SpecGuard {
+                min_accept_length: 0.5,
+                ..ok.clone()
+            },
+            SpecGuard {
+                min_accept_length: f64::NAN,
+                ..ok.clone()
+            },
+            SpecGuard {
+                max_accept_rate: 0.0,
+                ..ok.clone()
+            },
+            SpecGuard {
+                max_accept_rate: 1.01,
+                ..ok.clone()
+            },
+            SpecGuard {
+                retry_budget: 11,
+                ..ok.clone()
+            },
+        ];
+        for g in broken {
+            assert!(g.check().is_err(), "{g:?}");
+        }
     }
 
     #[test]

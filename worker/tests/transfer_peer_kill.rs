@@ -4,6 +4,8 @@
 //!   pages' fate (freed on the receiver-fence proof; quarantined with an alarm when no proof is
 //!   allowed), and the next transfer to a restarted peer works.
 //! - A decode timeout with no transport proof frees the pages only on the prefill ack.
+//! - A completed room's pages stay held by its lease while the request decodes — even when the
+//!   prefill peer dies meanwhile — and return on finish, on a spec-guard abort, or on drop.
 
 use std::net::TcpListener as StdListener;
 use std::sync::Arc;
@@ -131,6 +133,68 @@ async fn transfer_completes_and_verifies() {
         "{out:?}"
     );
     assert_eq!(d.pages().free, PAGES as usize);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completed_room_stays_held_while_decoding_until_its_lease_ends() {
+    use tandem_worker::room::receiver::ReceiverState;
+    let d = decode(true, Duration::from_secs(2));
+    let mut p = Prefill::start(Duration::from_millis(1));
+    let link = d.connect(&p.addr, Duration::from_secs(2)).await.unwrap();
+
+    // Finished normally: held until finish.
+    let (out, lease) = d
+        .transfer_held(&link, request(51, 8), Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            out,
+            TransferOutcome::Completed {
+                corrupt_chunks: 0,
+                ..
+            }
+        ),
+        "{out:?}"
+    );
+    let lease = lease.expect("a completed room is leased");
+    assert_eq!(d.pages().held, 8);
+    assert_eq!(d.room_state(lease.key()), Some(ReceiverState::Committed));
+    lease.finish();
+    assert_eq!(d.pages().free, PAGES as usize);
+
+    // Aborted by the spec guard: the gate frees a concluded room at once, nothing quarantined.
+    let (_, lease) = d
+        .transfer_held(&link, request(52, 8), Duration::from_secs(5))
+        .await
+        .unwrap();
+    let lease = lease.unwrap();
+    assert_eq!(d.pages().held, 8);
+    lease.abort(FailureCause::SpecGuard);
+    assert_eq!(d.pages().free, PAGES as usize);
+    assert_eq!(d.pages().quarantined, 0);
+
+    // The prefill peer dies while the request decodes: its writes all concluded, so the pages
+    // stay with the decode until the lease is dropped.
+    let (_, lease) = d
+        .transfer_held(&link, request(53, 8), Duration::from_secs(5))
+        .await
+        .unwrap();
+    let lease = lease.unwrap();
+    p.kill();
+    wait_until("peer declared dead", Duration::from_secs(3), || {
+        !link.alive()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        d.pages().held,
+        8,
+        "a dead peer must not free pages being decoded"
+    );
+    drop(lease);
+    assert_eq!(d.pages().free, PAGES as usize);
+    assert_eq!(d.pages().alarms, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

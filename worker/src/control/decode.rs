@@ -7,6 +7,11 @@
 //! heartbeats stopping — takes the same path: [`ReceiverRoom::fail`], ABORT to the prefill rank, and
 //! pages kept until every ack arrives or the transport proves nothing can land (the receiver fence,
 //! when enabled). Past the ack deadline without proof the pages are quarantined with an alarm.
+//!
+//! A completed room stays open on the node: its pages are held by a [`KvLease`] while the request
+//! decodes (the KV must stay resident while decoding reads it), and return when the lease finishes,
+//! is dropped, or is aborted through the gate (e.g. by the spec guard, DESIGN contract 8). A prefill
+//! peer dying after its writes concluded does not touch such a room.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
