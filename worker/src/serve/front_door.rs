@@ -118,57 +118,37 @@ fn spec_guard_body(last: &Anomaly, guard: &GuardReport) -> Value {
 
 /// An error response; after a spec-guard abort it carries `tandem.spec_guard` too.
 fn request_error_after(e: &RequestError, guard: &GuardReport) -> Response {
-    let resp = request_error(e);
-    if guard.anomalies.is_empty() {
-        return resp;
+    let (status, kind, code) = error_parts(e);
+    let mut body = json!({"error": {"message": e.to_string(), "type": kind, "code": code}});
+    if !guard.anomalies.is_empty() {
+        body["tandem"] = json!({"spec_guard": guard.json()});
     }
-    let status = resp.status();
-    let mut body = match e {
-        RequestError::NotReady(_) | RequestError::NoPeer(_) | RequestError::Timeout(_) => {
-            json!({"error": {"message": e.to_string(), "type": "service_unavailable",
-                "code": "spec_guard_retry_failed"}})
-        }
-        _ => json!({"error": {"message": e.to_string(), "type": "internal_error",
-            "code": "spec_guard_retry_failed"}}),
-    };
-    body["tandem"] = json!({"spec_guard": guard.json()});
     (status, axum::Json(body)).into_response()
 }
 
-fn request_error(e: &RequestError) -> Response {
-    let m = e.to_string();
+/// Status, error type and code of a [`RequestError`].
+fn error_parts(e: &RequestError) -> (StatusCode, &'static str, &'static str) {
+    let unavailable = |code| (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", code);
     match e {
-        RequestError::NotReady(_) => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "service_unavailable",
-            "not_ready",
-            m,
-        ),
-        RequestError::NoPeer(_) => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "service_unavailable",
-            "no_prefill_peer",
-            m,
-        ),
-        RequestError::Timeout(_) => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "service_unavailable",
-            "kv_deadline_exceeded",
-            m,
-        ),
-        RequestError::AtCapacity(_) => error(
+        RequestError::NotReady(_) => unavailable("not_ready"),
+        RequestError::NoPeer(_) => unavailable("no_prefill_peer"),
+        RequestError::Timeout(_) => unavailable("kv_deadline_exceeded"),
+        RequestError::AtCapacity(_) => (
             StatusCode::TOO_MANY_REQUESTS,
             "rate_limit_exceeded",
             "at_capacity",
-            m,
         ),
-        RequestError::Failed(_) => error(
+        RequestError::Failed(_) => (
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal_error",
             "internal",
-            m,
         ),
     }
+}
+
+fn request_error(e: &RequestError) -> Response {
+    let (status, kind, code) = error_parts(e);
+    error(status, kind, code, e.to_string())
 }
 
 fn now_secs() -> u64 {
@@ -440,5 +420,35 @@ mod tests {
             serde_json::from_str(r#"{"prompt":"a b c","temperature":0.5}"#).unwrap();
         assert_eq!(r.prompt_tokens(), 3);
         assert!(serde_json::from_str::<CompletionRequest>(r#"{"max_tokens":"x"}"#).is_err());
+    }
+
+    #[test]
+    fn spec_guard_errors_name_the_code_the_reason_and_the_attempts() {
+        use crate::spec_guard::AnomalyReason;
+        let a = Anomaly {
+            reason: AnomalyReason::LowAcceptLength,
+            accept_length: 1.05,
+            accept_rate: 0.01,
+            tokens: 128,
+        };
+        let guard = GuardReport {
+            enabled: true,
+            anomalies: vec![(a, "10.0.0.2:7000".into()), (a, "10.0.0.3:7000".into())],
+            retries: 1,
+        };
+        let b = spec_guard_body(&a, &guard);
+        assert_eq!(b["error"]["code"], "spec_guard_anomaly");
+        assert_eq!(b["error"]["type"], "service_unavailable");
+        assert_eq!(b["error"]["reason"], "low_accept_length");
+        let sg = &b["tandem"]["spec_guard"];
+        assert_eq!(
+            (sg["aborts"].as_u64(), sg["retries"].as_u64()),
+            (Some(2), Some(1))
+        );
+        assert_eq!(sg["anomalies"][1]["prefill_worker"], "10.0.0.3:7000");
+        assert_eq!(sg["anomalies"][0]["tokens"], 128);
+        // A retry that then finds no peer keeps its own code and status, plus the guard's record.
+        let r = request_error_after(&RequestError::NoPeer("none".into()), &guard);
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
     }
 }
