@@ -1,24 +1,24 @@
-//! `tandem-e2e`: the local control plane and the process runner (see `e2e/README.md`).
+//! `tandem-e2e`: the local control plane, the process runner, trace replay and the demo (see
+//! `e2e/README.md`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use std::os::unix::process::CommandExt;
-
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
-use k8s_openapi::api::core::v1::Node;
-use kube::Api;
-use kube::api::ListParams;
-use tandem_e2e::cluster::down::RUNNER_PID_NAME;
-use tandem_e2e::cluster::up::node_ready;
-use tandem_e2e::cluster::wait::wait_for;
 use tandem_e2e::cluster::{self, BuildMode, ClusterConfig, Ports, client_for};
-use tandem_e2e::pidfile::ProcessId;
+use tandem_e2e::demo::DemoOptions;
+use tandem_e2e::replay::ReplayConfig;
+use tandem_e2e::replay::targets::{
+    TargetSet, decode_selector, discover_front_doors, spawn_discovery,
+};
+use tandem_e2e::replay::workload::select_workload;
+use tandem_e2e::report::sampler::ReportSource;
+use tandem_e2e::report::session::{Session, replay_and_report, request_bar};
 use tandem_e2e::runner::image::ImageTable;
 use tandem_e2e::runner::node::NodeSpecification;
-use tandem_e2e::runner::{ProcessRunner, RunnerConfig};
+use tandem_e2e::runner::{PodDefaults, ProcessRunner, RunnerConfig};
 
 #[derive(Parser)]
 #[command(
@@ -39,6 +39,105 @@ enum Command {
     },
     /// Run the process runner in the foreground (Ctrl-C stops it and its pods).
     Runner(RunnerArgs),
+    /// Replay a Mooncake trace (or the generated workload) into a DecodePool's front door and
+    /// write the report (exit 1 on a corrupt page or a request lost beyond the retry budget).
+    Replay(ReplayArgs),
+    /// Cluster up, helm install, sample stack, replay with scale-up and rolling restart, teardown
+    /// order check, report, cluster down (exit 1 if any check fails).
+    Demo(DemoArgs),
+}
+
+/// Workload flags shared by `replay` and `demo`.
+#[derive(Args)]
+struct WorkloadArgs {
+    /// Mooncake trace (JSONL: timestamp, input_length, output_length, hash_ids); default: a
+    /// generated workload in the same schema (seed 42).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// First N requests of the trace, or N generated (default 300).
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Multiplies the trace timestamps (0.1 = ten times faster).
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// At most this many requests in flight.
+    #[arg(long)]
+    concurrency_limit: Option<usize>,
+    /// Retries per request (on 503, 429, connection errors) on another front door.
+    #[arg(long, default_value_t = 3)]
+    retry_budget: u32,
+    /// Model name sent in each request.
+    #[arg(long, default_value = "llama-3-70b")]
+    model: String,
+}
+
+impl WorkloadArgs {
+    fn replay_config(&self) -> ReplayConfig {
+        ReplayConfig {
+            model: self.model.clone(),
+            time_scale: self.time_scale,
+            concurrency_limit: self.concurrency_limit,
+            retry_budget: self.retry_budget,
+            ..ReplayConfig::default()
+        }
+    }
+}
+
+#[derive(Args)]
+struct ReplayArgs {
+    #[command(flatten)]
+    workload: WorkloadArgs,
+    /// Report directory.
+    #[arg(long, default_value = "tandem-replay-out")]
+    out: PathBuf,
+    /// Front-door base URLs (`http://ip:8000`); default: the Ready decode pods of --pool.
+    #[arg(long = "target", num_args = 1..)]
+    targets: Vec<String>,
+    /// Worker `/report` URLs to sample; default (with discovery): every Tandem pod of --namespace.
+    #[arg(long = "report-url", num_args = 1..)]
+    report_urls: Vec<String>,
+    /// DecodePool whose decode pods are the front doors.
+    #[arg(long, default_value = tandem_e2e::demo::DECODE_POOL)]
+    pool: String,
+    /// Namespace of the pool.
+    #[arg(long, default_value = tandem_e2e::demo::NAMESPACE)]
+    namespace: String,
+    /// Kubeconfig for discovery (default: $KUBECONFIG, else the CLI cluster's admin kubeconfig).
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    #[command(flatten)]
+    workload: WorkloadArgs,
+    /// Report directory.
+    #[arg(long, default_value = "tandem-demo-out")]
+    out: PathBuf,
+    /// Leave the cluster and the stack's operator running at the end.
+    #[arg(long)]
+    keep_cluster: bool,
+    /// Added to every cluster port (a second cluster; state dir `cluster-<offset>`).
+    #[arg(long, default_value_t = 0)]
+    port_offset: u16,
+    /// Cluster state dir.
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Process-runner nodes.
+    #[arg(long, default_value_t = 1)]
+    runner_nodes: u32,
+    /// nvidia.com/gpu per runner node.
+    #[arg(long, default_value_t = 16)]
+    runner_gpus: u32,
+    /// Extra env `K=V` for every pod (the workers' `TANDEM_SIM_*` knobs).
+    #[arg(long = "pod-env")]
+    pod_env: Vec<String>,
+    /// Fail instead of building the control plane when it is not cached.
+    #[arg(long)]
+    cached_only: bool,
+    /// Deadline of each wait (operator, Ready, scale, restart, teardown), seconds.
+    #[arg(long, default_value_t = 300)]
+    wait_timeout_s: u64,
 }
 
 #[derive(Subcommand)]
@@ -105,6 +204,9 @@ struct UpArgs {
     /// Skip kube-scheduler.
     #[arg(long)]
     no_scheduler: bool,
+    /// Extra env `K=V` for every pod of the runner daemon (e.g. `TANDEM_SIM_TPOT_MS=1`).
+    #[arg(long = "pod-env")]
+    pod_env: Vec<String>,
 }
 
 #[derive(Args)]
@@ -126,6 +228,10 @@ struct RunnerArgs {
     /// Extra image mappings, `NAME=PROGRAM [ARGS]` (e.g. `web=python3 -m http.server`).
     #[arg(long = "image")]
     images: Vec<String>,
+    /// Extra env `K=V` for every pod (the workers' `TANDEM_SIM_*` knobs), overridden by the
+    /// pod's own env.
+    #[arg(long = "pod-env")]
+    pod_env: Vec<String>,
 }
 
 #[tokio::main]
@@ -171,7 +277,97 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             })
         }
         Command::Runner(args) => runner(args).await,
+        Command::Replay(args) => replay(args).await,
+        Command::Demo(args) => demo(args).await,
     }
+}
+
+async fn replay(args: ReplayArgs) -> anyhow::Result<ExitCode> {
+    let w = &args.workload;
+    let (workload, source) = select_workload(w.trace.as_deref(), w.requests)?;
+    eprintln!(
+        "[replay] {source}: {} requests, time scale {}",
+        workload.len(),
+        w.time_scale
+    );
+    let targets = TargetSet::fixed(args.targets.clone());
+    let mut discovery = None;
+    let mut reports = ReportSource::Fixed(args.report_urls.clone());
+    if args.targets.is_empty() || args.report_urls.is_empty() {
+        let kubeconfig = args
+            .kubeconfig
+            .clone()
+            .or_else(|| std::env::var_os("KUBECONFIG").map(PathBuf::from))
+            .unwrap_or_else(|| ClusterConfig::default_cli().kubeconfig());
+        let client = client_for(&kubeconfig).await?;
+        if args.targets.is_empty() {
+            targets.replace(discover_front_doors(&client, &args.namespace, &args.pool).await?);
+            anyhow::ensure!(
+                !targets.snapshot().is_empty(),
+                "no Ready decode pod of DecodePool {}/{} (selector {})",
+                args.namespace,
+                args.pool,
+                decode_selector(&args.pool)
+            );
+            discovery = Some(spawn_discovery(
+                client.clone(),
+                args.namespace.clone(),
+                args.pool.clone(),
+                targets.clone(),
+                Duration::from_secs(1),
+            ));
+        }
+        if args.report_urls.is_empty() {
+            reports = ReportSource::Kube {
+                client,
+                namespace: args.namespace.clone(),
+            };
+        }
+    }
+    eprintln!("[replay] front doors: {:?}", targets.snapshot());
+    let session = Session {
+        reports,
+        sample_every: Duration::from_secs(1),
+        out: &args.out,
+        bar: Some(request_bar(workload.len())),
+    };
+    let summary =
+        replay_and_report(&workload, source, &targets, &w.replay_config(), session).await?;
+    if let Some(d) = discovery {
+        d.abort();
+    }
+    println!("{summary}");
+    eprintln!("[replay] report in {}", args.out.display());
+    Ok(if summary.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    let opts = DemoOptions {
+        trace: args.workload.trace.clone(),
+        time_scale: args.workload.time_scale,
+        requests: args.workload.requests,
+        out: args.out,
+        keep_cluster: args.keep_cluster,
+        port_offset: args.port_offset,
+        state_dir: args.state_dir,
+        runner_nodes: args.runner_nodes,
+        runner_gpus: args.runner_gpus,
+        pod_env: args.pod_env,
+        replay: args.workload.replay_config(),
+        cached_only: args.cached_only,
+        wait_timeout: Duration::from_secs(args.wait_timeout_s),
+    };
+    let summary = tandem_e2e::demo::run(&opts).await?;
+    Ok(if summary.passed() {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("[demo] FAILED: see the checks above");
+        ExitCode::FAILURE
+    })
 }
 
 async fn up(args: UpArgs) -> anyhow::Result<ExitCode> {
@@ -188,7 +384,13 @@ async fn up(args: UpArgs) -> anyhow::Result<ExitCode> {
     };
     let running = cluster::up::up(&config).await?;
     if args.runner_nodes > 0 {
-        start_runner_daemon(&config, args.runner_nodes, args.runner_gpus).await?;
+        tandem_e2e::demo::daemon::start_runner_daemon(
+            &config,
+            args.runner_nodes,
+            args.runner_gpus,
+            &args.pod_env,
+        )
+        .await?;
     }
     eprintln!(
         "[tandem-e2e] kubectl: {}",
@@ -197,61 +399,6 @@ async fn up(args: UpArgs) -> anyhow::Result<ExitCode> {
     eprintln!("[tandem-e2e] helm:    {}", running.bin_dir.helm().display());
     println!("{}", running.kubeconfig.display());
     Ok(ExitCode::SUCCESS)
-}
-
-/// Starts `tandem-e2e runner` in the background (own process group, pid recorded for `down`) and
-/// waits until its nodes are Ready.
-async fn start_runner_daemon(config: &ClusterConfig, nodes: u32, gpus: u32) -> anyhow::Result<()> {
-    let exe = std::env::current_exe().context("locating tandem-e2e")?;
-    let log_path = config
-        .state_dir
-        .join("logs")
-        .join(format!("{RUNNER_PID_NAME}.log"));
-    let log = std::fs::File::create(&log_path).with_context(|| log_path.display().to_string())?;
-    let child = std::process::Command::new(exe)
-        .args([
-            "runner",
-            "--nodes",
-            &nodes.to_string(),
-            "--gpus",
-            &gpus.to_string(),
-            "--state-dir",
-        ])
-        .arg(&config.state_dir)
-        .stdin(std::process::Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        .process_group(0)
-        .spawn()
-        .context("starting the process runner")?;
-    let id = ProcessId::of_pid(child.id() as i32).context("runner exited at once")?;
-    id.write(&config.pid_file(RUNNER_PID_NAME))?;
-    eprintln!(
-        "[tandem-e2e] started process runner (pid {}, log {})",
-        id.pid,
-        log_path.display()
-    );
-    let client = client_for(&config.kubeconfig()).await?;
-    let api: Api<Node> = Api::all(client);
-    let want = nodes as usize;
-    wait_for(
-        &format!("{want} runner node(s) Ready"),
-        Duration::from_secs(60),
-        Duration::from_millis(500),
-        &log_path,
-        || {
-            let api = api.clone();
-            async move {
-                let list = api
-                    .list(&ListParams::default().labels("tandem.dev/node-kind=process"))
-                    .await
-                    .ok()?;
-                (list.items.iter().filter(|n| node_ready(n)).count() >= want).then_some(())
-            }
-        },
-    )
-    .await?;
-    Ok(())
 }
 
 async fn runner(args: RunnerArgs) -> anyhow::Result<ExitCode> {
@@ -276,7 +423,14 @@ async fn runner(args: RunnerArgs) -> anyhow::Result<ExitCode> {
             gpus: args.gpus,
         })
         .collect();
-    let runner = ProcessRunner::start(
+    let mut defaults = PodDefaults::default();
+    for spec in &args.pod_env {
+        defaults.env.push(
+            PodDefaults::parse_env(spec)
+                .with_context(|| format!("bad --pod-env {spec:?} (want K=V)"))?,
+        );
+    }
+    let runner = ProcessRunner::start_with(
         client,
         RunnerConfig {
             nodes,
@@ -285,6 +439,7 @@ async fn runner(args: RunnerArgs) -> anyhow::Result<ExitCode> {
             images,
             api_port,
         },
+        defaults,
     )
     .await?;
     eprintln!(

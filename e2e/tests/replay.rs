@@ -31,6 +31,7 @@ const ALWAYS_UNAVAILABLE: u64 = 2;
 const DROP_ONCE: u64 = 3;
 const BUSY_ONCE: u64 = 4;
 const MALFORMED: u64 = 5;
+const ERROR_EVENT_ONCE: u64 = 6;
 
 const TTFT: Duration = Duration::from_millis(30);
 const TPOT: Duration = Duration::from_millis(4);
@@ -69,10 +70,12 @@ async fn completions(
         (MALFORMED, _) => return refuse(StatusCode::BAD_REQUEST, "malformed"),
         _ => {}
     }
-    let drop_mid_stream = code == DROP_ONCE && attempt == 1;
-    let tokens = req.max_tokens;
-    let input = req.input_tokens;
-    let stream = async_stream(fake, tokens, input, drop_mid_stream);
+    let cut = match (code, attempt) {
+        (DROP_ONCE, 1) => Some(Cut::Drop),
+        (ERROR_EVENT_ONCE, 1) => Some(Cut::ErrorEvent),
+        _ => None,
+    };
+    let stream = async_stream(fake, req.max_tokens, req.input_tokens, cut);
     Response::builder()
         .header("content-type", "text/event-stream")
         .body(Body::from_stream(stream))
@@ -83,14 +86,22 @@ fn event(v: serde_json::Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
+/// How a first attempt is cut short after its first event.
+#[derive(Clone, Copy, PartialEq)]
+enum Cut {
+    /// The body stream fails: hyper aborts the connection.
+    Drop,
+    /// An `{"error": ...}` event and the end of the stream, no `[DONE]`.
+    ErrorEvent,
+}
+
 /// The SSE body: one event per token (TTFT then TPOT apart), the last with usage and the
-/// `tandem` block (half the prompt hit in L2), then `[DONE]`. `drop_mid_stream`: an error after
-/// the first event, which makes hyper abort the connection.
+/// `tandem` block (half the prompt hit in L2), then `[DONE]`; or cut after the first event.
 fn async_stream(
     fake: Shared,
     tokens: u32,
     input: u32,
-    drop_mid_stream: bool,
+    cut: Option<Cut>,
 ) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> {
     let chunk = |text: &str, finish: Option<&str>| {
         serde_json::json!({"id": "c", "object": "text_completion", "created": 0, "model": "m",
@@ -99,8 +110,13 @@ fn async_stream(
     let mut plan: Vec<(Duration, Result<Bytes, std::io::Error>)> = Vec::new();
     for i in 0..tokens {
         let delay = if i == 0 { TTFT } else { TPOT };
-        if drop_mid_stream && i == 1 {
+        if i == 1 && cut == Some(Cut::Drop) {
             plan.push((delay, Err(std::io::Error::other("connection dropped"))));
+            break;
+        }
+        if i == 1 && cut == Some(Cut::ErrorEvent) {
+            let e = serde_json::json!({"error": {"message": "spec_guard_anomaly", "type": "x", "code": 503}});
+            plan.push((delay, Ok(event(e))));
             break;
         }
         if i + 1 < tokens {
@@ -185,7 +201,7 @@ async fn replay_times_retries_classifies_and_reports() {
     let a = start_fake(fake.clone()).await;
     let b = start_fake(fake.clone()).await;
     let targets = TargetSet::fixed(vec![format!("http://{a}"), format!("http://{b}")]);
-    // Timestamps 0..=1400 ms, scale 0.5 → due 0..=700 ms.
+    // Timestamps 0..=1600 ms, scale 0.5 → due 0..=800 ms.
     let codes = [
         NORMAL,
         UNAVAILABLE_ONCE,
@@ -195,6 +211,7 @@ async fn replay_times_retries_classifies_and_reports() {
         NORMAL,
         BUSY_ONCE,
         MALFORMED,
+        ERROR_EVENT_ONCE,
     ];
     let workload: Vec<TraceRequest> = codes
         .iter()
@@ -215,7 +232,7 @@ async fn replay_times_retries_classifies_and_reports() {
 
     // Timing, seen from the server: first attempts arrive no earlier than their scaled times
     // (`started` precedes the replay clock's origin, so this bound is conservative for the client
-    // but would still fail for a driver that sent everything at once: the last is due at 700 ms).
+    // but would still fail for a driver that sent everything at once: the last is due at 800 ms).
     let f = fake.lock().unwrap();
     let first: Vec<Instant> = (0..codes.len() as u64)
         .map(|i| f.attempts[&(1_000_000 + i)][0].1)
@@ -251,6 +268,7 @@ async fn replay_times_retries_classifies_and_reports() {
             (Outcome::Ok, 1),
             (Outcome::Retried, 2),
             (Outcome::Failed, 1),
+            (Outcome::Retried, 2),
         ]
     );
     for r in &results {
@@ -272,6 +290,11 @@ async fn replay_times_retries_classifies_and_reports() {
         "{:?}",
         results[4].errors
     );
+    assert!(
+        results[8].errors[0].contains("spec_guard_anomaly"),
+        "{:?}",
+        results[8].errors
+    );
 
     // Summary and results.json.
     assert_eq!(
@@ -280,7 +303,7 @@ async fn replay_times_retries_classifies_and_reports() {
             summary.requests.retried,
             summary.requests.failed
         ),
-        (3, 3, 2)
+        (3, 4, 2)
     );
     assert!(!summary.passed(), "lost requests must fail the run");
     assert!(
@@ -300,7 +323,7 @@ async fn replay_times_retries_classifies_and_reports() {
     for key in ["l1", "l2", "l3", "total"] {
         assert!(json["hit_ratio"][key].is_f64());
     }
-    assert!(json["over_time"].as_array().unwrap().len() >= 1);
+    assert!(!json["over_time"].as_array().unwrap().is_empty());
     assert_eq!(json["worker_counters"]["corrupt_pages_read"], 0);
     assert!(
         json["worker_counters"]["kv_bytes_received"]
@@ -309,7 +332,7 @@ async fn replay_times_retries_classifies_and_reports() {
             > 0
     );
     assert!(json["kv"]["bytes_in_responses"].as_u64().unwrap() > 0);
-    assert_eq!(json["worker_counters"]["requests_ok"], 6);
+    assert_eq!(json["worker_counters"]["requests_ok"], 7);
     let checks = json["checks"].as_array().unwrap();
     let lost = checks
         .iter()

@@ -139,7 +139,7 @@ impl fmt::Display for Phase {
 
 /// A failed phase.
 #[derive(Debug, thiserror::Error)]
-#[error("demo phase `{phase}` failed: {source}")]
+#[error("demo phase `{phase}` failed")]
 pub struct DemoError {
     /// Which phase.
     pub phase: Phase,

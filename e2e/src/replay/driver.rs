@@ -110,6 +110,12 @@ enum AttemptError {
     },
     #[error("{target}: {message}")]
     Transport { target: String, message: String },
+    #[error("{target}: error event after {events} events: {message}")]
+    StreamError {
+        target: String,
+        events: u64,
+        message: String,
+    },
     #[error("{target}: stream ended before [DONE] after {events} events")]
     Cut { target: String, events: u64 },
     #[error("{target}: no [DONE] within {timeout:?}")]
@@ -368,6 +374,15 @@ async fn stream_completion(
                         events,
                     }),
                 };
+            }
+            // A front door that gives up mid-stream (e.g. the spec guard's retry budget ran out)
+            // sends an error object instead of [DONE]: retryable elsewhere, like a 503.
+            if let Some(message) = error_message(&data) {
+                return Err(AttemptError::StreamError {
+                    target: target.to_owned(),
+                    events,
+                    message,
+                });
             }
             let Ok(parsed) = serde_json::from_str::<CompletionChunk>(&data) else {
                 tracing::debug!(%target, %data, "unparsable event ignored");

@@ -482,3 +482,116 @@ impl fmt::Display for Summary {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replay::front_door::{TandemBlock, TierTokens};
+    use crate::report::workers::{Counters, WorkerReport};
+
+    fn result(i: usize, sent: f64, outcome: Outcome, l3: u64, ttft: f64) -> RequestResult {
+        RequestResult {
+            index: i,
+            input_tokens: 1000,
+            max_tokens: 10,
+            scheduled_ms: sent,
+            sent_ms: sent,
+            finished_ms: sent + 100.0,
+            outcome,
+            attempts: if outcome == Outcome::Retried { 3 } else { 1 },
+            errors: Vec::new(),
+            target: None,
+            ttft_ms: (outcome != Outcome::Failed).then_some(ttft),
+            tpot_ms: None,
+            completion_tokens: 10,
+            tandem: (outcome != Outcome::Failed).then(|| TandemBlock {
+                prefix_hit_tokens: TierTokens { l1: 0, l2: 0, l3 },
+                kv_bytes: 7,
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn sample(t: f64, uid: &str, loaded: u64, corrupt: u64) -> Sample {
+        Sample {
+            round: t as u64,
+            t_ms: t,
+            pod: uid.into(),
+            uid: uid.into(),
+            report: Some(WorkerReport {
+                counters: Counters {
+                    l3_pages_loaded_back: loaded,
+                    corrupt_pages_read: corrupt,
+                    ..Default::default()
+                },
+                ..Default::default()
+            }),
+            error: None,
+        }
+    }
+
+    #[test]
+    fn restart_split_loadback_and_checks() {
+        let results = [
+            result(0, 0.0, Outcome::Ok, 500, 10.0),
+            result(1, 1000.0, Outcome::Retried, 300, 20.0),
+            result(2, 3000.0, Outcome::Ok, 400, 30.0),
+            result(3, 4000.0, Outcome::Failed, 0, 0.0),
+        ];
+        // "old" existed before the restart at 2000 ms; "new" started after it and loaded back.
+        let samples = [sample(500.0, "old", 5, 0), sample(2500.0, "new", 9, 0)];
+        let events = [Event::new(2000.0, RESTART, "r2")];
+        let s = summarize_run(ReportInput {
+            source: "t".into(),
+            time_scale: 1.0,
+            unbounded_hit_ratio: 0.5,
+            results: &results,
+            samples: &samples,
+            events: &events,
+            teardown: None,
+        });
+        assert_eq!(
+            (s.requests.ok, s.requests.retried, s.requests.failed),
+            (2, 1, 1)
+        );
+        assert_eq!(s.requests.retries, 2);
+        assert!((s.hit_ratio.l3 - 1200.0 / 3000.0).abs() < 1e-12);
+        assert!((s.hit_ratio_before_restart.unwrap().l3 - 0.4).abs() < 1e-12);
+        assert!((s.hit_ratio_after_restart.unwrap().l3 - 0.4).abs() < 1e-12);
+        assert_eq!(s.l3_pages_loaded_back_after_restart, Some(9));
+        assert_eq!(s.worker_counters.l3_pages_loaded_back, 14);
+        assert_eq!(s.ttft_ms.unwrap().p50, 20.0);
+        assert_eq!(s.kv.bytes_in_responses, 21);
+        // One lost request fails the run; no corruption passes its check.
+        assert!(!s.passed());
+        assert!(s.checks[0].passed && !s.checks[1].passed);
+        let text = s.to_string();
+        assert!(text.contains("1 failed") && text.contains("before restart"));
+    }
+
+    #[test]
+    fn corruption_fails_the_run() {
+        let results = [result(0, 0.0, Outcome::Ok, 0, 1.0)];
+        let clean = summarize_run(ReportInput {
+            source: "t".into(),
+            time_scale: 1.0,
+            unbounded_hit_ratio: 0.0,
+            results: &results,
+            samples: &[sample(1.0, "w", 0, 0)],
+            events: &[],
+            teardown: None,
+        });
+        assert!(clean.passed());
+        let corrupt = summarize_run(ReportInput {
+            source: "t".into(),
+            time_scale: 1.0,
+            unbounded_hit_ratio: 0.0,
+            results: &results,
+            samples: &[sample(1.0, "w", 0, 2)],
+            events: &[],
+            teardown: None,
+        });
+        assert!(!corrupt.passed());
+        assert_eq!(corrupt.l3_pages_loaded_back_after_restart, None);
+    }
+}
