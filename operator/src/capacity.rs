@@ -13,7 +13,8 @@
 //!
 //! Rules: a grow step waits until the previous shrink is observed (the extra groups are gone); a
 //! scale-up whose pods stay `Unschedulable` past `unschedulableDeadlineSeconds` after `appliedAt`
-//! rolls back to `scheduled`; a scale-down is applied at once, also while a scale-up is pending.
+//! rolls back to `scheduled` (unless nothing was ever fully scheduled: then the counts stay and the
+//! condition says so); a scale-down is applied at once, also while a scale-up is pending.
 
 use jiff::{SignedDuration, Timestamp};
 use tandem_crds::{GroupCounts, PdRatio, ScalingStatus};
@@ -60,6 +61,13 @@ pub enum CapacityOutcome {
         from: Counts,
         /// The last fully scheduled counts.
         to: Counts,
+    },
+    /// The first counts ever applied stayed unschedulable past the deadline. There is no
+    /// earlier fully scheduled state to return to (rolling back would remove every group), so
+    /// the counts are kept and reported.
+    Unschedulable {
+        /// The applied counts.
+        counts: Counts,
     },
     /// The target was refused before and has not changed.
     Refused,
@@ -165,6 +173,10 @@ pub fn decide(input: &CapacityInput<'_>) -> (ScalingStatus, CapacityOutcome) {
     let elapsed = input.now.duration_since(since);
     if input.observed.unschedulable && elapsed >= SignedDuration::from_secs(input.deadline_seconds)
     {
+        if scheduled.decode == 0 && scheduled.prefill == 0 {
+            // Nothing was ever fully scheduled: rolling back would delete the whole stack.
+            return (st, CapacityOutcome::Unschedulable { counts: applied });
+        }
         st.applied = st.scheduled;
         st.applied_at = Some(input.now.to_string());
         st.refused = Some(group_counts(target));
@@ -308,6 +320,22 @@ mod tests {
     }
 
     #[test]
+    fn a_first_start_that_never_schedules_is_reported_not_deleted() {
+        let (st, _) = decide(&input(2, None, obs(0, 0, false, true), t(0)));
+        let (st2, out) = decide(&input(2, Some(&st), obs(2, 4, true, false), t(61)));
+        assert_eq!(
+            out,
+            CapacityOutcome::Unschedulable {
+                counts: Counts {
+                    decode: 2,
+                    prefill: 4
+                }
+            }
+        );
+        assert_eq!(st2.applied, st.applied);
+    }
+
+    #[test]
     fn over_budget_target_is_refused_without_change() {
         let (st, _) = decide(&input(2, None, obs(0, 0, false, true), t(0)));
         let (st2, out) = decide(&input(5, Some(&st), obs(2, 4, false, true), t(1)));
@@ -363,5 +391,59 @@ mod tests {
         let mut i = input(3, Some(&st), obs(2, 6, false, true), t(2));
         i.sizes = sizes;
         assert!(matches!(decide(&i).1, CapacityOutcome::Step { .. }));
+    }
+
+    proptest::proptest! {
+        /// Over any sequence of targets and observations, with a world that catches up with
+        /// the applied counts only now and then (a shrink is observed late), the groups that can
+        /// exist at once — the old ones not yet gone plus the newly applied ones — never need
+        /// more GPUs than the budget.
+        #[test]
+        fn existing_and_applied_together_stay_within_the_budget(
+            ops in proptest::collection::vec(
+                (
+                    (0u32..10, 1u32..5, 1u32..4),
+                    proptest::bool::ANY,
+                    proptest::bool::ANY,
+                    0i64..120,
+                    proptest::bool::ANY,
+                ),
+                1..40,
+            ),
+            sd in 1u32..4, sp in 1u32..4, budget in 2u64..60,
+        ) {
+            let sizes = GroupSizes { decode: sd, prefill: sp };
+            let mut st: Option<ScalingStatus> = None;
+            let mut existing = Counts { decode: 0, prefill: 0 };
+            let mut now = 0;
+            for ((decode, p, d), unschedulable, all_scheduled, dt, caught_up) in ops {
+                now += dt;
+                let input = CapacityInput {
+                    decode_replicas: decode,
+                    ratio: PdRatio::new(p, d).unwrap(),
+                    sizes,
+                    budget: Some(budget),
+                    deadline_seconds: 60,
+                    status: st.as_ref(),
+                    observed: CapacityObservation { existing, unschedulable, all_scheduled },
+                    now: t(now),
+                };
+                let (next, _) = decide(&input);
+                let applied = counts(next.applied);
+                let together = Counts {
+                    decode: applied.decode.max(existing.decode),
+                    prefill: applied.prefill.max(existing.prefill),
+                };
+                proptest::prop_assert!(
+                    together.gpus(sizes) <= budget,
+                    "existing {existing:?} + applied {applied:?} = {} GPUs > {budget}",
+                    together.gpus(sizes)
+                );
+                if caught_up {
+                    existing = applied;
+                }
+                st = Some(next);
+            }
+        }
     }
 }

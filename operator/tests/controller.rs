@@ -471,3 +471,67 @@ async fn a_restart_rolls_prefill_first_then_decode_one_group_at_a_time() {
         "{reasons:?}"
     );
 }
+
+/// A scale-up whose new pods stay unschedulable past the deadline is rolled back to the last
+/// fully scheduled counts, with `InsufficientCapacity` and an event; the extra groups go.
+#[tokio::test]
+async fn an_unschedulable_scale_up_is_rolled_back_with_insufficient_capacity() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    fake.edit(paths::DECODES, DECODE, |o| {
+        // Admission needs ≥ 10 s; the fake has no admission, and the test no time to wait.
+        o["spec"]["unschedulableDeadlineSeconds"] = json!(0);
+    });
+    let ctx = context(client);
+    converge(&fake, &ctx).await;
+    fake.edit(paths::DECODES, DECODE, |o| {
+        o["spec"]["replicas"] = json!(2);
+        o["metadata"]["generation"] = json!(2);
+    });
+    reconcile_decode(&ctx).await; // step: decode 1 → 2, prefill 4 → 8
+    reconcile_prefill(&ctx).await;
+    fake.materialize_pods();
+    for p in ["llama70b-decode-g1-0", "llama70b-prefill-g4-0"] {
+        fake.edit(paths::PODS, p, |o| {
+            o["spec"]["nodeName"] = Value::Null;
+            o["status"]["conditions"] = json!([
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]);
+        });
+    }
+    fake.clear_calls();
+    reconcile_decode(&ctx).await;
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(
+        d["status"]["scaling"]["applied"],
+        json!({"decode": 1, "prefill": 4})
+    );
+    let ic = d["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "InsufficientCapacity")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (ic["status"].as_str(), ic["reason"].as_str()),
+        (Some("True"), Some("Unschedulable"))
+    );
+    assert!(event_reasons(&fake.calls()).contains(&"InsufficientCapacity".to_string()));
+    assert!(
+        fake.get(paths::STS, "llama70b-decode-g1").is_none(),
+        "the extra decode group is removed"
+    );
+    reconcile_prefill(&ctx).await;
+    assert!(
+        fake.get(paths::STS, "llama70b-prefill-g4").is_none(),
+        "the extra prefill groups are removed"
+    );
+    // Scaling down still works while refused, and a new target is tried.
+    fake.edit(paths::DECODES, DECODE, |o| o["spec"]["replicas"] = json!(0));
+    reconcile_decode(&ctx).await;
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(
+        d["status"]["scaling"]["applied"],
+        json!({"decode": 0, "prefill": 0})
+    );
+}

@@ -324,6 +324,15 @@ fn capacity_condition(
                 from.decode, from.prefill, to.decode, to.prefill
             ),
         ),
+        CapacityOutcome::Unschedulable { counts } => Decided::new(
+            ic,
+            true,
+            "Unschedulable",
+            format!(
+                "pods of decode {} / prefill {} groups stayed unschedulable past unschedulableDeadlineSeconds; nothing was fully scheduled before, so the counts are kept",
+                counts.decode, counts.prefill
+            ),
+        ),
         CapacityOutcome::Refused => match pool::previous_condition(prev, ic) {
             Some(c) if c.status == "True" => {
                 Decided::new(ic, true, c.reason.clone(), c.message.clone())
@@ -371,7 +380,9 @@ async fn capacity_events(
             )
             .await;
         }
-        CapacityOutcome::RolledBack { .. } | CapacityOutcome::OverBudget { .. }
+        CapacityOutcome::RolledBack { .. }
+        | CapacityOutcome::OverBudget { .. }
+        | CapacityOutcome::Unschedulable { .. }
             if pool::newly_true(prev, cond::INSUFFICIENT_CAPACITY, &condition.reason) =>
         {
             ctx.event(
