@@ -10,7 +10,8 @@
 //!   the operator's ServiceAccount says yes to everything INTERFACES §1 lists and no to what the
 //!   operator must not do (Secrets, CRDs, creating pods, nodes, other Leases, RBAC). When the
 //!   workspace's `tandem-operator` binary exists, the Deployment's pod runs it through the process
-//!   runner with the chart's ServiceAccount token and must become Ready and hold the Lease.
+//!   runner with the chart's ServiceAccount token and must become Ready, hold the Lease and log no
+//!   `forbidden` (its watches on every kind it reconciles or owns started under RBAC).
 //!
 //! Both skip (with a line saying why) when Helm / the control plane is not cached, unless
 //! `TANDEM_E2E_REQUIRE_CLUSTER` is set: then they build what is missing and must pass.
@@ -240,7 +241,8 @@ async fn install_and_check(cluster: &RunningCluster) -> Result<(), String> {
                 name: "runner-0".into(),
                 gpus: 0,
             }],
-            first_node_index: 0,
+            // Own 127.142.x addresses: other runners on this machine use 127.100.x.
+            first_node_index: 42,
             dir: cluster.config.runner_dir(),
             images: ImageTable::tandem(),
             api_port: cluster.config.ports.api,
@@ -252,7 +254,7 @@ async fn install_and_check(cluster: &RunningCluster) -> Result<(), String> {
         helm_install(cluster)?;
         can_i_matrix(&cluster.bin_dir, &cluster.kubeconfig)?;
         if operator_bin.is_file() {
-            operator_runs_under_its_service_account(&client).await
+            operator_runs_under_its_service_account(&client, &cluster.config.runner_dir()).await
         } else {
             println!(
                 "NOTE: {} not built: the operator pod is not run (build it with \
@@ -415,9 +417,35 @@ fn can_i_matrix(bins: &BinDir, kubeconfig: &Path) -> Result<(), String> {
     }
 }
 
+/// Its watches and writes were all allowed: after a few seconds of running, the operator's log
+/// (`<runner dir>/pods/tandem-system_<pod>_<uid>/logs/operator.log`) has no 403.
+async fn no_forbidden_in_log(runner_dir: &Path, pod: &str) -> Result<(), String> {
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let prefix = format!("{RELEASE_NS}_{pod}_");
+    let dir = std::fs::read_dir(runner_dir.join("pods"))
+        .map_err(|e| e.to_string())?
+        .flatten()
+        .find(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .ok_or_else(|| format!("no pod dir for {pod}"))?;
+    let log = std::fs::read_to_string(dir.path().join("logs/operator.log"))
+        .map_err(|e| format!("operator log: {e}"))?;
+    let denied: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("forbidden") || l.contains("Forbidden"))
+        .collect();
+    if denied.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("the operator was denied:\n{}", denied.join("\n")))
+    }
+}
+
 /// The chart's Deployment runs the real operator (through the runner, with the chart's SA token):
 /// it becomes Ready and takes the leader-election Lease.
-async fn operator_runs_under_its_service_account(client: &kube::Client) -> Result<(), String> {
+async fn operator_runs_under_its_service_account(
+    client: &kube::Client,
+    runner_dir: &Path,
+) -> Result<(), String> {
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), RELEASE_NS);
     let pods: Api<Pod> = Api::namespaced(client.clone(), RELEASE_NS);
     let leases: Api<Lease> = Api::namespaced(client.clone(), RELEASE_NS);
@@ -451,7 +479,7 @@ async fn operator_runs_under_its_service_account(client: &kube::Client) -> Resul
                 .any(|p| p.metadata.name.as_deref() == Some(holder.as_str()))
             {
                 println!("operator pod {holder} Ready and holding the Lease");
-                return Ok(());
+                return no_forbidden_in_log(runner_dir, holder).await;
             }
         }
         if Instant::now() >= deadline {

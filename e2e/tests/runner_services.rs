@@ -85,7 +85,8 @@ async fn services_volumes_sidecars_and_pod_env() {
                     name: "runner-0".into(),
                     gpus: 2,
                 }],
-                first_node_index: 0,
+                // Own 127.141.x addresses: other runners on this machine use 127.100.x.
+                first_node_index: 41,
                 dir: runner_dir.clone(),
                 images: ImageTable::new().with(
                     "py-http",

@@ -278,8 +278,14 @@ impl Supervisor {
                     schedule_restart(&mut self.init[i], now);
                 }
                 let slot = &self.init[i];
+                let first_start = !slot.ever_started;
                 if slot.child.is_none() && slot.retry_at.is_none_or(|t| now >= t) {
                     self.start_slot(true, i, now);
+                    if first_start {
+                        // The sequence moves on at the next step, with the sidecar seen running
+                        // (the kubelet waits for the container to be reported started).
+                        return false;
+                    }
                 }
                 if !self.init[i].ever_started {
                     return false;

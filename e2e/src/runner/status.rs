@@ -177,7 +177,9 @@ pub fn pod_status(view: &PodView<'_>, clock: &mut ConditionClock, now: Timestamp
         container_statuses: Some(view.containers.iter().map(container_status).collect()),
         reason: view.message.map(|(r, _)| r.to_owned()),
         message: view.message.map(|(_, m)| m.to_owned()),
-        qos_class: Some("BestEffort".into()),
+        // Set by the API server at creation and immutable (ValidatePodStatusUpdate): left out of
+        // the merge patch, so a pod with resource requests keeps its Burstable/Guaranteed class.
+        qos_class: None,
         ..Default::default()
     }
 }
