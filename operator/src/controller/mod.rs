@@ -89,6 +89,22 @@ impl Context {
         action: &str,
         note: String,
     ) {
+        self.event_related(object, None, type_, reason, action, note)
+            .await;
+    }
+
+    /// Publishes an event about `object` that concerns the child `related` (a StatefulSet, a
+    /// Service). Events are grouped into series by (object, related, reason, action), so naming
+    /// the child keeps one line per child in `kubectl events`.
+    pub async fn event_related(
+        &self,
+        object: &ObjectReference,
+        related: Option<ObjectReference>,
+        type_: EventType,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
         tracing::info!(
             object = object.name.as_deref().unwrap_or_default(),
             kind = object.kind.as_deref().unwrap_or_default(),
@@ -102,7 +118,7 @@ impl Context {
             reason: reason.into(),
             note: Some(note),
             action: action.into(),
-            secondary: None,
+            secondary: related,
         };
         if let Err(e) = self.recorder.publish(&ev, object).await {
             tracing::warn!(error = %e, reason, "publishing an event failed");

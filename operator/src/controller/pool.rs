@@ -98,6 +98,20 @@ pub async fn observe_pods(ctx: &Context, ns: &str, name: &str, role: Role) -> Re
     Ok(pods.len() as u32)
 }
 
+/// A reference to the child `name` of kind `K` in the parent's namespace.
+pub fn child_ref<K: kube::Resource<DynamicType = ()>>(
+    name: &str,
+    parent: &ObjectReference,
+) -> ObjectReference {
+    ObjectReference {
+        api_version: Some(K::api_version(&()).into_owned()),
+        kind: Some(K::kind(&()).into_owned()),
+        name: Some(name.to_owned()),
+        namespace: parent.namespace.clone(),
+        ..ObjectReference::default()
+    }
+}
+
 /// Applies one child and publishes an event for what was done.
 #[allow(clippy::too_many_arguments)]
 pub async fn apply_child<K>(
@@ -111,14 +125,20 @@ pub async fn apply_child<K>(
     what: &str,
 ) -> Result<Option<ApplyReason>>
 where
-    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
 {
     let name = desired.name_any();
+    let related = Some(child_ref::<K>(&name, parent));
     let reason = children::apply_if_changed(ctx, kind, api, desired, existing, replicas).await?;
     match reason {
         Some(ApplyReason::Missing) => {
-            ctx.event(
+            ctx.event_related(
                 parent,
+                related.clone(),
                 normal(),
                 "Created",
                 "Apply",
@@ -127,8 +147,9 @@ where
             .await;
         }
         Some(ApplyReason::Changed) => {
-            ctx.event(
+            ctx.event_related(
                 parent,
+                related.clone(),
                 normal(),
                 "Updated",
                 "Apply",
@@ -138,8 +159,9 @@ where
         }
         Some(ApplyReason::ReplicaDrift) => {
             let (want, have) = replicas.unwrap_or_default();
-            ctx.event(
+            ctx.event_related(
                 parent,
+                related.clone(),
                 warning(),
                 "ReplicaDrift",
                 "RestoreReplicas",
@@ -221,8 +243,9 @@ pub async fn converge(
         let out_of_range = children::group_of(sts).is_none_or(|g| g >= groups);
         if out_of_range && !children::terminating(sts) {
             children::delete(ctx, kind, &stss, name).await?;
-            ctx.event(
+            ctx.event_related(
                 parent,
+                Some(child_ref::<StatefulSet>(name, parent)),
                 normal(),
                 "GroupRemoved",
                 "ScaleDown",
@@ -239,8 +262,12 @@ pub async fn converge(
         for p in pods {
             children::delete(ctx, kind, &pod_api, p).await?;
         }
-        ctx.event(
+        ctx.event_related(
             parent,
+            Some(child_ref::<StatefulSet>(
+                &labels::group_name(view.name, *group),
+                parent,
+            )),
             normal(),
             "RollingRestart",
             "RestartGroup",
