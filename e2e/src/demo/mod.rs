@@ -423,6 +423,15 @@ async fn on_cluster(
             (Ok(()), None) => format!("{} pods, order held", teardown_report.pods.len()),
         },
     );
+    // Zero corrupt pages means something only if the workers' counters were actually read.
+    summary.check(
+        "worker /report sampled",
+        summary.worker_incarnations > 0,
+        format!(
+            "{} worker incarnations, {} failed GETs",
+            summary.worker_incarnations, summary.sample_errors
+        ),
+    );
     let restarted = events.iter().any(|e| e.kind == "restart-done");
     let loaded = summary.l3_pages_loaded_back_after_restart.unwrap_or(0);
     summary.check(
