@@ -166,6 +166,25 @@ pub fn load_workload(
     workload::select_workload(opts.trace.as_deref(), opts.requests)
 }
 
+/// Simulation knobs the demo gives every pod unless `--pod-env` sets the same key: the sample
+/// model's real KV geometry (llama-3-70b, 320 KiB per token) would make a 12k-token prompt move
+/// 4 GB through a 1 GiB host pool on a 2-core machine; 1 KiB per token keeps every mechanism
+/// (pages, transfer, tiers, loadback) exercised at a size the machine can replay in real time.
+pub const DEFAULT_POD_ENV: [&str; 1] = ["TANDEM_SIM_KV_BYTES_PER_TOKEN=1024"];
+
+/// `DEFAULT_POD_ENV` overridden by the user's `K=V` entries (same key: the user's wins), then the
+/// user's other entries, in order.
+pub fn effective_pod_env(user: &[String]) -> Vec<String> {
+    let key = |kv: &str| kv.split_once('=').map_or(kv, |(k, _)| k).to_owned();
+    let user_keys: Vec<String> = user.iter().map(|kv| key(kv)).collect();
+    DEFAULT_POD_ENV
+        .iter()
+        .filter(|kv| !user_keys.contains(&key(kv)))
+        .map(|kv| kv.to_string())
+        .chain(user.iter().cloned())
+        .collect()
+}
+
 /// The cluster config of `opts`.
 pub fn cluster_config(opts: &DemoOptions) -> ClusterConfig {
     let mut c = ClusterConfig::default_cli();
@@ -203,7 +222,9 @@ pub async fn run(opts: &DemoOptions) -> Result<Summary, DemoError> {
     ));
     let running = cluster::up::up(&config).await.map_err(at(Phase::Cluster))?;
     let outcome = async {
-        daemon::start_runner_daemon(&config, opts.runner_nodes, opts.runner_gpus, &opts.pod_env)
+        let pod_env = effective_pod_env(&opts.pod_env);
+        say(format!("pod env: {pod_env:?}"));
+        daemon::start_runner_daemon(&config, opts.runner_nodes, opts.runner_gpus, &pod_env)
             .await
             .map_err(at(Phase::Cluster))?;
         on_cluster(opts, &running, workload, source).await
@@ -608,6 +629,19 @@ mod tests {
             );
             assert!(text.contains(&format!("namespace: {NAMESPACE}\n")));
         }
+    }
+
+    #[test]
+    fn pod_env_defaults_yield_to_the_user() {
+        assert_eq!(
+            effective_pod_env(&[]),
+            vec!["TANDEM_SIM_KV_BYTES_PER_TOKEN=1024".to_owned()]
+        );
+        let user = vec![
+            "TANDEM_SIM_KV_BYTES_PER_TOKEN=8".to_owned(),
+            "TANDEM_SIM_TPOT_MS=1".to_owned(),
+        ];
+        assert_eq!(effective_pod_env(&user), user);
     }
 
     #[test]
