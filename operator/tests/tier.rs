@@ -132,6 +132,8 @@ fn tier_json_round_trips_and_refuses_unknown_fields() {
     let text = &cm.data.as_ref().unwrap()[TIER_CONFIG_FILE];
     let back: TierConfig = serde_json::from_str(text).unwrap();
     assert_eq!(back, cfg);
+    back.check()
+        .expect("the worker's own checks accept the rendered tier.json");
     assert_eq!(cfg.memory_bytes, 4 << 30);
     assert_eq!(cfg.disk_bytes, 20 << 30);
     assert_eq!(cfg.page_tokens, 512);

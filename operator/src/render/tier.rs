@@ -26,11 +26,16 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use tandem_crds::{CacheTier, EvictionPolicy, WritePolicy as TierWritePolicy};
-use tandem_worker::config::{IndexerGeometry, WritePolicy};
-use tandem_worker::model::ModelIdentity;
+use tandem_crds::{
+    CacheTier, EvictionPolicy, RegistrationFailurePolicy, WritePolicy as TierWritePolicy,
+};
+use tandem_worker::config::{
+    CACHE_TIER_CONFIG_API_VERSION, CACHE_TIER_CONFIG_FILE, CacheEviction, CachePorts,
+    CacheTierConfig, DEFAULT_MAX_PARALLEL, EvictionOrder, IndexerGeometry, WritePolicy,
+};
+use tandem_worker::pool::PoolLayout;
+use tandem_worker::registration::FailurePolicy;
 
 use super::config::{HEALTH_PORT, RenderError, model_identity};
 use super::workload::CONFIG_DIR;
@@ -42,73 +47,20 @@ pub const L3_PORT: u16 = 7420;
 /// Data directory of a store replica (INTERFACES §2).
 pub const DATA_DIR: &str = "/var/lib/tandem/cache";
 /// File name of the tier config inside `<tier>-config`.
-pub const TIER_CONFIG_FILE: &str = "tier.json";
+pub const TIER_CONFIG_FILE: &str = CACHE_TIER_CONFIG_FILE;
 /// Schema version of [`TierConfig`].
-pub const TIER_CONFIG_API_VERSION: &str = "tandem.dev/cache-tier-config/v1";
+pub const TIER_CONFIG_API_VERSION: &str = CACHE_TIER_CONFIG_API_VERSION;
 /// Grace period of a store replica: its SIGTERM path syncs the manifest (DESIGN §5).
 pub const STORE_TERMINATION_GRACE_SECONDS: i64 = 60;
 
-/// The resolved config of one store replica, written as `tier.json` and read by
-/// `tandem-worker cache --config /etc/tandem/tier.json`.
+/// The resolved config of one store replica: the worker crate's
+/// [`CacheTierConfig`](tandem_worker::config::CacheTierConfig) (INTERFACES §2), written as
+/// `tier.json` and read by `tandem-worker cache --config /etc/tandem/tier.json`.
 ///
-/// Local stand-in for `tandem_worker::config::CacheTierConfig` (INTERFACES §2, owned by the worker
-/// crate); same rules: versioned `apiVersion`, unknown fields rejected, no Kubernetes types.
 /// Every CacheTier spec field lands here, in the client pools' worker config (allocator, client
 /// mode, registration-failure policy, write policy, page tokens — see `render::config`), or in the
 /// StatefulSet (image, replicas, persistence); `tests/fields.rs` enumerates them.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct TierConfig {
-    /// [`TIER_CONFIG_API_VERSION`].
-    pub api_version: String,
-    /// Namespace of the tier.
-    pub namespace: String,
-    /// Tier name.
-    pub tier: String,
-    /// Revision of the store replicas (hash of this config without the field, and the image).
-    pub revision: String,
-    /// Model identity and KV geometry of every stored object.
-    pub model: ModelIdentity,
-    /// Geometry of the model's sparse-attention indexer keys, stored beside the KV pages.
-    pub indexer: Option<IndexerGeometry>,
-    /// Tokens per page; objects are whole pages.
-    pub page_tokens: u32,
-    /// Bytes of objects kept in memory per replica (`spec.memory`).
-    pub memory_bytes: u64,
-    /// Bytes of objects kept on disk per replica: `spec.persistence.size`, or `memoryBytes` when
-    /// the tier is memory-only (its `emptyDir` mirrors memory and dies with the pod).
-    pub disk_bytes: u64,
-    /// Whether [`DATA_DIR`] survives a restart (a PVC) and loadback is expected.
-    pub persistent: bool,
-    /// Data directory.
-    pub data_dir: String,
-    /// Eviction order and high watermark.
-    pub eviction: TierEviction,
-    /// How clients write pages (informational for the store; clients get it in their config).
-    pub write_policy: WritePolicy,
-    /// Ports: L3 protocol and health.
-    pub ports: TierPorts,
-}
-
-/// Eviction settings of a store replica.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct TierEviction {
-    /// `LRU`.
-    pub policy: String,
-    /// Eviction starts above this percentage of a budget (50..=100).
-    pub high_watermark_percent: u32,
-}
-
-/// Ports of a store replica.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct TierPorts {
-    /// L3 protocol.
-    pub l3: u16,
-    /// `/healthz`, `/readyz`, `/metrics`, `/report`.
-    pub health: u16,
-}
+pub type TierConfig = CacheTierConfig;
 
 /// Renders the tier config of `tier` (revision filled in).
 ///
@@ -122,8 +74,8 @@ pub fn tier_config(tier: &CacheTier) -> Result<TierConfig, RenderError> {
         Some(p) => quantity::bytes("spec.persistence.size", &p.size)?,
         None => memory_bytes,
     };
-    let mut cfg = TierConfig {
-        api_version: TIER_CONFIG_API_VERSION.into(),
+    let mut cfg = CacheTierConfig {
+        api_version: CACHE_TIER_CONFIG_API_VERSION.into(),
         namespace: tier.metadata.namespace.clone().unwrap_or_default(),
         tier: tier.metadata.name.clone().unwrap_or_default(),
         revision: String::new(),
@@ -133,13 +85,16 @@ pub fn tier_config(tier: &CacheTier) -> Result<TierConfig, RenderError> {
             dtype_bytes: u32::try_from(ix.dtype.bytes()).unwrap_or(u32::MAX),
         }),
         page_tokens: u32::try_from(s.page_tokens).unwrap_or(0),
+        layout: PoolLayout::default(),
+        max_tensor: DEFAULT_MAX_PARALLEL,
+        max_context: DEFAULT_MAX_PARALLEL,
         memory_bytes,
         disk_bytes,
         persistent: s.persistence.is_some(),
         data_dir: DATA_DIR.into(),
-        eviction: TierEviction {
+        eviction: CacheEviction {
             policy: match s.eviction.policy {
-                EvictionPolicy::LRU => "LRU".into(),
+                EvictionPolicy::LRU => EvictionOrder::Lru,
             },
             high_watermark_percent: u32::try_from(s.eviction.high_watermark_percent).unwrap_or(90),
         },
@@ -147,10 +102,14 @@ pub fn tier_config(tier: &CacheTier) -> Result<TierConfig, RenderError> {
             TierWritePolicy::WriteThrough => WritePolicy::WriteThrough,
             TierWritePolicy::WriteBack => WritePolicy::WriteBack,
         },
-        ports: TierPorts {
+        ports: CachePorts {
             l3: L3_PORT,
             health: HEALTH_PORT,
         },
+        registration_failure: Some(match s.registration_failure_policy {
+            RegistrationFailurePolicy::FailClosed => FailurePolicy::FailClosed,
+            RegistrationFailurePolicy::FallbackToL2 => FailurePolicy::FallbackToL2,
+        }),
     };
     cfg.revision = tier_revision(&cfg, &s.image);
     Ok(cfg)
