@@ -15,6 +15,7 @@
 pub mod embedded;
 pub mod protocol;
 pub mod server;
+pub mod socket_path;
 pub mod standalone;
 
 use std::fmt;

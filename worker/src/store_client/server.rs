@@ -158,8 +158,12 @@ impl StoreClientServer {
         staging.push(format!(".{}.binding", std::process::id()));
         let staging = std::path::PathBuf::from(staging);
         let _ = std::fs::remove_file(&staging);
-        let addr = SocketAddrUnix::new(staging.as_path()).map_err(|e| sock_err(e.into()))?;
-        rustix::net::bind(&listener, &addr).map_err(|e| sock_err(e.into()))?;
+        super::socket_path::with_socket_address(&staging, |a| {
+            let addr = SocketAddrUnix::new(a)?;
+            rustix::net::bind(&listener, &addr)?;
+            Ok(())
+        })
+        .map_err(sock_err)?;
         rustix::net::listen(&listener, 16).map_err(|e| sock_err(e.into()))?;
         std::fs::rename(&staging, &path).map_err(|e| {
             let _ = std::fs::remove_file(&staging);

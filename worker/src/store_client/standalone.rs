@@ -53,8 +53,15 @@ impl StandaloneClient {
             None,
         )
         .map_err(ipc("socket"))?;
-        let addr = SocketAddrUnix::new(socket).map_err(ipc("connect"))?;
-        rustix::net::connect(&sock, &addr).map_err(ipc("connect"))?;
+        super::socket_path::with_socket_address(socket, |a| {
+            let addr = SocketAddrUnix::new(a)?;
+            rustix::net::connect(&sock, &addr)?;
+            Ok(())
+        })
+        .map_err(|source| StoreError::PeerIpc {
+            op: "connect",
+            source,
+        })?;
         let segments = SegmentSet::new();
         let allocator = Allocator::new(
             "tier shared memory",
