@@ -140,11 +140,13 @@ fn panel(
         chart
             .draw_series(LineSeries::new(
                 [(0.0, r), (x_max, r)],
-                BLACK.mix(0.5).stroke_width(1),
+                RGBColor(255, 165, 0).stroke_width(3),
             ))
             .map_err(|e| e.to_string())?
             .label("unbounded-cache ceiling")
-            .legend(|(x, y)| PathElement::new([(x, y), (x + 16, y)], BLACK.mix(0.5)));
+            .legend(|(x, y)| {
+                PathElement::new([(x, y), (x + 16, y)], RGBColor(255, 165, 0).stroke_width(3))
+            });
     }
     for s in series {
         let color = s.color;
