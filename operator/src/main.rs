@@ -4,6 +4,12 @@
 //! default) only the holder of the Lease `tandem-operator` in `$POD_NAMESPACE` reconciles, and a
 //! replica that loses the lease exits (its restart rejoins as a candidate). SIGTERM/SIGINT stop the
 //! controllers after their in-flight reconciles and release the lease.
+//!
+//! `/readyz` is 200 for a standby too, once the API server answered (the Lease was prepared):
+//! readiness that waited for leadership would deadlock a Deployment rolling update — the new pod
+//! cannot lead while the old one holds the Lease, and the old one is not stopped until the new one
+//! is Ready (found by the e2e `helm upgrade` suite). Leadership is the `tandem_operator_leading`
+//! gauge's business, not readiness.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -158,6 +164,8 @@ async fn main() -> anyhow::Result<()> {
             .await
             .context("preparing the leader-election Lease")?;
         let (mut rx, task) = manager.watch().await;
+        // A standby is ready: see the module docs.
+        ready.store(true, Ordering::Relaxed);
         tracing::info!(%namespace, %identity, "waiting for the lease tandem-operator");
         tokio::select! {
             r = rx.wait_for(|leading| *leading) => { r.context("leader election stopped")?; }
@@ -198,6 +206,8 @@ async fn main() -> anyhow::Result<()> {
         rx
     });
 
+    // Past this point this replica leads (or runs without election).
+    metrics.leading.set(1);
     let mut ctx = Context::new(client, metrics);
     ctx.probe_reports = true;
     let scope = Scope {

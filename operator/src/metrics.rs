@@ -64,6 +64,8 @@ pub struct Metrics {
     pub resources: Family<StateLabels, Gauge>,
     /// API writes by kind and verb.
     pub writes: Family<WriteLabels, Counter>,
+    /// 1 while this replica holds the leader-election Lease (or runs without election), else 0.
+    pub leading: Gauge,
     /// State of each resource, `(kind, namespace/name) → state`, to recompute the gauge.
     states: Arc<Mutex<BTreeMap<(String, String), String>>>,
 }
@@ -84,6 +86,12 @@ impl Metrics {
         let reconcile_errors = Family::<ErrorLabels, Counter>::default();
         let resources = Family::<StateLabels, Gauge>::default();
         let writes = Family::<WriteLabels, Counter>::default();
+        let leading = Gauge::default();
+        registry.register(
+            "leading",
+            "1 while this replica holds the leader-election Lease, else 0",
+            leading.clone(),
+        );
         registry.register(
             "reconcile_duration_seconds",
             "Duration of one reconcile, by kind",
@@ -110,6 +118,7 @@ impl Metrics {
             reconcile_errors,
             resources,
             writes,
+            leading,
             states: Arc::default(),
         }
     }
