@@ -320,9 +320,12 @@ pub fn store_statefulset(
                 type_: Some("RollingUpdate".into()),
                 ..StatefulSetUpdateStrategy::default()
             }),
+            // The claims hold the tier's L3 data: they survive scale-down and every restart
+            // (that is what loadback reads), and go with the tier when it is deleted — a deleted
+            // stack leaves nothing but the CRDs (issue 4, suite 6).
             persistent_volume_claim_retention_policy: Some(
                 StatefulSetPersistentVolumeClaimRetentionPolicy {
-                    when_deleted: Some("Retain".into()),
+                    when_deleted: Some("Delete".into()),
                     when_scaled: Some("Retain".into()),
                 },
             ),
