@@ -1,0 +1,584 @@
+//! Issue 4, suites 2–6: Tandem used the way its users use it, against a real v1.37 control plane
+//! (etcd, kube-apiserver, kube-controller-manager, kube-scheduler) with the operator installed by
+//! `helm install` and running **inside the cluster** as a pod of the chart (through the process
+//! runner, with the chart's ServiceAccount token, so RBAC is exercised for real), and every worker
+//! pod a real `tandem-worker` process.
+//!
+//! One cluster, phases in order (each asserts what the issue names):
+//! 1. `helm install` → the operator is Ready; the sample stack (CacheTier, PrefillPool, DecodePool
+//!    4:1) reaches `Ready` with the pods the spec implies.
+//! 2. Suite 3: `kubectl scale decodepool --replicas=2` → the PrefillPool follows the ratio (8
+//!    groups); patching the ratio to 2:1 re-balances it (4).
+//! 3. Suite 4: a scale-up beyond the runner node's GPUs → `InsufficientCapacity`, then rolled back
+//!    to the last counts that were scheduled; nothing above the node's capacity stays.
+//! 4. Suite 5: a `restart.id` change → groups restart one at a time per pool in the documented
+//!    order (asserted from a pod watch: no group starts terminating before the previous group of
+//!    its pool is Ready on the new revision; a prefill group goes first; no decode group goes
+//!    before a new-revision prefill group is Ready), and every pod ends on the new revision.
+//! 5. Suite 2: `helm upgrade` with a changed value → the operator Deployment rolls and the stack
+//!    stays Ready.
+//! 6. Suite 6: deleting the stack → pods go in the teardown order of DESIGN §5 (decode, then
+//!    prefill, then the store; from deletion timestamps by role) and nothing is left but the CRDs;
+//!    `helm uninstall` removes the operator and keeps the CRDs.
+//!
+//! Skips with a printed reason when the control-plane binaries are not built, unless
+//! `TANDEM_E2E_REQUIRE_CLUSTER` is set.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::runtime::watcher;
+use support::{Harness, HarnessConfig, poll};
+
+const NS: &str = "default";
+const DECODE: &str = "llama70b-decode";
+const PREFILL: &str = "llama70b-prefill";
+const TIER: &str = "llama70b-l3";
+/// GPUs of the one runner node: room for 2 decode + 8 prefill groups (TP1), not for more.
+const NODE_GPUS: u32 = 10;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn install_scale_restart_teardown() {
+    let Some(h) = Harness::start(HarnessConfig {
+        name: "install_scale_restart_teardown",
+        port_offset: 5000,
+        runner_gpus: NODE_GPUS,
+    })
+    .await
+    else {
+        return;
+    };
+    let outcome = scenario(&h).await;
+    if outcome.is_err() {
+        h.dump_diagnostics();
+    }
+    h.stop().await;
+    if let Err(e) = outcome {
+        panic!("{e}");
+    }
+}
+
+async fn scenario(h: &Harness) -> Result<(), String> {
+    let t0 = Instant::now();
+    install(h).await?;
+    println!(
+        "[{:>5.1}s] operator installed and Ready",
+        t0.elapsed().as_secs_f64()
+    );
+    h.kubectl(&["apply", "-f", "manifests/samples/"])?;
+    wait_condition(h, "cachetier", TIER, "Ready", "True", 240).await?;
+    wait_condition(h, "prefillpool", PREFILL, "Ready", "True", 240).await?;
+    wait_condition(h, "decodepool", DECODE, "Ready", "True", 240).await?;
+    assert_groups(h, PREFILL, 4).await?;
+    assert_groups(h, DECODE, 1).await?;
+    println!(
+        "[{:>5.1}s] sample stack Ready (1 decode : 4 prefill groups)",
+        t0.elapsed().as_secs_f64()
+    );
+
+    // Suite 3: the PrefillPool follows the ratio.
+    h.kubectl(&["scale", "decodepool", DECODE, "--replicas=2"])?;
+    wait_groups(h, PREFILL, 8, 180).await?;
+    wait_condition(h, "decodepool", DECODE, "Ready", "True", 240).await?;
+    let owner = h.kubectl(&[
+        "get",
+        "prefillpool",
+        PREFILL,
+        "-o",
+        "jsonpath={.status.replicasOwner}",
+    ])?;
+    if !owner.contains(DECODE) {
+        return Err(format!(
+            "PrefillPool status must say the DecodePool owns its count, got {owner:?}"
+        ));
+    }
+    h.kubectl(&[
+        "patch",
+        "decodepool",
+        DECODE,
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"prefill":{"ratio":"2:1"}}}"#,
+    ])?;
+    wait_groups(h, PREFILL, 4, 180).await?;
+    println!(
+        "[{:>5.1}s] suite 3: scale 1→2 gave 8 prefill groups; ratio 2:1 gave 4",
+        t0.elapsed().as_secs_f64()
+    );
+
+    // Suite 4: 4 decode + 8 prefill = 12 GPUs > 10 on the node (budget 16 allows it).
+    h.kubectl(&[
+        "patch",
+        "decodepool",
+        DECODE,
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"unschedulableDeadlineSeconds":15}}"#,
+    ])?;
+    h.kubectl(&["scale", "decodepool", DECODE, "--replicas=4"])?;
+    wait_condition(h, "decodepool", DECODE, "InsufficientCapacity", "True", 180).await?;
+    wait_groups(h, DECODE, 2, 120).await?;
+    wait_groups(h, PREFILL, 4, 120).await?;
+    let unschedulable = poll(Duration::from_secs(60), || async {
+        let pods = h
+            .pods(&format!("serving.tandem.dev/pool in ({DECODE},{PREFILL})"))
+            .await
+            .ok()?;
+        let pending = pods.iter().filter(|p| phase(p) == "Pending").count();
+        (pending == 0).then_some(())
+    })
+    .await;
+    if unschedulable.is_none() {
+        return Err("pending pods remain after the InsufficientCapacity rollback".into());
+    }
+    wait_condition(h, "decodepool", DECODE, "Ready", "True", 180).await?;
+    println!(
+        "[{:>5.1}s] suite 4: scale to 4 refused for capacity and rolled back to 2",
+        t0.elapsed().as_secs_f64()
+    );
+
+    // Suite 5: rolling restart, one group at a time, prefill first.
+    rolling_restart(h).await?;
+    println!(
+        "[{:>5.1}s] suite 5: rolling restart group by group",
+        t0.elapsed().as_secs_f64()
+    );
+
+    // Suite 2 (upgrade half): a values change rolls the operator; the stack stays Ready.
+    let before = operator_pods(h).await?;
+    h.helm(&[
+        "upgrade",
+        "tandem",
+        "charts/tandem",
+        "-n",
+        "tandem-system",
+        "--reuse-values",
+        "--set",
+        "logFormat=text",
+        "--wait",
+        "--timeout",
+        "180s",
+    ])?;
+    let after = poll(Duration::from_secs(120), || async {
+        let now = operator_pods(h).await.ok()?;
+        (!now.is_empty() && now.is_disjoint(&before)).then_some(now)
+    })
+    .await
+    .ok_or("helm upgrade did not replace the operator pod")?;
+    wait_condition(h, "decodepool", DECODE, "Ready", "True", 120).await?;
+    println!(
+        "[{:>5.1}s] suite 2: helm upgrade rolled the operator ({before:?} → {after:?})",
+        t0.elapsed().as_secs_f64()
+    );
+
+    // Suite 6: teardown order.
+    teardown(h).await?;
+    println!(
+        "[{:>5.1}s] suite 6: teardown in order, nothing left but the CRDs",
+        t0.elapsed().as_secs_f64()
+    );
+
+    h.helm(&[
+        "uninstall",
+        "tandem",
+        "-n",
+        "tandem-system",
+        "--wait",
+        "--timeout",
+        "120s",
+    ])?;
+    poll(Duration::from_secs(60), || async {
+        operator_pods(h).await.ok().filter(BTreeSet::is_empty)
+    })
+    .await
+    .ok_or("operator pods remain after helm uninstall")?;
+    for crd in ["cachetiers", "prefillpools", "decodepools"] {
+        h.kubectl(&["get", "crd", &format!("{crd}.serving.tandem.dev")])
+            .map_err(|e| format!("helm uninstall must keep the CRDs: {e}"))?;
+    }
+    println!(
+        "[{:>5.1}s] suite 2: helm uninstall kept the CRDs",
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+async fn install(h: &Harness) -> Result<(), String> {
+    h.helm(&[
+        "install",
+        "tandem",
+        "charts/tandem",
+        "-n",
+        "tandem-system",
+        "--create-namespace",
+        "--wait",
+        "--timeout",
+        "180s",
+    ])?;
+    poll(Duration::from_secs(60), || async {
+        let pods = operator_pods(h).await.ok()?;
+        (!pods.is_empty()).then_some(())
+    })
+    .await
+    .ok_or_else(|| "no operator pod Ready after helm install".to_owned())
+}
+
+async fn operator_pods(h: &Harness) -> Result<BTreeSet<String>, String> {
+    let api: Api<Pod> = Api::namespaced(h.client.clone(), "tandem-system");
+    let list = api
+        .list(&kube::api::ListParams::default().labels("app.kubernetes.io/name=tandem-operator"))
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(list
+        .items
+        .iter()
+        .filter(|p| ready(p) && p.metadata.deletion_timestamp.is_none())
+        .filter_map(|p| p.metadata.name.clone())
+        .collect())
+}
+
+async fn wait_condition(
+    h: &Harness,
+    kind: &str,
+    name: &str,
+    ty: &str,
+    want: &str,
+    secs: u64,
+) -> Result<(), String> {
+    let path = format!("jsonpath={{.status.conditions[?(@.type==\"{ty}\")].status}}");
+    let mut last = String::new();
+    let got = poll(Duration::from_secs(secs), || {
+        let out = h.kubectl(&["get", kind, name, "-o", &path]);
+        if let Ok(s) = &out {
+            last = s.clone();
+        }
+        async move { out.ok().filter(|s| s.trim() == want) }
+    })
+    .await;
+    if got.is_some() {
+        return Ok(());
+    }
+    let conditions = h
+        .kubectl(&["get", kind, name, "-o", "jsonpath={.status.conditions}"])
+        .unwrap_or_default();
+    Err(format!(
+        "{kind}/{name}: condition {ty} is {last:?}, not {want}, after {secs}s; conditions: {conditions}"
+    ))
+}
+
+/// The group StatefulSets of a pool that exist and are not being deleted.
+async fn groups(h: &Harness, pool: &str) -> Result<usize, String> {
+    let out = h.kubectl(&[
+        "get",
+        "statefulsets",
+        "-l",
+        &format!("serving.tandem.dev/pool={pool}"),
+        "-o",
+        "jsonpath={range .items[*]}{.metadata.name} {.spec.replicas}{\"\\n\"}{end}",
+    ])?;
+    Ok(out
+        .lines()
+        .filter(|l| l.split_whitespace().nth(1).is_some_and(|r| r != "0"))
+        .count())
+}
+
+async fn assert_groups(h: &Harness, pool: &str, want: usize) -> Result<(), String> {
+    let got = groups(h, pool).await?;
+    if got == want {
+        Ok(())
+    } else {
+        Err(format!("{pool}: {got} groups, expected {want}"))
+    }
+}
+
+async fn wait_groups(h: &Harness, pool: &str, want: usize, secs: u64) -> Result<(), String> {
+    let got = poll(Duration::from_secs(secs), || async {
+        (groups(h, pool).await.ok()? == want).then_some(())
+    })
+    .await;
+    match got {
+        Some(()) => Ok(()),
+        None => Err(format!(
+            "{pool}: {} groups after {secs}s, expected {want}",
+            groups(h, pool).await?
+        )),
+    }
+}
+
+/// One observation of a pod from the watch.
+#[derive(Debug, Clone)]
+struct Seen {
+    at: Instant,
+    pool: String,
+    group: String,
+    revision: String,
+    terminating: bool,
+    ready: bool,
+}
+
+fn seen(p: &Pod) -> Option<Seen> {
+    let labels = p.metadata.labels.as_ref()?;
+    Some(Seen {
+        at: Instant::now(),
+        pool: labels.get("serving.tandem.dev/pool")?.clone(),
+        group: labels
+            .get("serving.tandem.dev/group")
+            .cloned()
+            .unwrap_or_default(),
+        revision: labels
+            .get("serving.tandem.dev/revision")
+            .cloned()
+            .unwrap_or_default(),
+        terminating: p.metadata.deletion_timestamp.is_some(),
+        ready: ready(p),
+    })
+}
+
+async fn rolling_restart(h: &Harness) -> Result<(), String> {
+    let pods: Api<Pod> = Api::namespaced(h.client.clone(), NS);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Seen>();
+    let watch = tokio::spawn(async move {
+        let mut stream = watcher(
+            pods,
+            watcher::Config::default().labels("serving.tandem.dev/role in (prefill,decode)"),
+        )
+        .boxed();
+        while let Some(ev) = stream.next().await {
+            if let Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) = ev
+                && let Some(s) = seen(&p)
+            {
+                let _ = tx.send(s);
+            }
+        }
+    });
+    let old_revision = h.kubectl(&[
+        "get",
+        "decodepool",
+        DECODE,
+        "-o",
+        "jsonpath={.status.currentRevision}",
+    ])?;
+    h.kubectl(&[
+        "patch",
+        "decodepool",
+        DECODE,
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"restart":{"id":"e2e-rollout-1"}}}"#,
+    ])?;
+    // Done when both pools report every group updated and Ready on a new revision.
+    let done = poll(Duration::from_secs(420), || async {
+        let d = h.kubectl(&["get", "decodepool", DECODE, "-o", "jsonpath={.status.currentRevision} {.status.updatedReplicas} {.status.readyReplicas} {.status.replicas}"]).ok()?;
+        let p = h.kubectl(&["get", "prefillpool", PREFILL, "-o", "jsonpath={.status.updatedReplicas} {.status.readyReplicas} {.status.replicas}"]).ok()?;
+        let d: Vec<&str> = d.split_whitespace().collect();
+        let p: Vec<&str> = p.split_whitespace().collect();
+        let all_same = |v: &[&str]| v.windows(2).all(|w| w[0] == w[1]) && v.first().is_some_and(|x| *x != "0");
+        (d.len() == 4 && d[0] != old_revision && all_same(&d[1..]) && p.len() == 3 && all_same(&p)).then_some(())
+    })
+    .await;
+    watch.abort();
+    let mut log = Vec::new();
+    while let Ok(s) = rx.try_recv() {
+        log.push(s);
+    }
+    if done.is_none() {
+        return Err(format!(
+            "rolling restart did not finish in 420 s; {} pod events seen",
+            log.len()
+        ));
+    }
+    check_one_group_at_a_time(&log, &old_revision)
+}
+
+/// From the watch log, the documented order (`operator/src/rollout.rs`, DESIGN §5): within each
+/// pool a group starts terminating only after the group before it has a Ready pod on a revision
+/// other than `old` (one group at a time per pool); the first group to go is a prefill group; and
+/// no decode group goes before a prefill group of the new revision is Ready (pairing stays within
+/// one revision, so a restarted decode always has a peer).
+fn check_one_group_at_a_time(log: &[Seen], old: &str) -> Result<(), String> {
+    let mut first_terminating: BTreeMap<(String, String), Instant> = BTreeMap::new();
+    let mut ready_new: BTreeMap<(String, String), Instant> = BTreeMap::new();
+    for s in log {
+        let key = (s.pool.clone(), s.group.clone());
+        if s.terminating && s.revision == old {
+            first_terminating.entry(key).or_insert(s.at);
+        } else if s.ready && !s.terminating && s.revision != old {
+            ready_new.entry(key).or_insert(s.at);
+        }
+    }
+    let mut order: Vec<_> = first_terminating.iter().collect();
+    order.sort_by_key(|(_, at)| **at);
+    let Some(((first_pool, _), _)) = order.first() else {
+        return Err("no pod of the old revision was terminated: no rolling restart".into());
+    };
+    if first_pool != PREFILL {
+        return Err(format!(
+            "the first group restarted must be a prefill group, was {:?}",
+            order[0].0
+        ));
+    }
+    for pool in [PREFILL, DECODE] {
+        let groups: Vec<_> = order.iter().filter(|((p, _), _)| p == pool).collect();
+        if groups.is_empty() {
+            return Err(format!("no group of {pool} was restarted"));
+        }
+        for pair in groups.windows(2) {
+            let (prev, _) = pair[0];
+            let (next, next_at) = pair[1];
+            let prev_ready = ready_new.get(prev).ok_or_else(|| {
+                format!("group {prev:?} never came back Ready on the new revision")
+            })?;
+            if prev_ready > next_at {
+                return Err(format!(
+                    "group {next:?} started terminating before group {prev:?} was Ready again: {order:?}"
+                ));
+            }
+        }
+    }
+    let first_prefill_ready = ready_new
+        .iter()
+        .filter(|((p, _), _)| p == PREFILL)
+        .map(|(_, at)| *at)
+        .min()
+        .ok_or("no prefill group came back Ready on the new revision")?;
+    let first_decode_going = order
+        .iter()
+        .find(|((p, _), _)| p == DECODE)
+        .map(|(_, at)| **at)
+        .ok_or("no decode group was restarted")?;
+    if first_decode_going < first_prefill_ready {
+        return Err(
+            "a decode group restarted before any prefill group of the new revision was Ready"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
+async fn teardown(h: &Harness) -> Result<(), String> {
+    let pods: Api<Pod> = Api::namespaced(h.client.clone(), NS);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(String, String, Instant)>();
+    let watch = tokio::spawn(async move {
+        let mut stream = watcher(
+            pods,
+            watcher::Config::default().labels("serving.tandem.dev/role"),
+        )
+        .boxed();
+        while let Some(ev) = stream.next().await {
+            match ev {
+                Ok(watcher::Event::Apply(p)) if p.metadata.deletion_timestamp.is_some() => {
+                    let role = p
+                        .metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get("serving.tandem.dev/role"))
+                        .cloned()
+                        .unwrap_or_default();
+                    let _ = tx.send((
+                        role,
+                        format!("terminating {}", p.metadata.name.unwrap_or_default()),
+                        Instant::now(),
+                    ));
+                }
+                Ok(watcher::Event::Delete(p)) => {
+                    let role = p
+                        .metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get("serving.tandem.dev/role"))
+                        .cloned()
+                        .unwrap_or_default();
+                    let _ = tx.send((
+                        role,
+                        format!("gone {}", p.metadata.name.unwrap_or_default()),
+                        Instant::now(),
+                    ));
+                }
+                _ => {}
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    h.kubectl(&["delete", "-f", "manifests/samples/", "--wait=false"])?;
+    let gone = poll(Duration::from_secs(300), || async {
+        let left = h
+            .kubectl(&["get", "cachetiers,prefillpools,decodepools", "-o", "name"])
+            .ok()?;
+        let pods = h.pods("serving.tandem.dev/role").await.ok()?;
+        (left.trim().is_empty() && pods.is_empty()).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    watch.abort();
+    let mut events = Vec::new();
+    while let Ok(e) = rx.try_recv() {
+        events.push(e);
+    }
+    if gone.is_none() {
+        return Err(format!(
+            "the stack was not gone 300 s after deletion; events: {events:?}"
+        ));
+    }
+    check_teardown_order(&events)?;
+    let left = h.kubectl(&[
+        "get",
+        "statefulsets,services,configmaps,pvc",
+        "-l",
+        "app.kubernetes.io/managed-by=tandem-operator",
+        "-o",
+        "name",
+    ])?;
+    if !left.trim().is_empty() {
+        return Err(format!("children left after teardown:\n{left}"));
+    }
+    Ok(())
+}
+
+/// DESIGN §5: every decode pod is gone before any prefill pod starts terminating, and every
+/// prefill pod is gone before any store pod starts terminating.
+fn check_teardown_order(events: &[(String, String, Instant)]) -> Result<(), String> {
+    let last_gone = |role: &str| {
+        events
+            .iter()
+            .filter(|(r, what, _)| r == role && what.starts_with("gone"))
+            .map(|e| e.2)
+            .max()
+    };
+    let first_term = |role: &str| {
+        events
+            .iter()
+            .filter(|(r, what, _)| r == role && what.starts_with("terminating"))
+            .map(|e| e.2)
+            .min()
+    };
+    for (before, after) in [("decode", "prefill"), ("prefill", "cache")] {
+        let (Some(gone), Some(term)) = (last_gone(before), first_term(after)) else {
+            return Err(format!("no {before}/{after} deletion observed: {events:?}"));
+        };
+        if gone > term {
+            return Err(format!(
+                "a {after} pod started terminating before the last {before} pod was gone: {events:?}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn phase(p: &Pod) -> &str {
+    p.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or("")
+}
+
+fn ready(p: &Pod) -> bool {
+    p.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}

@@ -1,0 +1,212 @@
+//! Shared scaffolding of the end-to-end suites that run the Tandem stack: a private control plane
+//! (temp state dir, ports offset), one process-runner node in the test process, and `kubectl` /
+//! `helm` from the cached tool dir, run from the repository root.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::ListParams;
+use kube::{Api, Client};
+use tandem_e2e::cluster::down::down;
+use tandem_e2e::cluster::up::{RunningCluster, up};
+use tandem_e2e::cluster::{BuildMode, ClusterConfig, ClusterError, Ports, client_for};
+use tandem_e2e::runner::image::ImageTable;
+use tandem_e2e::runner::node::NodeSpecification;
+use tandem_e2e::runner::{PodDefaults, ProcessRunner, RunnerConfig};
+
+/// What a suite asks of its harness.
+pub struct HarnessConfig {
+    /// Test name, for the skip message and the temp dir.
+    pub name: &'static str,
+    /// Port offset of this suite's control plane (each suite its own).
+    pub port_offset: u16,
+    /// `nvidia.com/gpu` capacity of the one runner node.
+    pub runner_gpus: u32,
+}
+
+/// A running control plane with a process-runner node.
+pub struct Harness {
+    /// Client with the admin kubeconfig.
+    pub client: Client,
+    /// The cluster.
+    pub cluster: RunningCluster,
+    runner: Option<ProcessRunner>,
+    _tmp: tempfile::TempDir,
+}
+
+/// Simulation knobs every worker pod gets (`worker/README.md`): small KV per token so a laptop
+/// moves it quickly, a short TPOT.
+pub const SIM_ENV: &[(&str, &str)] = &[
+    ("TANDEM_SIM_KV_BYTES_PER_TOKEN", "256"),
+    ("TANDEM_SIM_TPOT_MS", "1"),
+    ("TANDEM_SIM_PREFILL_US_PER_TOKEN", "5"),
+];
+
+/// The repository root (suites run kubectl and helm from there).
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+impl Harness {
+    /// Starts the control plane and the runner; `None` (after printing why) when the control plane
+    /// is not built and `TANDEM_E2E_REQUIRE_CLUSTER` is unset.
+    pub async fn start(cfg: HarnessConfig) -> Option<Self> {
+        let required = std::env::var_os("TANDEM_E2E_REQUIRE_CLUSTER").is_some();
+        let tmp = tempfile::Builder::new()
+            .prefix(&format!("tandem-e2e-{}", cfg.name))
+            .tempdir()
+            .expect("temp dir");
+        let config = ClusterConfig {
+            state_dir: tmp.path().join("cluster"),
+            ports: Ports::with_offset(cfg.port_offset),
+            controller_manager: true,
+            scheduler: true,
+            kwok_nodes: 0,
+            kwok_gpus_per_node: 0,
+            build: if required {
+                BuildMode::BuildIfMissing
+            } else {
+                BuildMode::CachedOnly
+            },
+        };
+        let cluster = match up(&config).await {
+            Ok(c) => c,
+            Err(ClusterError::NotBuilt) if !required => {
+                println!("SKIPPED {}: control-plane binaries are not built", cfg.name);
+                return None;
+            }
+            Err(e) => panic!("cluster up: {e}"),
+        };
+        let client = client_for(&cluster.kubeconfig).await.expect("client");
+        let runner = ProcessRunner::start_with(
+            client.clone(),
+            RunnerConfig {
+                nodes: vec![NodeSpecification {
+                    name: "runner-0".into(),
+                    gpus: cfg.runner_gpus,
+                }],
+                first_node_index: 50,
+                dir: cluster.config.runner_dir(),
+                images: ImageTable::tandem(),
+                api_port: cluster.config.ports.api,
+            },
+            PodDefaults {
+                env: SIM_ENV
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+            },
+        )
+        .await
+        .expect("runner starts");
+        Some(Self {
+            client,
+            cluster,
+            runner: Some(runner),
+            _tmp: tmp,
+        })
+    }
+
+    /// Runs the cached kubectl with the admin kubeconfig from the repository root; stdout, or an
+    /// error with stderr.
+    pub fn kubectl(&self, args: &[&str]) -> Result<String, String> {
+        self.tool(&self.cluster.bin_dir.kubectl(), args)
+    }
+
+    /// Runs the cached helm likewise.
+    pub fn helm(&self, args: &[&str]) -> Result<String, String> {
+        self.tool(&self.cluster.bin_dir.helm(), args)
+    }
+
+    fn tool(&self, program: &Path, args: &[&str]) -> Result<String, String> {
+        let out = Command::new(program)
+            .args(args)
+            .env("KUBECONFIG", &self.cluster.kubeconfig)
+            .current_dir(repo())
+            .output()
+            .map_err(|e| format!("{}: {e}", program.display()))?;
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        if out.status.success() {
+            Ok(stdout)
+        } else {
+            Err(format!(
+                "{} {args:?} failed: {}{}",
+                program.file_name().unwrap_or_default().to_string_lossy(),
+                stdout,
+                String::from_utf8_lossy(&out.stderr)
+            ))
+        }
+    }
+
+    /// Pods in `default` matching a label selector.
+    pub async fn pods(&self, selector: &str) -> Result<Vec<Pod>, String> {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), "default");
+        api.list(&ListParams::default().labels(selector))
+            .await
+            .map(|l| l.items)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Prints what helps a failure: Tandem objects, pods, events, and the tail of every pod log.
+    pub fn dump_diagnostics(&self) {
+        for args in [
+            &[
+                "get",
+                "tandem,statefulsets,pods,svc,pvc",
+                "-A",
+                "-o",
+                "wide",
+            ][..],
+            &["get", "events", "-A", "--sort-by=.lastTimestamp"][..],
+            &["get", "decodepools,prefillpools,cachetiers", "-o", "yaml"][..],
+        ] {
+            println!("--- kubectl {}", args.join(" "));
+            println!("{}", self.kubectl(args).unwrap_or_else(|e| e));
+        }
+        let pods = self.cluster.config.runner_dir().join("pods");
+        for pod in std::fs::read_dir(&pods).into_iter().flatten().flatten() {
+            for log in std::fs::read_dir(pod.path().join("logs"))
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let text = std::fs::read_to_string(log.path()).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(15).collect();
+                println!("--- {}", log.path().display());
+                for l in tail.iter().rev() {
+                    println!("{l}");
+                }
+            }
+        }
+    }
+
+    /// Stops the runner (its pods) and the control plane, removing the state.
+    pub async fn stop(mut self) {
+        if let Some(r) = self.runner.take() {
+            r.shutdown(true).await;
+        }
+        let _ = down(&self.cluster.config, false).await;
+    }
+}
+
+/// Polls `f` every 500 ms until it returns `Some`, or `None` after `timeout`.
+pub async fn poll<T, F, Fut>(timeout: Duration, mut f: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return Some(v);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
