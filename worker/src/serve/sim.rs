@@ -25,9 +25,11 @@ use crate::engine::content::TAG_BYTES;
 pub const DEFAULT_PAGE_TOKENS: u32 = 512;
 
 /// Upper bound of a decode worker's KV receive region, in bytes. Pages are allocated lazily
-/// (zeroed on first touch) and reused LIFO, so RSS follows the pages in use; the cap bounds the
-/// page table whatever the config's pool size.
-pub const REGION_CAP_BYTES: u64 = 128 << 20;
+/// (zeroed on first touch) and reused LIFO, so RSS follows the pages in use, not this bound; the
+/// cap bounds the page table whatever the config's pool size. 1 GiB holds the sample stack's
+/// `hostPool.size` whole: a smaller cap made the decode refuse (429) bursts of the Mooncake
+/// trace that its configured pool holds.
+pub const REGION_CAP_BYTES: u64 = 1 << 30;
 
 /// Upper bound of a decode worker's page count (page metadata cap).
 pub const REGION_CAP_PAGES: u64 = 4096;
@@ -234,8 +236,8 @@ mod tests {
             page_tokens: 512,
             token_bytes: 64,
         };
-        // 1 MiB pages: the 128 MiB cap wins over a 64 GiB pool.
-        assert_eq!(region_pages(64 << 30, l), 128);
+        // 1 MiB pages: the 1 GiB cap wins over a 64 GiB pool.
+        assert_eq!(region_pages(64 << 30, l), 1024);
         assert_eq!(region_pages(4 << 20, l), 4);
         assert_eq!(region_pages(0, l), 1);
     }
