@@ -296,12 +296,13 @@ async fn a_request_whose_prefill_dies_is_retried_on_another_peer() {
     assert_eq!(r["counters"]["rooms_aborted"], 1, "{r}");
 }
 
-/// Negative control: without a retry budget the same failure reaches the client.
+/// Negative control: without a retry budget the same failure reaches the client — as a 503
+/// (transient: the client may retry on another decode), never as a success.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_retry_budget_the_peer_failure_fails_the_request() {
     let (code, v, r) = kill_the_prefill_mid_request(45, "0").await;
-    assert_eq!(code, 500, "{v}");
-    assert_eq!(v["error"]["code"], "internal");
+    assert_eq!(code, 503, "{v}");
+    assert_eq!(v["error"]["code"], "prefill_unavailable");
     assert_eq!(r["counters"]["requests_retried"], 0, "{r}");
     assert_eq!(r["counters"]["requests_failed"], 1, "{r}");
 }

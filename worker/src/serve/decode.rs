@@ -118,6 +118,11 @@ pub enum RequestError {
     /// The KV did not arrive before the deadline; the room was aborted: 503.
     #[error("KV not received within {0:?}; room aborted")]
     Timeout(Duration),
+    /// Every prefill peer tried failed mid-transfer (killed, heartbeat lost, restarted by a
+    /// rollout) and the retry budget is spent: 503 — transient, the client retries elsewhere.
+    /// The rooms went through the release gate; no page was reused early.
+    #[error("{0}")]
+    PrefillLost(String),
     /// Anything else: 500.
     #[error("{0}")]
     Failed(String),
@@ -514,7 +519,7 @@ impl DecodeEngine {
             }
         }
         Err(match last_error {
-            Some(e) => RequestError::Failed(format!("{} peer(s) tried: {e}", tried.len())),
+            Some(e) => RequestError::PrefillLost(format!("{} peer(s) tried: {e}", tried.len())),
             None => RequestError::NoPeer(self.peers.not_ready_reason()),
         })
     }

@@ -133,6 +133,7 @@ fn error_parts(e: &RequestError) -> (StatusCode, &'static str, &'static str) {
         RequestError::NotReady(_) => unavailable("not_ready"),
         RequestError::NoPeer(_) => unavailable("no_prefill_peer"),
         RequestError::Timeout(_) => unavailable("kv_deadline_exceeded"),
+        RequestError::PrefillLost(_) => unavailable("prefill_unavailable"),
         RequestError::AtCapacity(_) => (
             StatusCode::TOO_MANY_REQUESTS,
             "rate_limit_exceeded",
