@@ -8,7 +8,8 @@
 //! demo wrote says the same.
 //!
 //! The trace is read from `$TANDEM_TRACE`, else `../shared/data/mooncake/conversation_trace.jsonl`
-//! next to the repository; without it the demo's built-in generated workload is used (printed).
+//! next to the repository, else `/work/shared/data/…` (the workplace's path); without it the
+//! demo's built-in generated workload is used (printed).
 //! Skips when the control plane is not built, unless `TANDEM_E2E_REQUIRE_CLUSTER` is set.
 
 use std::path::{Path, PathBuf};
@@ -18,9 +19,15 @@ fn trace() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("TANDEM_TRACE") {
         return Some(PathBuf::from(p));
     }
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/data/mooncake/conversation_trace.jsonl");
-    p.exists().then_some(p)
+    // Next to the repository (the workplace layout), else the workplace's absolute path (a CI
+    // clone may live elsewhere).
+    [
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../shared/data/mooncake/conversation_trace.jsonl"),
+        PathBuf::from("/work/shared/data/mooncake/conversation_trace.jsonl"),
+    ]
+    .into_iter()
+    .find(|p| p.exists())
 }
 
 #[test]
