@@ -67,11 +67,16 @@ impl Prefill {
     }
 
     /// Kills the worker: every task stops and every connection closes, with no goodbye.
+    ///
+    /// The runtime goes first, taking the control stream with it; only then do the data
+    /// connections close. The other order lets a still-running task see its write fail and
+    /// report `Failed` over the control stream — a goodbye a killed process never sends (this
+    /// race failed CI once: `PrefillFailed` where `HeartbeatLost` was due).
     fn kill(&mut self) {
-        self.node.transport().shutdown();
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_background();
         }
+        self.node.transport().shutdown();
     }
 }
 
