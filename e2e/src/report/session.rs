@@ -1,6 +1,7 @@
 //! One replay with its report: sample the workers while the workload runs, then aggregate and
 //! write everything (what `tandem-e2e replay` does; the demo adds its cluster steps around it).
 
+use std::io::IsTerminal;
 use std::path::Path;
 use std::time::Duration;
 
@@ -13,14 +14,47 @@ use crate::replay::schedule::Clock;
 use crate::replay::targets::TargetSet;
 use crate::replay::workload::{TraceRequest, unbounded_hit_ratio};
 
-/// A progress bar over `n` requests (hidden when stderr is not a terminal, as indicatif does).
+/// How often a progress line is logged when stderr is not a terminal.
+const PROGRESS_LINE_EVERY: Duration = Duration::from_secs(30);
+
+/// A progress bar over `n` requests. indicatif hides it when stderr is not a terminal (a log
+/// file, CI); then a line `[replay] <finished>/<n> requests finished after <s> s (<rate>/s)` is
+/// logged every 30 s instead, so a long replay shows progress in its log too. Call it inside a
+/// tokio runtime for the log lines (outside one there are none).
 pub fn request_bar(n: usize) -> ProgressBar {
     let bar = ProgressBar::new(n as u64);
     bar.set_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    if !std::io::stderr().is_terminal() {
+        log_progress_lines(&bar, PROGRESS_LINE_EVERY);
+    }
     bar
+}
+
+/// Logs the bar's position every `every` until it is finished or full.
+fn log_progress_lines(bar: &ProgressBar, every: Duration) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let bar = bar.clone();
+    runtime.spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let (pos, len) = (bar.position(), bar.length().unwrap_or(0));
+            let secs = bar.elapsed().as_secs_f64();
+            eprintln!(
+                "[replay] {pos}/{len} requests finished after {secs:.0} s ({:.1}/s)",
+                pos as f64 / secs.max(1e-9)
+            );
+            if bar.is_finished() || pos >= len {
+                break;
+            }
+        }
+    });
 }
 
 /// Where the report of a replay comes from and goes.

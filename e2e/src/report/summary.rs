@@ -427,11 +427,7 @@ impl fmt::Display for Summary {
             self.unbounded_hit_ratio
         )?;
         if self.hit_ratio_retried.prompt_tokens > 0 {
-            writeln!(
-                f,
-                "  retried requests {}",
-                ratio(&self.hit_ratio_retried)
-            )?;
+            writeln!(f, "  retried requests {}", ratio(&self.hit_ratio_retried))?;
         }
         if let (Some(b), Some(a)) = (
             &self.hit_ratio_before_restart,
