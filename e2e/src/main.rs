@@ -114,6 +114,10 @@ struct DemoArgs {
     /// Report directory.
     #[arg(long, default_value = "tandem-demo-out")]
     out: PathBuf,
+    /// Directory with the stack's cachetier.yaml, prefillpool.yaml and decodepool.yaml
+    /// (default: the repo's manifests/samples); e.g. a copy with a smaller L3 persistence.size.
+    #[arg(long)]
+    samples: Option<PathBuf>,
     /// Leave the cluster and the stack's operator running at the end.
     #[arg(long)]
     keep_cluster: bool,
@@ -351,6 +355,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
         time_scale: args.workload.time_scale,
         requests: args.workload.requests,
         out: args.out,
+        samples: args.samples,
         keep_cluster: args.keep_cluster,
         port_offset: args.port_offset,
         state_dir: args.state_dir,

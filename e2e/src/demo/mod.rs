@@ -61,6 +61,10 @@ pub struct DemoOptions {
     pub requests: Option<usize>,
     /// Report directory.
     pub out: PathBuf,
+    /// Directory holding the stack's manifests (`cachetier.yaml`, `prefillpool.yaml`,
+    /// `decodepool.yaml`, with the names of [`SAMPLES`]' resources); None: `manifests/samples`.
+    /// A long replay on a small disk points it at a copy with a smaller `persistence.size`.
+    pub samples: Option<PathBuf>,
     /// Leave the cluster (and the operator) running at the end.
     pub keep_cluster: bool,
     /// Port offset of the cluster (a second cluster on the machine).
@@ -88,6 +92,7 @@ impl Default for DemoOptions {
             time_scale: 1.0,
             requests: None,
             out: PathBuf::from("tandem-demo-out"),
+            samples: None,
             keep_cluster: false,
             port_offset: 0,
             state_dir: None,
@@ -120,6 +125,8 @@ pub enum Phase {
     Teardown,
     /// Writing the report.
     Report,
+    /// Stopped by Ctrl-C or SIGTERM (whatever phase was running).
+    Interrupted,
 }
 
 impl fmt::Display for Phase {
@@ -133,6 +140,7 @@ impl fmt::Display for Phase {
             Self::Replay => "replay",
             Self::Teardown => "teardown",
             Self::Report => "report",
+            Self::Interrupted => "interrupted",
         })
     }
 }
@@ -157,6 +165,23 @@ fn at<E: std::error::Error + Send + Sync + 'static>(phase: Phase) -> impl FnOnce
 
 fn say(msg: impl fmt::Display) {
     eprintln!("[demo] {msg}");
+}
+
+/// The signal that interrupted the demo.
+#[derive(Debug, thiserror::Error)]
+#[error("interrupted by {0}")]
+pub struct Interrupted(&'static str);
+
+/// Resolves on Ctrl-C or SIGTERM; never when neither handler can be installed.
+async fn interrupted() -> Interrupted {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        Ok(()) = tokio::signal::ctrl_c() => Interrupted("SIGINT"),
+        _ = term.recv() => Interrupted("SIGTERM"),
+    }
 }
 
 /// The workload of `opts`: the trace's first N requests, or N generated ones (default 300).
@@ -221,15 +246,23 @@ pub async fn run(opts: &DemoOptions) -> Result<Summary, DemoError> {
         config.state_dir.display()
     ));
     let running = cluster::up::up(&config).await.map_err(at(Phase::Cluster))?;
-    let outcome = async {
+    let on_cluster = async {
         let pod_env = effective_pod_env(&opts.pod_env);
         say(format!("pod env: {pod_env:?}"));
         daemon::start_runner_daemon(&config, opts.runner_nodes, opts.runner_gpus, &pod_env)
             .await
             .map_err(at(Phase::Cluster))?;
         on_cluster(opts, &running, workload, source).await
-    }
-    .await;
+    };
+    // A signal abandons the phase but not the cleanup below: the cluster, the runner daemon and
+    // its worker processes are stopped (state kept for the logs), never left behind.
+    let outcome = tokio::select! {
+        r = on_cluster => r,
+        signal = interrupted() => {
+            say(format!("{signal}: stopping"));
+            Err(at(Phase::Interrupted)(signal))
+        }
+    };
     if opts.keep_cluster {
         say(format!(
             "cluster kept: KUBECONFIG={} ; stop it with `tandem-e2e cluster down --state-dir {}`",
@@ -290,14 +323,14 @@ async fn on_cluster(
         .map_err(at(Phase::Install))?;
 
     say("phase sample stack: CacheTier, PrefillPool, DecodePool (4:1)");
+    let samples_dir = opts
+        .samples
+        .clone()
+        .unwrap_or_else(|| root.join("manifests/samples"));
+    say(format!("samples from {}", samples_dir.display()));
     let manifests: Vec<String> = SAMPLES
         .iter()
-        .map(|f| {
-            root.join("manifests/samples")
-                .join(f)
-                .to_string_lossy()
-                .into_owned()
-        })
+        .map(|f| samples_dir.join(f).to_string_lossy().into_owned())
         .collect();
     let mut apply = vec!["apply", "--kubeconfig", &kubeconfig];
     for s in &manifests {
