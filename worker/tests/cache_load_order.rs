@@ -4,16 +4,22 @@
 //! KV pool and the indexer pool, while compute walks the layers and verifies every byte it reads
 //! against a deterministic function of (page key, pool, layer, offset). Device pages start with another
 //! request's bytes, so a read before its load finished is a detected mismatch. Every rule has a
-//! negative control that must produce mismatches.
+//! negative control that must produce mismatches. The host executor runs the plans of
+//! `cache::load_plan`, the same the CUDA backend runs (its device check: `cache_load_order_cuda.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tandem_worker::cache::PageKey;
+use tandem_worker::cache::event_ledger::EventLedger;
 use tandem_worker::cache::host_locks::{EvictionPolicy, HostPageLocks};
+use tandem_worker::cache::load_error::LoadError;
 use tandem_worker::cache::load_order::{
-    FencePolicy, ForwardStream, LayerEvents, LoadContext, LoadError, LoadExecutor, LoadJob,
-    LoadOptions, PageCopy, PagePools, ReadPolicy, wait_layer,
+    ForwardStream, LoadContext, LoadExecutor, LoadOptions, PagePools, wait_layer,
+};
+use tandem_worker::cache::load_plan::{
+    FencePolicy, LoadJob, PageCopy, ReadPolicy, check_layer_reads, check_load_plan,
+    plan_layer_reads, plan_load,
 };
 use tandem_worker::pool::PoolRole;
 
@@ -67,7 +73,7 @@ fn mismatches(device: &PagePools, keys: &[PageKey], layer: u32, reads: &[PoolRol
 struct Rig {
     host: Arc<PagePools>,
     device: Arc<PagePools>,
-    events: Arc<LayerEvents>,
+    events: Arc<EventLedger>,
     forward: Arc<ForwardStream>,
     locks: Arc<HostPageLocks>,
     exec: LoadExecutor,
@@ -76,7 +82,7 @@ struct Rig {
 fn rig(options: LoadOptions) -> Rig {
     let host = Arc::new(PagePools::new(&POOLS, LAYERS, PAGES, PAGE_BYTES));
     let device = Arc::new(PagePools::new(&POOLS, LAYERS, PAGES, PAGE_BYTES));
-    let events = Arc::new(LayerEvents::new());
+    let events = Arc::new(EventLedger::new());
     let forward = Arc::new(ForwardStream::new());
     let locks = Arc::new(HostPageLocks::new());
     let exec = LoadExecutor::spawn(
@@ -277,4 +283,57 @@ fn host_pages_stay_locked_until_the_load_is_acknowledged() {
 #[test]
 fn negative_control_evicting_locked_host_pages_corrupts_the_load() {
     assert!(evict_during_load(EvictionPolicy::UnsafeIgnoreLocks) > 0);
+}
+
+#[test]
+fn a_failed_copy_fails_every_remaining_event_and_releases_the_host_pages() {
+    let r = rig(LoadOptions::default());
+    let b = keys(7_000);
+    fill(&r.host, &b);
+    let mut job = identity_job(&b, &POOLS);
+    // The last page points outside the device pool: the very first copy fails.
+    job.pages[PAGES as usize - 1].device_page = PAGES + 3;
+    let ticket = r.exec.submit(job).expect("submit");
+    assert!(matches!(
+        ticket.wait_ack(WAIT),
+        Err(LoadError::OutOfRange { .. })
+    ));
+    for layer in 0..LAYERS {
+        assert!(matches!(
+            wait_layer(
+                &r.events,
+                layer,
+                &POOLS,
+                ticket.generation,
+                WAIT,
+                ReadPolicy::WaitEveryPool
+            ),
+            Err(LoadError::LoadFailed { .. })
+        ));
+    }
+    assert_eq!(
+        r.locks.locked_pages(),
+        0,
+        "a failed load releases its host pages"
+    );
+}
+
+#[test]
+fn the_host_backend_runs_the_plan_the_checks_accept_and_the_unsafe_read_plan_is_rejected() {
+    // The host executor and the CUDA one both run `plan_load` / `plan_layer_reads`; the checks that
+    // define the rules accept the safe plans and reject the negative control's.
+    let job = identity_job(&keys(8_000), &POOLS);
+    let plan = plan_load(&job, 1, 0, FencePolicy::WaitForward);
+    assert_eq!(check_load_plan(&plan, &job), Ok(()));
+    for layer in 0..LAYERS {
+        let safe = plan_layer_reads(layer, &POOLS, 1, ReadPolicy::WaitEveryPool);
+        assert_eq!(check_layer_reads(&safe, layer, &POOLS, 1), Ok(()));
+        let unsafe_reads = plan_layer_reads(
+            layer,
+            &POOLS,
+            1,
+            ReadPolicy::UnsafeSkipPool(PoolRole::Indexer),
+        );
+        assert!(check_layer_reads(&unsafe_reads, layer, &POOLS, 1).is_err());
+    }
 }

@@ -1,25 +1,15 @@
-//! Load-before-read: a load executor ("load stream") beside compute ("forward stream"), with a
-//! completion event per layer and per pool (DESIGN contract 5; seed 004 BugFix #2; reference/
-//! dataplane.md R-HIC-1..4).
+//! Load-before-read, host backend: a load executor ("load stream", a thread) beside compute
+//! ("forward stream"), with a completion event per layer and per pool (DESIGN contract 5; seed 004
+//! BugFix #2; reference/dataplane.md R-HIC-1..4).
 //!
-//! The rules, each with the failure it prevents:
-//! - **Per-layer, per-pool events.** A load job copies layer by layer and, for every pool it loads
-//!   (the KV pool and sidecars such as the indexer pool), completes that (pool, layer)'s event after
-//!   the layer's copies. Compute for layer *i* waits on layer *i*'s event of **every** pool it reads
-//!   ([`wait_layer`]): the indexer kernel that ran on a half-loaded indexer cache is seed 004 BugFix #2
-//!   (sglang PR #22811; #27504 for the extra pools' IO never awaited).
-//! - **Recorded before waited.** Events are recorded when the job is submitted (the CPU side of
-//!   `cudaEventRecord`); waiting on an event whose generation was never recorded is
-//!   [`LoadError::NeverRecorded`], not a silent no-op (sglang PR #38472: a device wait on an
-//!   unrecorded event returns at once).
-//! - **Fence behind the forward stream.** A job captures the forward stream's position at submission
-//!   and writes nothing until every forward round submitted before it has finished, so a load never
-//!   overwrites pages that in-flight compute still reads (sglang PR #36738).
-//! - **Host lock until ack.** The job's source host pages are locked in [`HostPageLocks`] from
-//!   submission until the job is acknowledged; L2 eviction skips them (sglang PR #31427).
+//! The rules — fence behind the forward stream, per-layer per-pool events, recorded before waited,
+//! host pages locked until the load is acknowledged — are the plan's ([`super::load_plan`]); this
+//! backend executes [`LoadPlan`]s op by op and keeps its events in the shared
+//! [`EventLedger`], exactly as the CUDA backend (`load_stream_cuda`, feature `cuda`) does on CUDA
+//! streams. Here "device" pages are host memory ([`PagePools`]), [`LoadOp::Record`] completes its
+//! event when the load thread reaches it, and [`wait_layer`] blocks the calling thread.
 //!
-//! This is the host backend: "device" pages are host memory ([`PagePools`]) and the load stream is a
-//! thread. The negative controls ([`ReadPolicy::UnsafeSkipPool`], [`FencePolicy::UnsafeSkipFence`],
+//! The negative controls ([`ReadPolicy::UnsafeSkipPool`], [`FencePolicy::UnsafeSkipFence`],
 //! `EvictionPolicy::UnsafeIgnoreLocks`) exist only so tests can show that removing a rule produces
 //! stale reads (`tests/cache_load_order.rs`).
 
@@ -29,79 +19,13 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::host_locks::{HostPageLocks, UnlockUnderflow};
-use super::page_key::PageKey;
+use super::event_ledger::{Acknowledger, EventLedger, LoadTicket};
+use super::host_locks::HostPageLocks;
+use super::load_error::LoadError;
+use super::load_plan::{
+    FencePolicy, LoadJob, LoadOp, LoadPlan, ReadOp, ReadPolicy, plan_layer_reads, plan_load,
+};
 use crate::pool::PoolRole;
-
-/// Errors of loads and of waits on their events.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum LoadError {
-    /// A wait on an event whose generation no submitted job recorded: the consumer reads a pool
-    /// that no load covers (R-HIC-2).
-    #[error("waited on {pool} layer {layer} generation {generation}, which was never recorded")]
-    NeverRecorded {
-        /// Pool.
-        pool: PoolRole,
-        /// Layer.
-        layer: u32,
-        /// Generation waited for.
-        generation: u64,
-    },
-    /// The event did not complete within the wait's deadline.
-    #[error("{pool} layer {layer} generation {generation} not loaded after {waited:?}")]
-    Timeout {
-        /// Pool.
-        pool: PoolRole,
-        /// Layer.
-        layer: u32,
-        /// Generation waited for.
-        generation: u64,
-        /// Time waited.
-        waited: Duration,
-    },
-    /// The load of that (pool, layer) failed; its pages must not be read.
-    #[error("{pool} layer {layer} generation {generation}: load failed")]
-    LoadFailed {
-        /// Pool.
-        pool: PoolRole,
-        /// Layer.
-        layer: u32,
-        /// Generation of the failed load.
-        generation: u64,
-    },
-    /// The forward rounds a job is fenced behind did not finish in time; nothing was written.
-    #[error("fence at forward round {fence} not reached after {waited:?}")]
-    FenceTimeout {
-        /// The fence position.
-        fence: u64,
-        /// Time waited.
-        waited: Duration,
-    },
-    /// A page index, layer or pool outside the pools' geometry.
-    #[error("{pool} layer {layer} page {page} is outside the pool")]
-    OutOfRange {
-        /// Pool.
-        pool: PoolRole,
-        /// Layer.
-        layer: u32,
-        /// Page.
-        page: u32,
-    },
-    /// A job was not acknowledged within the wait's deadline.
-    #[error("load generation {generation} not acknowledged after {waited:?}")]
-    AckTimeout {
-        /// Generation of the job.
-        generation: u64,
-        /// Time waited.
-        waited: Duration,
-    },
-    /// The executor thread is gone (shut down).
-    #[error("load executor is shut down")]
-    ExecutorGone,
-    /// Host lock bookkeeping broke.
-    #[error(transparent)]
-    Unlock(#[from] UnlockUnderflow),
-}
 
 /// Host-backend page storage: for each pool, `layers × pages` pages of `page_bytes` bytes, each
 /// behind its own lock (one page-layer chunk of the pool geometry).
@@ -183,134 +107,26 @@ impl PagePools {
     }
 }
 
-#[derive(Debug, Default, Clone, Copy)]
-struct EventState {
-    recorded: u64,
-    completed: u64,
-    failed: u64,
-}
-
-/// Completion events per (pool, layer), by generation (one generation per load job).
-#[derive(Default)]
-pub struct LayerEvents {
-    table: Mutex<HashMap<(PoolRole, u32), EventState>>,
-    changed: Condvar,
-}
-
-impl LayerEvents {
-    /// An empty table: every event is unrecorded.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    fn table(&self) -> MutexGuard<'_, HashMap<(PoolRole, u32), EventState>> {
-        self.table.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Records that the load of `generation` will complete (pool, layer).
-    pub fn record(&self, pool: PoolRole, layer: u32, generation: u64) {
-        let mut t = self.table();
-        let e = t.entry((pool, layer)).or_default();
-        e.recorded = e.recorded.max(generation);
-    }
-
-    /// Completes (pool, layer) for `generation`: its pages are loaded.
-    pub fn complete(&self, pool: PoolRole, layer: u32, generation: u64) {
-        let mut t = self.table();
-        let e = t.entry((pool, layer)).or_default();
-        e.completed = e.completed.max(generation);
-        drop(t);
-        self.changed.notify_all();
-    }
-
-    /// Marks (pool, layer) of `generation` failed: waiters get [`LoadError::LoadFailed`].
-    pub fn fail(&self, pool: PoolRole, layer: u32, generation: u64) {
-        let mut t = self.table();
-        let e = t.entry((pool, layer)).or_default();
-        e.failed = e.failed.max(generation);
-        drop(t);
-        self.changed.notify_all();
-    }
-
-    /// Blocks until (pool, layer) is complete for `generation`, at most `timeout`.
-    ///
-    /// # Errors
-    /// [`LoadError::NeverRecorded`] if no job recorded that generation for (pool, layer),
-    /// [`LoadError::LoadFailed`], or [`LoadError::Timeout`].
-    pub fn wait(
-        &self,
-        pool: PoolRole,
-        layer: u32,
-        generation: u64,
-        timeout: Duration,
-    ) -> Result<(), LoadError> {
-        let start = Instant::now();
-        let mut t = self.table();
-        loop {
-            let e = t.get(&(pool, layer)).copied().unwrap_or_default();
-            if e.recorded < generation {
-                return Err(LoadError::NeverRecorded {
-                    pool,
-                    layer,
-                    generation,
-                });
-            }
-            if e.completed >= generation {
-                return Ok(());
-            }
-            if e.failed >= generation {
-                return Err(LoadError::LoadFailed {
-                    pool,
-                    layer,
-                    generation,
-                });
-            }
-            let waited = start.elapsed();
-            let Some(left) = timeout.checked_sub(waited) else {
-                return Err(LoadError::Timeout {
-                    pool,
-                    layer,
-                    generation,
-                    waited,
-                });
-            };
-            t = self
-                .changed
-                .wait_timeout(t, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-    }
-}
-
-/// Which pools a consumer waits on before reading a layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReadPolicy {
-    /// Wait on every pool read (the rule).
-    WaitEveryPool,
-    /// Negative control: skip the wait on one pool (the seed 004 BugFix #2 bug when it is the
-    /// indexer pool).
-    UnsafeSkipPool(PoolRole),
-}
-
-/// Waits, before compute reads `layer`, on that layer's events of every pool in `reads`
-/// (R-HIC-1).
+/// Waits, before compute reads `layer`, on that layer's events of every pool in `reads` — the
+/// waits of [`plan_layer_reads`] (R-HIC-1), each blocking this thread at most `timeout`.
 ///
 /// # Errors
-/// The first [`LayerEvents::wait`] error.
+/// The first [`EventLedger::wait`] error ([`LoadError::NeverRecorded`] for a pool no load covers).
 pub fn wait_layer(
-    events: &LayerEvents,
+    events: &EventLedger,
     layer: u32,
     reads: &[PoolRole],
     generation: u64,
     timeout: Duration,
     policy: ReadPolicy,
 ) -> Result<(), LoadError> {
-    for pool in reads {
-        if policy == ReadPolicy::UnsafeSkipPool(*pool) {
-            continue;
-        }
-        events.wait(*pool, layer, generation, timeout)?;
+    for op in plan_layer_reads(layer, reads, generation, policy) {
+        let ReadOp::WaitEvent {
+            pool,
+            layer,
+            generation,
+        } = op;
+        events.wait(pool, layer, generation, timeout)?;
     }
     Ok(())
 }
@@ -380,37 +196,6 @@ impl ForwardStream {
     }
 }
 
-/// Whether a load waits for the forward rounds submitted before it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FencePolicy {
-    /// Wait (the rule, R-HIC-3).
-    WaitForward,
-    /// Negative control: write at once (sglang PR #36738 bug).
-    UnsafeSkipFence,
-}
-
-/// One page of a load: host (L2) slot → device (L1) page, named by its key for the host lock.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PageCopy {
-    /// Key of the page (locked on the host while the job runs).
-    pub key: PageKey,
-    /// Source page index in the host pools.
-    pub host_page: u32,
-    /// Destination page index in the device pools.
-    pub device_page: u32,
-}
-
-/// A load job: `pages` of every pool in `pools`, layers `0..layers`, loaded layer by layer.
-#[derive(Debug, Clone)]
-pub struct LoadJob {
-    /// Pools to load (e.g. the KV pool and the indexer pool).
-    pub pools: Vec<PoolRole>,
-    /// Layers to load, from 0.
-    pub layers: u32,
-    /// Pages to copy.
-    pub pages: Vec<PageCopy>,
-}
-
 /// Executor options, including the test-only fault and the negative control.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
@@ -432,59 +217,19 @@ impl Default for LoadOptions {
     }
 }
 
-type AckSlot = Arc<(Mutex<Option<Result<(), LoadError>>>, Condvar)>;
-
-/// A submitted job: its generation (what consumers wait for) and its acknowledgement.
-pub struct LoadTicket {
-    /// Generation of the job's events.
-    pub generation: u64,
-    ack: AckSlot,
-}
-
-impl LoadTicket {
-    /// Blocks until the job is acknowledged (all copies done, host pages unlocked) or failed, at
-    /// most `timeout`.
-    ///
-    /// # Errors
-    /// The job's error, or [`LoadError::AckTimeout`] (also what a dead executor looks like: the
-    /// caller must then keep the destination pages out of use).
-    pub fn wait_ack(&self, timeout: Duration) -> Result<(), LoadError> {
-        let start = Instant::now();
-        let (slot, cv) = &*self.ack;
-        let mut r = slot.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
-            if let Some(result) = r.as_ref() {
-                return result.clone();
-            }
-            let waited = start.elapsed();
-            let Some(left) = timeout.checked_sub(waited) else {
-                return Err(LoadError::AckTimeout {
-                    generation: self.generation,
-                    waited,
-                });
-            };
-            r = cv
-                .wait_timeout(r, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-    }
-}
-
 struct Submitted {
-    job: LoadJob,
-    generation: u64,
-    fence: u64,
-    ack: AckSlot,
+    plan: LoadPlan,
+    ack: Acknowledger,
 }
 
-/// The load stream: one thread running jobs in submission order.
+/// The load stream: one thread running jobs' plans in submission order.
 pub struct LoadExecutor {
     tx: Option<mpsc::Sender<Submitted>>,
     thread: Option<JoinHandle<()>>,
-    events: Arc<LayerEvents>,
+    events: Arc<EventLedger>,
     forward: Arc<ForwardStream>,
     locks: Arc<HostPageLocks>,
+    fence: FencePolicy,
     next_generation: Mutex<u64>,
 }
 
@@ -495,7 +240,7 @@ pub struct LoadContext {
     /// Destination pages (L1 device pool; host memory in this backend).
     pub device: Arc<PagePools>,
     /// Completion events shared with compute.
-    pub events: Arc<LayerEvents>,
+    pub events: Arc<EventLedger>,
     /// The forward stream loads are fenced behind.
     pub forward: Arc<ForwardStream>,
     /// Host page locks shared with L2 eviction.
@@ -514,16 +259,13 @@ impl LoadExecutor {
             Arc::clone(&ctx.forward),
             Arc::clone(&ctx.locks),
         );
+        let fence = options.fence;
         let thread = std::thread::Builder::new()
             .name("load-stream".into())
             .spawn(move || {
                 for s in rx {
-                    let result = run_job(&ctx, &options, &s);
-                    let keys: Vec<PageKey> = s.job.pages.iter().map(|p| p.key).collect();
-                    let unlocked = ctx.locks.unlock(&keys).map_err(LoadError::from);
-                    let (slot, cv) = &*s.ack;
-                    *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(result.and(unlocked));
-                    cv.notify_all();
+                    let result = run_plan(&ctx, &options, &s.plan);
+                    s.ack.acknowledge(result);
                 }
             })
             .map_err(|_| LoadError::ExecutorGone)?;
@@ -533,15 +275,18 @@ impl LoadExecutor {
             events,
             forward,
             locks,
+            fence,
             next_generation: Mutex::new(0),
         })
     }
 
-    /// Submits `job`: assigns its generation, records its events, captures the forward fence and
-    /// locks its host pages, then queues it. Returns at once.
+    /// Submits `job`: assigns its generation, captures the forward fence, plans it
+    /// ([`plan_load`]), records the plan's events and locks its host pages, then queues it. Returns
+    /// at once.
     ///
     /// # Errors
-    /// [`LoadError::ExecutorGone`] (the host locks taken are released again).
+    /// [`LoadError::ExecutorGone`] (the host locks taken are released again and the plan's events
+    /// marked failed).
     pub fn submit(&self, job: LoadJob) -> Result<LoadTicket, LoadError> {
         let generation = {
             let mut g = self
@@ -551,26 +296,24 @@ impl LoadExecutor {
             *g += 1;
             *g
         };
-        for layer in 0..job.layers {
-            for pool in &job.pools {
-                self.events.record(*pool, layer, generation);
+        let plan = plan_load(&job, generation, self.forward.fence(), self.fence);
+        self.events.record_plan(&plan);
+        let keys = plan.host_keys();
+        self.locks.lock(&keys);
+        let (ticket, ack) = LoadTicket::new(generation);
+        let sent = self.tx.as_ref().map(|tx| tx.send(Submitted { plan, ack }));
+        match sent {
+            Some(Ok(())) => Ok(ticket),
+            Some(Err(mpsc::SendError(s))) => {
+                self.events.fail_from(&s.plan, 0);
+                self.locks.unlock(&keys)?;
+                Err(LoadError::ExecutorGone)
+            }
+            None => {
+                self.locks.unlock(&keys)?;
+                Err(LoadError::ExecutorGone)
             }
         }
-        let keys: Vec<PageKey> = job.pages.iter().map(|p| p.key).collect();
-        self.locks.lock(&keys);
-        let ack: AckSlot = Arc::new((Mutex::new(None), Condvar::new()));
-        let submitted = Submitted {
-            job,
-            generation,
-            fence: self.forward.fence(),
-            ack: Arc::clone(&ack),
-        };
-        let sent = self.tx.as_ref().map(|tx| tx.send(submitted));
-        if !matches!(sent, Some(Ok(()))) {
-            self.locks.unlock(&keys)?;
-            return Err(LoadError::ExecutorGone);
-        }
-        Ok(LoadTicket { generation, ack })
     }
 }
 
@@ -586,39 +329,45 @@ impl Drop for LoadExecutor {
     }
 }
 
-fn run_job(ctx: &LoadContext, options: &LoadOptions, s: &Submitted) -> Result<(), LoadError> {
-    let fail_from = |layer: u32| {
-        for l in layer..s.job.layers {
-            for pool in &s.job.pools {
-                ctx.events.fail(*pool, l, s.generation);
-            }
-        }
-    };
-    if options.fence == FencePolicy::WaitForward
-        && let Err(e) = ctx.forward.wait_fence(s.fence, options.fence_timeout)
-    {
-        fail_from(0);
-        return Err(e);
-    }
-    for layer in 0..s.job.layers {
-        for pool in &s.job.pools {
-            if let Some((p, l, d)) = options.delay
-                && p == *pool
-                && l == layer
-            {
-                std::thread::sleep(d);
-            }
-            for copy in &s.job.pages {
-                let copied = ctx
-                    .host
-                    .read(*pool, layer, copy.host_page)
-                    .and_then(|bytes| ctx.device.write(*pool, layer, copy.device_page, &bytes));
-                if let Err(e) = copied {
-                    fail_from(layer);
-                    return Err(e);
+/// Runs `plan` op by op on the load thread. On the first failure the plan's remaining events are
+/// marked failed and its host pages released (every copy of this backend is synchronous, so none is
+/// still reading them).
+fn run_plan(ctx: &LoadContext, options: &LoadOptions, plan: &LoadPlan) -> Result<(), LoadError> {
+    let mut released = false;
+    for (i, op) in plan.ops.iter().enumerate() {
+        let step = match *op {
+            LoadOp::WaitFence { fence } => ctx.forward.wait_fence(fence, options.fence_timeout),
+            LoadOp::Copy { pool, layer } => {
+                if let Some((p, l, d)) = options.delay
+                    && p == pool
+                    && l == layer
+                {
+                    std::thread::sleep(d);
                 }
+                plan.pages.iter().try_for_each(|copy| {
+                    let bytes = ctx.host.read(pool, layer, copy.host_page)?;
+                    ctx.device.write(pool, layer, copy.device_page, &bytes)
+                })
             }
-            ctx.events.complete(*pool, layer, s.generation);
+            LoadOp::Record {
+                pool,
+                layer,
+                generation,
+            } => {
+                ctx.events.complete(pool, layer, generation);
+                Ok(())
+            }
+            LoadOp::ReleaseHostPages => {
+                released = true;
+                ctx.locks.unlock(&plan.host_keys()).map_err(LoadError::from)
+            }
+        };
+        if let Err(e) = step {
+            ctx.events.fail_from(plan, i);
+            if !released && let Err(unlock) = ctx.locks.unlock(&plan.host_keys()) {
+                tracing::error!(generation = plan.generation, error = %unlock, "host page unlock after a failed load");
+            }
+            return Err(e);
         }
     }
     Ok(())
@@ -627,33 +376,6 @@ fn run_job(ctx: &LoadContext, options: &LoadOptions, s: &Submitted) -> Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn waiting_on_an_unrecorded_event_is_an_error_not_a_no_op() {
-        let ev = LayerEvents::new();
-        let t = Duration::from_millis(10);
-        assert_eq!(
-            ev.wait(PoolRole::Indexer, 0, 1, t),
-            Err(LoadError::NeverRecorded {
-                pool: PoolRole::Indexer,
-                layer: 0,
-                generation: 1
-            })
-        );
-        ev.record(PoolRole::Indexer, 0, 1);
-        assert!(matches!(
-            ev.wait(PoolRole::Indexer, 0, 1, t),
-            Err(LoadError::Timeout { .. })
-        ));
-        ev.complete(PoolRole::Indexer, 0, 1);
-        assert_eq!(ev.wait(PoolRole::Indexer, 0, 1, t), Ok(()));
-        ev.record(PoolRole::Indexer, 0, 2);
-        ev.fail(PoolRole::Indexer, 0, 2);
-        assert!(matches!(
-            ev.wait(PoolRole::Indexer, 0, 2, t),
-            Err(LoadError::LoadFailed { .. })
-        ));
-    }
 
     #[test]
     fn fence_waits_only_for_rounds_begun_before_it() {
