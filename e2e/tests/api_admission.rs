@@ -8,46 +8,27 @@
 //! Skips with a printed reason when the control-plane binaries are not built, unless
 //! `TANDEM_E2E_REQUIRE_CLUSTER` is set.
 
-use std::path::{Path, PathBuf};
+mod support;
+
 use std::process::Command;
 
 use tandem_e2e::cluster::down::down;
-use tandem_e2e::cluster::up::up;
-use tandem_e2e::cluster::{BuildMode, ClusterConfig, ClusterError, Ports};
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crds_samples_and_cel_rules_on_a_real_api_server() {
-    let required = std::env::var_os("TANDEM_E2E_REQUIRE_CLUSTER").is_some();
-    let tmp = tempfile::Builder::new()
-        .prefix("tandem-e2e-api")
-        .tempdir()
-        .unwrap();
-    let config = ClusterConfig {
-        state_dir: tmp.path().join("cluster"),
-        ports: Ports::with_offset(3000),
-        controller_manager: false,
-        scheduler: false,
-        kwok_nodes: 0,
-        kwok_gpus_per_node: 0,
-        build: if required {
-            BuildMode::BuildIfMissing
-        } else {
-            BuildMode::CachedOnly
+    let Some(support::PrivateCluster { cluster, tmp }) = support::start_cluster(
+        "crds_samples_and_cel_rules_on_a_real_api_server",
+        support::ClusterShape {
+            port_offset: 3000,
+            controller_manager: false,
+            scheduler: false,
+            kwok_nodes: 0,
+            kwok_gpus_per_node: 0,
         },
-    };
-    let cluster = match up(&config).await {
-        Ok(c) => c,
-        Err(ClusterError::NotBuilt) if !required => {
-            println!(
-                "SKIPPED crds_samples_and_cel_rules_on_a_real_api_server: control-plane binaries are not built"
-            );
-            return;
-        }
-        Err(e) => panic!("cluster up: {e}"),
+    )
+    .await
+    else {
+        return;
     };
     let kubectl = cluster.bin_dir.kubectl();
     let kc = cluster.kubeconfig.clone();
@@ -55,7 +36,7 @@ async fn crds_samples_and_cel_rules_on_a_real_api_server() {
         let out = Command::new(&kubectl)
             .args(args)
             .env("KUBECONFIG", &kc)
-            .current_dir(repo())
+            .current_dir(support::repo())
             .output()
             .expect("kubectl runs");
         let text = format!(
@@ -98,7 +79,7 @@ async fn crds_samples_and_cel_rules_on_a_real_api_server() {
         ]);
         assert_eq!(out.trim(), "2");
 
-        let dir = repo().join("manifests/samples/invalid");
+        let dir = support::repo().join("manifests/samples/invalid");
         let mut files: Vec<_> = std::fs::read_dir(&dir)
             .unwrap()
             .map(|e| e.unwrap().path())
@@ -126,7 +107,7 @@ async fn crds_samples_and_cel_rules_on_a_real_api_server() {
             );
         }
     }));
-    down(&config, false).await.expect("down");
+    down(&cluster.config, false).await.expect("down");
     if let Err(panic) = outcome {
         std::panic::resume_unwind(panic);
     }

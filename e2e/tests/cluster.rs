@@ -11,6 +11,8 @@
 //! Without cached control-plane binaries the test prints why it is skipped and returns, unless
 //! `TANDEM_E2E_REQUIRE_CLUSTER` is set: then it builds them (tens of minutes cold) and must pass.
 
+mod support;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -21,9 +23,9 @@ use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
+use tandem_e2e::cluster::client_for;
 use tandem_e2e::cluster::down::down;
-use tandem_e2e::cluster::up::{RunningCluster, up};
-use tandem_e2e::cluster::{BuildMode, ClusterConfig, ClusterError, Ports, client_for};
+use tandem_e2e::cluster::up::RunningCluster;
 use tandem_e2e::pidfile::{Liveness, ProcessId};
 use tandem_e2e::runner::image::ImageTable;
 use tandem_e2e::runner::node::NodeSpecification;
@@ -34,37 +36,22 @@ const HTTP_IMAGE: &str = "example.org/e2e/py-http:1";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_plane_and_process_runner() {
-    let required = std::env::var_os("TANDEM_E2E_REQUIRE_CLUSTER").is_some();
-    let tmp = tempfile::Builder::new()
-        .prefix("tandem-e2e-test")
-        .tempdir()
-        .unwrap();
-    let config = ClusterConfig {
-        state_dir: tmp.path().join("cluster"),
-        ports: Ports::with_offset(1000),
-        controller_manager: true,
-        scheduler: true,
-        kwok_nodes: 2,
-        kwok_gpus_per_node: 8,
-        build: if required {
-            BuildMode::BuildIfMissing
-        } else {
-            BuildMode::CachedOnly
+    let Some(support::PrivateCluster { cluster, tmp: _tmp }) = support::start_cluster(
+        "control_plane_and_process_runner",
+        support::ClusterShape {
+            port_offset: 1000,
+            controller_manager: true,
+            scheduler: true,
+            kwok_nodes: 2,
+            kwok_gpus_per_node: 8,
         },
-    };
-    let cluster = match up(&config).await {
-        Ok(c) => c,
-        Err(ClusterError::NotBuilt) if !required => {
-            println!(
-                "SKIPPED control_plane_and_process_runner: control-plane binaries are not built \
-                 (run `tandem-e2e cluster up` once, or set TANDEM_E2E_REQUIRE_CLUSTER=1 to build them here)"
-            );
-            return;
-        }
-        Err(e) => panic!("cluster up: {e}"),
+    )
+    .await
+    else {
+        return;
     };
     println!("cluster ready in {:.1}s", cluster.startup.as_secs_f64());
-    let recorded = recorded_pids(&config.state_dir.join("pids"));
+    let recorded = recorded_pids(&cluster.config.state_dir.join("pids"));
     assert_eq!(
         recorded.len(),
         5,
@@ -72,7 +59,7 @@ async fn control_plane_and_process_runner() {
     );
 
     let outcome = scenario(&cluster).await;
-    let stopped = down(&config, false).await.expect("down");
+    let stopped = down(&cluster.config, false).await.expect("down");
     assert!(stopped.len() >= 5);
     for (name, id) in &recorded {
         assert_eq!(
@@ -82,7 +69,10 @@ async fn control_plane_and_process_runner() {
             id.pid
         );
     }
-    assert!(!config.state_dir.exists(), "down removes the state dir");
+    assert!(
+        !cluster.config.state_dir.exists(),
+        "down removes the state dir"
+    );
     if let Err(e) = outcome {
         panic!("{e}");
     }
@@ -122,7 +112,8 @@ async fn scenario(cluster: &RunningCluster) -> Result<(), String> {
                 name: "runner-0".into(),
                 gpus: 4,
             }],
-            first_node_index: 0,
+            // Own 127.140.x addresses: `tandem-e2e demo` / `runner` on this machine use 127.100.x.
+            first_node_index: 40,
             dir: runner_dir.clone(),
             images,
             api_port: cluster.config.ports.api,
@@ -295,7 +286,7 @@ async fn runner_pods(client: &Client, runner_dir: &Path) -> Result<(), String> {
     };
     let status = web.status.clone().unwrap_or_default();
     let ip = status.pod_ip.clone().unwrap_or_default();
-    if !ip.starts_with("127.100.") || status.phase.as_deref() != Some("Running") {
+    if !ip.starts_with("127.140.") || status.phase.as_deref() != Some("Running") {
         return Err(format!("web: phase {:?} ip {ip}", status.phase));
     }
     if web.spec.as_ref().and_then(|s| s.node_name.as_deref()) != Some("runner-0") {

@@ -18,6 +18,8 @@
 //! Without cached control-plane binaries it prints why it is skipped and returns, unless
 //! `TANDEM_E2E_REQUIRE_CLUSTER` is set: then it builds them and must pass.
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -27,9 +29,8 @@ use k8s_openapi::api::core::v1::{
 use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
+use tandem_e2e::cluster::client_for;
 use tandem_e2e::cluster::down::down;
-use tandem_e2e::cluster::up::up;
-use tandem_e2e::cluster::{BuildMode, ClusterConfig, ClusterError, Ports, client_for};
 use tandem_e2e::runner::hosts::resolve;
 use tandem_e2e::runner::image::ImageTable;
 use tandem_e2e::runner::node::NodeSpecification;
@@ -41,34 +42,19 @@ const HTTP_IMAGE: &str = "example.org/e2e/py-http:1";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn services_volumes_sidecars_and_pod_env() {
-    let required = std::env::var_os("TANDEM_E2E_REQUIRE_CLUSTER").is_some();
-    let tmp = tempfile::Builder::new()
-        .prefix("tandem-e2e-runner-svc")
-        .tempdir()
-        .unwrap();
-    let config = ClusterConfig {
-        state_dir: tmp.path().join("cluster"),
-        ports: Ports::with_offset(4100),
-        controller_manager: true,
-        scheduler: true,
-        kwok_nodes: 0,
-        kwok_gpus_per_node: 0,
-        build: if required {
-            BuildMode::BuildIfMissing
-        } else {
-            BuildMode::CachedOnly
+    let Some(support::PrivateCluster { cluster, tmp }) = support::start_cluster(
+        "services_volumes_sidecars_and_pod_env",
+        support::ClusterShape {
+            port_offset: 4100,
+            controller_manager: true,
+            scheduler: true,
+            kwok_nodes: 0,
+            kwok_gpus_per_node: 0,
         },
-    };
-    let cluster = match up(&config).await {
-        Ok(c) => c,
-        Err(ClusterError::NotBuilt) if !required => {
-            println!(
-                "SKIPPED services_volumes_sidecars_and_pod_env: control-plane binaries are not \
-                 built (run `tandem-e2e cluster up` once, or set TANDEM_E2E_REQUIRE_CLUSTER=1)"
-            );
-            return;
-        }
-        Err(e) => panic!("cluster up: {e}"),
+    )
+    .await
+    else {
+        return;
     };
     let started = Instant::now();
     let out_dir = tmp.path().join("out");
@@ -106,7 +92,7 @@ async fn services_volumes_sidecars_and_pod_env() {
     }
     .await;
     println!("scenario took {:.1}s", started.elapsed().as_secs_f64());
-    down(&config, false).await.expect("down");
+    down(&cluster.config, false).await.expect("down");
     if let Err(e) = outcome {
         panic!("{e}");
     }

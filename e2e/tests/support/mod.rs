@@ -18,6 +18,63 @@ use tandem_e2e::runner::image::ImageTable;
 use tandem_e2e::runner::node::NodeSpecification;
 use tandem_e2e::runner::{PodDefaults, ProcessRunner, RunnerConfig};
 
+/// The control-plane components and fake nodes a suite's private cluster runs.
+pub struct ClusterShape {
+    /// Port offset (each suite its own, so suites and a user's cluster run side by side).
+    pub port_offset: u16,
+    /// Run kube-controller-manager.
+    pub controller_manager: bool,
+    /// Run kube-scheduler.
+    pub scheduler: bool,
+    /// kwok nodes, and `nvidia.com/gpu` on each.
+    pub kwok_nodes: u32,
+    /// `nvidia.com/gpu` per kwok node.
+    pub kwok_gpus_per_node: u32,
+}
+
+/// A suite's private control plane: state in a temp dir that lives as long as this value.
+pub struct PrivateCluster {
+    /// The running cluster (its `config` has the state dir and ports).
+    pub cluster: RunningCluster,
+    /// The temp dir holding the state dir (suites may put their own files in it).
+    pub tmp: tempfile::TempDir,
+}
+
+/// Starts a private control plane for suite `name`. Without cached control-plane binaries it
+/// prints why the suite is skipped and returns `None`, unless `TANDEM_E2E_REQUIRE_CLUSTER` is set:
+/// then it builds them (tens of minutes cold) and a failure panics.
+pub async fn start_cluster(name: &str, shape: ClusterShape) -> Option<PrivateCluster> {
+    let required = std::env::var_os("TANDEM_E2E_REQUIRE_CLUSTER").is_some();
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!("tandem-e2e-{name}"))
+        .tempdir()
+        .expect("temp dir");
+    let config = ClusterConfig {
+        state_dir: tmp.path().join("cluster"),
+        ports: Ports::with_offset(shape.port_offset),
+        controller_manager: shape.controller_manager,
+        scheduler: shape.scheduler,
+        kwok_nodes: shape.kwok_nodes,
+        kwok_gpus_per_node: shape.kwok_gpus_per_node,
+        build: if required {
+            BuildMode::BuildIfMissing
+        } else {
+            BuildMode::CachedOnly
+        },
+    };
+    match up(&config).await {
+        Ok(cluster) => Some(PrivateCluster { cluster, tmp }),
+        Err(ClusterError::NotBuilt) if !required => {
+            println!(
+                "SKIPPED {name}: control-plane binaries are not built (run `tandem-e2e cluster up` \
+                 once, or set TANDEM_E2E_REQUIRE_CLUSTER=1 to build them here)"
+            );
+            None
+        }
+        Err(e) => panic!("cluster up: {e}"),
+    }
+}
+
 /// What a suite asks of its harness.
 pub struct HarnessConfig {
     /// Test name, for the skip message and the temp dir.
@@ -55,32 +112,17 @@ impl Harness {
     /// Starts the control plane and the runner; `None` (after printing why) when the control plane
     /// is not built and `TANDEM_E2E_REQUIRE_CLUSTER` is unset.
     pub async fn start(cfg: HarnessConfig) -> Option<Self> {
-        let required = std::env::var_os("TANDEM_E2E_REQUIRE_CLUSTER").is_some();
-        let tmp = tempfile::Builder::new()
-            .prefix(&format!("tandem-e2e-{}", cfg.name))
-            .tempdir()
-            .expect("temp dir");
-        let config = ClusterConfig {
-            state_dir: tmp.path().join("cluster"),
-            ports: Ports::with_offset(cfg.port_offset),
-            controller_manager: true,
-            scheduler: true,
-            kwok_nodes: 0,
-            kwok_gpus_per_node: 0,
-            build: if required {
-                BuildMode::BuildIfMissing
-            } else {
-                BuildMode::CachedOnly
+        let PrivateCluster { cluster, tmp } = start_cluster(
+            cfg.name,
+            ClusterShape {
+                port_offset: cfg.port_offset,
+                controller_manager: true,
+                scheduler: true,
+                kwok_nodes: 0,
+                kwok_gpus_per_node: 0,
             },
-        };
-        let cluster = match up(&config).await {
-            Ok(c) => c,
-            Err(ClusterError::NotBuilt) if !required => {
-                println!("SKIPPED {}: control-plane binaries are not built", cfg.name);
-                return None;
-            }
-            Err(e) => panic!("cluster up: {e}"),
-        };
+        )
+        .await?;
         let client = client_for(&cluster.kubeconfig).await.expect("client");
         let runner = ProcessRunner::start_with(
             client.clone(),
