@@ -17,8 +17,8 @@ use tandem_crds::conditions as cond;
 use tandem_crds::{CacheTier, CacheTierStatus, DecodePool, PrefillPool};
 
 use super::children::{self, need, normal, warning};
-use super::decode_pool::run_teardown_step;
 use super::pool::apply_child;
+use super::pool_teardown::run_teardown_step;
 use super::probe;
 use super::{BUSY, Context, RESYNC, Result};
 use crate::labels::{self, Role};
@@ -95,7 +95,7 @@ pub async fn reconcile(ct: Arc<CacheTier>, ctx: Arc<Context>) -> Result<Action> 
             children::remove_finalizer(&ctx, KIND, &api, ct.as_ref()).await?;
             return Ok(Action::await_change());
         }
-        let msg = super::decode_pool::teardown_message(&step);
+        let msg = super::pool_teardown::teardown_message(&step);
         let status = tier_status(
             prev,
             ct.metadata.generation,

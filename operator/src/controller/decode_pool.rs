@@ -3,15 +3,14 @@
 
 use std::sync::Arc;
 
-use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::core::v1::Service;
 use kube::runtime::controller::Action;
 use kube::{Api, Resource, ResourceExt};
 use tandem_crds::conditions as cond;
 use tandem_crds::{DecodePool, PoolStatus, PrefillPool};
 
 use super::children::{self, need, normal, warning};
-use super::pool::{self, PoolChildren, StatusFacts};
+use super::pool::{self, Block, PoolChildren, StatusFacts, policy_message, state_of};
+use super::pool_teardown::{run_teardown_step, scaled_up, teardown_message};
 use super::revision::{self, Blocked};
 use super::{BUSY, Context, RESYNC, Result};
 use crate::capacity::{self, CapacityInput, CapacityObservation, CapacityOutcome};
@@ -58,9 +57,7 @@ pub async fn reconcile(dp: Arc<DecodePool>, ctx: Arc<Context>) -> Result<Action>
             &api,
             &dp,
             &observed,
-            cond::DEGRADED,
-            "PrefillPoolNotFound",
-            msg,
+            Block::new(cond::DEGRADED, "PrefillPoolNotFound", msg),
         )
         .await;
     };
@@ -72,9 +69,7 @@ pub async fn reconcile(dp: Arc<DecodePool>, ctx: Arc<Context>) -> Result<Action>
                 &api,
                 &dp,
                 &observed,
-                cond::POLICY_CONFLICT,
-                c.reason(),
-                c.to_string(),
+                Block::new(cond::POLICY_CONFLICT, c.reason(), c.to_string()),
             )
             .await;
         }
@@ -84,9 +79,7 @@ pub async fn reconcile(dp: Arc<DecodePool>, ctx: Arc<Context>) -> Result<Action>
                 &api,
                 &dp,
                 &observed,
-                cond::DEGRADED,
-                "RenderFailed",
-                e.to_string(),
+                Block::new(cond::DEGRADED, "RenderFailed", e.to_string()),
             )
             .await;
         }
@@ -100,9 +93,7 @@ pub async fn reconcile(dp: Arc<DecodePool>, ctx: Arc<Context>) -> Result<Action>
             &api,
             &dp,
             &observed,
-            cond::POLICY_CONFLICT,
-            "PrefillModelMismatch",
-            msg,
+            Block::new(cond::POLICY_CONFLICT, "PrefillModelMismatch", msg),
         )
         .await;
     }
@@ -116,9 +107,7 @@ pub async fn reconcile(dp: Arc<DecodePool>, ctx: Arc<Context>) -> Result<Action>
                 &api,
                 &dp,
                 &observed,
-                cond::DEGRADED,
-                "PrefillPoolBlocked",
-                msg,
+                Block::new(cond::DEGRADED, "PrefillPoolBlocked", msg),
             )
             .await;
         }
@@ -234,33 +223,6 @@ pub async fn reconcile(dp: Arc<DecodePool>, ctx: Arc<Context>) -> Result<Action>
                 | CapacityOutcome::WaitingForShrink
         );
     Ok(Action::requeue(if busy { BUSY } else { RESYNC }))
-}
-
-/// The `resources` gauge state of a pool status.
-pub fn state_of(s: &PoolStatus) -> &'static str {
-    use crate::status::is_true;
-    if is_true(&s.conditions, cond::POLICY_CONFLICT) {
-        "PolicyConflict"
-    } else if is_true(&s.conditions, cond::INSUFFICIENT_CAPACITY) {
-        "InsufficientCapacity"
-    } else if is_true(&s.conditions, cond::READY) {
-        "Ready"
-    } else if is_true(&s.conditions, cond::PROGRESSING) {
-        "Progressing"
-    } else {
-        "NotReady"
-    }
-}
-
-/// The message of `PolicyConflict=False`: what was resolved.
-pub fn policy_message(p: &crate::policy::MemoryPolicy) -> String {
-    match &p.l3 {
-        Some(l3) => format!(
-            "CacheTier {:?}: allocator {:?}, client mode {:?}, {} tokens per page",
-            l3.tier, p.allocator, l3.client_mode, l3.page_tokens
-        ),
-        None => format!("no CacheTier: allocator {:?}, no L3", p.allocator),
-    }
 }
 
 fn capacity_observation(
@@ -398,97 +360,28 @@ async fn capacity_events(
     }
 }
 
-/// Reports a blocking condition (and an event the first time), touching no child.
-#[allow(clippy::too_many_arguments)]
+/// Reports `block` on this DecodePool (it owns its `spec.replicas`).
 async fn blocked(
     ctx: &Context,
     api: &Api<DecodePool>,
     dp: &DecodePool,
     observed: &PoolChildren,
-    type_: &'static str,
-    reason: &str,
-    message: String,
+    block: Block,
 ) -> Result<Action> {
     let prev = dp.status.as_ref();
-    if pool::newly_true(prev, type_, reason) {
-        ctx.event(
-            &dp.object_ref(&()),
-            warning(),
-            reason,
-            "Block",
-            format!("{message}; no child is created or updated"),
-        )
-        .await;
-    }
-    let status = blocked_status(
+    let owner = "spec.replicas".to_owned();
+    pool::report_blocked(
+        ctx,
+        KIND,
+        api,
+        dp,
         prev,
-        dp.metadata.generation,
-        &dp.name_any(),
         Role::Decode,
         observed,
-        type_,
-        reason,
-        &message,
-        "spec.replicas".into(),
-    );
-    ctx.metrics.set_state(
-        KIND,
-        &format!("{}/{}", dp.namespace().unwrap_or_default(), dp.name_any()),
-        Some(state_of(&status)),
-    );
-    children::patch_status_if_changed(ctx, KIND, api, &dp.name_any(), prev, &status).await?;
-    Ok(Action::requeue(RESYNC))
-}
-
-/// The status of a pool that cannot roll out: Ready and Progressing False with the reason, the
-/// blocking condition True, the other conditions False.
-#[allow(clippy::too_many_arguments)]
-pub fn blocked_status(
-    prev: Option<&PoolStatus>,
-    generation: Option<i64>,
-    name: &str,
-    role: Role,
-    observed: &PoolChildren,
-    type_: &'static str,
-    reason: &str,
-    message: &str,
-    replicas_owner: String,
-) -> PoolStatus {
-    let extra = [
-        cond::DEGRADED,
-        cond::POLICY_CONFLICT,
-        cond::INSUFFICIENT_CAPACITY,
-    ]
-    .into_iter()
-    .map(|t| {
-        if t == type_ {
-            Decided::new(t, true, reason, message)
-        } else if t == cond::INSUFFICIENT_CAPACITY {
-            match pool::previous_condition(prev, t) {
-                Some(c) => Decided::new(t, c.status == "True", c.reason.clone(), c.message.clone()),
-                None => Decided::new(t, false, "WithinCapacity", "no scale-up pending"),
-            }
-        } else {
-            Decided::new(t, false, "AsExpected", "")
-        }
-    })
-    .collect();
-    let existing = observed.groups_existing();
-    pool::pool_status(&StatusFacts {
-        previous: prev,
-        generation,
-        role,
-        name,
-        desired: prev.map_or(0, |p| u32::try_from(p.desired_replicas).unwrap_or(0)),
-        existing,
-        ready: 0,
-        rollout: None,
-        revision: None,
-        replicas_owner,
-        scaling: None,
-        extra,
-        blocked: Some((reason.into(), message.into())),
-    })
+        block,
+        owner,
+    )
+    .await
 }
 
 /// Teardown (DESIGN §5): stop routing → scale groups to 0 → wait for pods → release.
@@ -520,94 +413,15 @@ async fn teardown(
         return Ok(Action::await_change());
     }
     let prev = dp.status.as_ref();
-    let status = blocked_status(
+    let status = pool::blocked_status(
         prev,
         dp.metadata.generation,
         &name,
         Role::Decode,
         observed,
-        cond::DEGRADED,
-        "Terminating",
-        &teardown_message(&step),
+        &Block::new(cond::DEGRADED, "Terminating", teardown_message(&step)),
         "spec.replicas".into(),
     );
     children::patch_status_if_changed(ctx, KIND, api, &name, prev, &status).await?;
     Ok(Action::requeue(BUSY))
-}
-
-/// Group StatefulSets still scaled above zero and not terminating.
-pub fn scaled_up(observed: &PoolChildren) -> Vec<String> {
-    observed
-        .statefulsets
-        .iter()
-        .filter(|(_, s)| !children::terminating(*s) && s.spec.replicas.unwrap_or(1) > 0)
-        .map(|(n, _)| n.clone())
-        .collect()
-}
-
-/// The `Degraded=True, reason Terminating` message for a step.
-pub fn teardown_message(step: &TeardownStep) -> String {
-    match step {
-        TeardownStep::WaitForDependents(d) => format!("teardown: waiting for {}", d.join(", ")),
-        TeardownStep::StopRouting => "teardown: front door removed, routing stopped".into(),
-        TeardownStep::ScaleToZero(s) => {
-            format!("teardown: scaling {} to 0 (workers drain)", s.join(", "))
-        }
-        TeardownStep::WaitForPods(n) => format!("teardown: waiting for {n} pod(s) to exit"),
-        TeardownStep::RemoveFinalizer => "teardown: done".into(),
-    }
-}
-
-/// Executes one teardown step's writes (none of which creates or applies a child).
-pub async fn run_teardown_step(
-    ctx: &Context,
-    kind: &str,
-    parent: &k8s_openapi::api::core::v1::ObjectReference,
-    ns: &str,
-    name: &str,
-    step: &TeardownStep,
-) -> Result<()> {
-    match step {
-        TeardownStep::StopRouting => {
-            let svcs: Api<Service> = Api::namespaced(ctx.client.clone(), ns);
-            children::delete(ctx, kind, &svcs, name).await?;
-            ctx.event(
-                parent,
-                normal(),
-                "StopRouting",
-                "Teardown",
-                format!("deleted the front-door Service {name}"),
-            )
-            .await;
-        }
-        TeardownStep::ScaleToZero(sets) => {
-            let stss: Api<StatefulSet> = Api::namespaced(ctx.client.clone(), ns);
-            for s in sets {
-                children::scale_to_zero(ctx, kind, &stss, s).await?;
-            }
-            ctx.event(
-                parent,
-                normal(),
-                "Draining",
-                "Teardown",
-                format!("scaled {} to 0; pods drain on SIGTERM", sets.join(", ")),
-            )
-            .await;
-        }
-        TeardownStep::RemoveFinalizer => {
-            ctx.event(
-                parent,
-                normal(),
-                "TeardownComplete",
-                "Teardown",
-                format!(
-                    "every pod of {name} exited; finalizer {} removed",
-                    super::FINALIZER
-                ),
-            )
-            .await;
-        }
-        TeardownStep::WaitForDependents(_) | TeardownStep::WaitForPods(_) => {}
-    }
-    Ok(())
 }

@@ -16,6 +16,7 @@ pub mod cache_tier;
 pub mod children;
 pub mod decode_pool;
 pub mod pool;
+pub mod pool_teardown;
 pub mod prefill_pool;
 pub mod probe;
 pub mod revision;

@@ -2,17 +2,20 @@
 //! Service, group StatefulSets, rollout steps) and building the status.
 
 use std::collections::BTreeMap;
+use std::fmt::Debug;
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Pod, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference};
-use kube::{Api, ResourceExt};
+use kube::runtime::controller::Action;
+use kube::{Api, Resource, ResourceExt};
+use serde::de::DeserializeOwned;
 use tandem_crds::conditions as cond;
 use tandem_crds::{PoolStatus, RolloutStatus, ScalingStatus};
 use tandem_worker::config::WorkerConfig;
 
 use super::children::{self, ApplyReason, normal, warning};
-use super::{Context, Result};
+use super::{Context, RESYNC, Result};
 use crate::labels::{self, Role};
 use crate::render::{PoolView, workload};
 use crate::rollout::{self, GroupObservation, PodObservation, RolloutAction, RolloutPlan};
@@ -414,4 +417,154 @@ pub fn previous_condition<'a>(
 /// True when the condition `type_` moves to True with `reason` now (for a one-time event).
 pub fn newly_true(previous: Option<&PoolStatus>, type_: &str, reason: &str) -> bool {
     !previous_condition(previous, type_).is_some_and(|c| c.status == "True" && c.reason == reason)
+}
+
+/// The `resources` gauge state of a pool status.
+pub fn state_of(s: &PoolStatus) -> &'static str {
+    use crate::status::is_true;
+    if is_true(&s.conditions, cond::POLICY_CONFLICT) {
+        "PolicyConflict"
+    } else if is_true(&s.conditions, cond::INSUFFICIENT_CAPACITY) {
+        "InsufficientCapacity"
+    } else if is_true(&s.conditions, cond::READY) {
+        "Ready"
+    } else if is_true(&s.conditions, cond::PROGRESSING) {
+        "Progressing"
+    } else {
+        "NotReady"
+    }
+}
+
+/// The message of `PolicyConflict=False`: what was resolved.
+pub fn policy_message(p: &crate::policy::MemoryPolicy) -> String {
+    match &p.l3 {
+        Some(l3) => format!(
+            "CacheTier {:?}: allocator {:?}, client mode {:?}, {} tokens per page",
+            l3.tier, p.allocator, l3.client_mode, l3.page_tokens
+        ),
+        None => format!("no CacheTier: allocator {:?}, no L3", p.allocator),
+    }
+}
+
+/// Why a pool cannot roll out: the condition set True, with its reason and message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Block {
+    /// Condition type (`Degraded` or `PolicyConflict`).
+    pub type_: &'static str,
+    /// Condition reason (CamelCase), also the event reason.
+    pub reason: String,
+    /// Human-readable message.
+    pub message: String,
+}
+
+impl Block {
+    /// A block setting `type_` True with `reason` and `message`.
+    pub fn new(type_: &'static str, reason: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            type_,
+            reason: reason.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// Reports `block` on pool `obj` of `kind` and `role` (a Warning event the first time the
+/// condition turns True), touching no child; requeues at the resync period.
+///
+/// # Errors
+/// The status patch's API error.
+#[allow(clippy::too_many_arguments)]
+pub async fn report_blocked<K>(
+    ctx: &Context,
+    kind: &str,
+    api: &Api<K>,
+    obj: &K,
+    prev: Option<&PoolStatus>,
+    role: Role,
+    observed: &PoolChildren,
+    block: Block,
+    replicas_owner: String,
+) -> Result<Action>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug,
+{
+    if newly_true(prev, block.type_, &block.reason) {
+        ctx.event(
+            &obj.object_ref(&()),
+            warning(),
+            &block.reason,
+            "Block",
+            format!("{}; no child is created or updated", block.message),
+        )
+        .await;
+    }
+    let status = blocked_status(
+        prev,
+        obj.meta().generation,
+        &obj.name_any(),
+        role,
+        observed,
+        &block,
+        replicas_owner,
+    );
+    ctx.metrics.set_state(
+        kind,
+        &format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any()),
+        Some(state_of(&status)),
+    );
+    children::patch_status_if_changed(ctx, kind, api, &obj.name_any(), prev, &status).await?;
+    Ok(Action::requeue(RESYNC))
+}
+
+/// The status of a pool that cannot roll out: Ready and Progressing False with the reason, the
+/// blocking condition True, the other conditions False.
+pub fn blocked_status(
+    prev: Option<&PoolStatus>,
+    generation: Option<i64>,
+    name: &str,
+    role: Role,
+    observed: &PoolChildren,
+    block: &Block,
+    replicas_owner: String,
+) -> PoolStatus {
+    let Block {
+        type_,
+        reason,
+        message,
+    } = block;
+    let extra = [
+        cond::DEGRADED,
+        cond::POLICY_CONFLICT,
+        cond::INSUFFICIENT_CAPACITY,
+    ]
+    .into_iter()
+    .map(|t| {
+        if t == *type_ {
+            Decided::new(t, true, reason.as_str(), message.as_str())
+        } else if t == cond::INSUFFICIENT_CAPACITY {
+            match previous_condition(prev, t) {
+                Some(c) => Decided::new(t, c.status == "True", c.reason.clone(), c.message.clone()),
+                None => Decided::new(t, false, "WithinCapacity", "no scale-up pending"),
+            }
+        } else {
+            Decided::new(t, false, "AsExpected", "")
+        }
+    })
+    .collect();
+    let existing = observed.groups_existing();
+    pool_status(&StatusFacts {
+        previous: prev,
+        generation,
+        role,
+        name,
+        desired: prev.map_or(0, |p| u32::try_from(p.desired_replicas).unwrap_or(0)),
+        existing,
+        ready: 0,
+        rollout: None,
+        revision: None,
+        replicas_owner,
+        scaling: None,
+        extra,
+        blocked: Some((reason.clone(), message.clone())),
+    })
 }

@@ -10,11 +10,9 @@ use kube::{Api, Resource, ResourceExt};
 use tandem_crds::conditions as cond;
 use tandem_crds::{DecodePool, PrefillPool};
 
-use super::children::{self, need, warning};
-use super::decode_pool::{
-    blocked_status, policy_message, run_teardown_step, scaled_up, state_of, teardown_message,
-};
-use super::pool::{self, PoolChildren, StatusFacts};
+use super::children::{self, need};
+use super::pool::{self, Block, PoolChildren, StatusFacts, policy_message, state_of};
+use super::pool_teardown::{run_teardown_step, scaled_up, teardown_message};
 use super::revision::{self, Blocked};
 use super::{BUSY, Context, RESYNC, Result};
 use crate::capacity;
@@ -79,9 +77,7 @@ pub async fn reconcile(pp: Arc<PrefillPool>, ctx: Arc<Context>) -> Result<Action
                 &api,
                 &pp,
                 &observed,
-                cond::POLICY_CONFLICT,
-                c.reason(),
-                c.to_string(),
+                Block::new(cond::POLICY_CONFLICT, c.reason(), c.to_string()),
                 replicas_owner,
             )
             .await;
@@ -92,9 +88,7 @@ pub async fn reconcile(pp: Arc<PrefillPool>, ctx: Arc<Context>) -> Result<Action
                 &api,
                 &pp,
                 &observed,
-                cond::DEGRADED,
-                "RenderFailed",
-                e.to_string(),
+                Block::new(cond::DEGRADED, "RenderFailed", e.to_string()),
                 replicas_owner,
             )
             .await;
@@ -112,9 +106,7 @@ pub async fn reconcile(pp: Arc<PrefillPool>, ctx: Arc<Context>) -> Result<Action
                         &api,
                         &pp,
                         &observed,
-                        cond::DEGRADED,
-                        "DecodePoolBlocked",
-                        msg,
+                        Block::new(cond::DEGRADED, "DecodePoolBlocked", msg),
                         replicas_owner,
                     )
                     .await;
@@ -222,46 +214,28 @@ pub async fn reconcile(pp: Arc<PrefillPool>, ctx: Arc<Context>) -> Result<Action
     Ok(Action::requeue(if busy { BUSY } else { RESYNC }))
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Reports `block` on this PrefillPool; `replicas_owner` as in its status.
 async fn blocked(
     ctx: &Context,
     api: &Api<PrefillPool>,
     pp: &PrefillPool,
     observed: &PoolChildren,
-    type_: &'static str,
-    reason: &str,
-    message: String,
+    block: Block,
     replicas_owner: String,
 ) -> Result<Action> {
     let prev = pp.status.as_ref();
-    if pool::newly_true(prev, type_, reason) {
-        ctx.event(
-            &pp.object_ref(&()),
-            warning(),
-            reason,
-            "Block",
-            format!("{message}; no child is created or updated"),
-        )
-        .await;
-    }
-    let status = blocked_status(
+    pool::report_blocked(
+        ctx,
+        KIND,
+        api,
+        pp,
         prev,
-        pp.metadata.generation,
-        &pp.name_any(),
         Role::Prefill,
         observed,
-        type_,
-        reason,
-        &message,
+        block,
         replicas_owner,
-    );
-    ctx.metrics.set_state(
-        KIND,
-        &format!("{}/{}", pp.namespace().unwrap_or_default(), pp.name_any()),
-        Some(state_of(&status)),
-    );
-    children::patch_status_if_changed(ctx, KIND, api, &pp.name_any(), prev, &status).await?;
-    Ok(Action::requeue(RESYNC))
+    )
+    .await
 }
 
 /// Teardown (DESIGN §5): wait while a pairing DecodePool still has pods → scale to 0 → wait for
@@ -301,15 +275,13 @@ async fn teardown(
     let owner = prev
         .and_then(|p| p.replicas_owner.clone())
         .unwrap_or_else(|| "spec.replicas".into());
-    let status = blocked_status(
+    let status = pool::blocked_status(
         prev,
         pp.metadata.generation,
         &name,
         Role::Prefill,
         observed,
-        cond::DEGRADED,
-        "Terminating",
-        &teardown_message(&step),
+        &Block::new(cond::DEGRADED, "Terminating", teardown_message(&step)),
         owner,
     );
     children::patch_status_if_changed(ctx, KIND, api, &name, prev, &status).await?;
