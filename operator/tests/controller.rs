@@ -535,3 +535,55 @@ async fn an_unschedulable_scale_up_is_rolled_back_with_insufficient_capacity() {
         json!({"decode": 0, "prefill": 0})
     );
 }
+
+/// A reconcile handed a DecodePool older than the operator's own last status write — the
+/// reflector's copy, when a child's event triggers the reconcile before the watch delivers that
+/// write — must not replay a finished scaling step. Before the fix it did: the stale status said
+/// `applied: 1 decode / 4 prefill`, so the finished scale-up was stepped again and the new groups
+/// were deleted and re-created (pods churned right after every `kubectl scale` in the demo).
+async fn scale_up_then_reconcile_a_stale_copy(trust_cached_status: bool) -> Vec<String> {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    let mut ctx = Context::new(client, Metrics::new());
+    ctx.probe_reports = false;
+    ctx.unsafe_modes.trust_cached_status = trust_cached_status;
+    let ctx = Arc::new(ctx);
+    converge(&fake, &ctx).await;
+    fake.edit(paths::DECODES, DECODE, |o| {
+        o["spec"]["replicas"] = json!(2);
+        o["metadata"]["generation"] = json!(2);
+    });
+    let api: Api<DecodePool> = Api::namespaced(ctx.client.clone(), "default");
+    let stale = api.get(DECODE).await.unwrap();
+    converge(&fake, &ctx).await;
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(
+        d["status"]["scaling"]["applied"],
+        json!({"decode": 2, "prefill": 8}),
+        "the scale-up finished"
+    );
+    fake.clear_calls();
+    decode_pool::reconcile(Arc::new(stale), ctx.clone())
+        .await
+        .unwrap();
+    reconcile_prefill(&ctx).await;
+    summary(
+        &fake
+            .writes()
+            .into_iter()
+            .filter(|c| c.path.starts_with(paths::STS) && c.method == "DELETE")
+            .collect::<Vec<_>>(),
+    )
+}
+
+#[tokio::test]
+async fn a_stale_copy_of_a_scaled_pool_never_deletes_its_new_groups() {
+    let deletes = scale_up_then_reconcile_a_stale_copy(false).await;
+    assert!(deletes.is_empty(), "{deletes:#?}");
+}
+
+#[tokio::test]
+async fn negative_control_trusting_the_cached_status_deletes_new_groups() {
+    let deletes = scale_up_then_reconcile_a_stale_copy(true).await;
+    assert!(!deletes.is_empty(), "the stale step must show as deletes");
+}

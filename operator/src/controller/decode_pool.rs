@@ -33,6 +33,18 @@ pub async fn reconcile(dp: Arc<DecodePool>, ctx: Arc<Context>) -> Result<Action>
     let ns = need(dp.namespace(), "metadata.namespace")?;
     let name = dp.name_any();
     let api: Api<DecodePool> = Api::namespaced(ctx.client.clone(), &ns);
+    // The scaling transaction lives in this object's status. The copy a reconcile is handed comes
+    // from the reflector and can predate our own last status write (a child's event triggers the
+    // reconcile before the watch delivers that write); deciding from it replays a finished step,
+    // deleting the new groups and re-creating them. So decide from a fresh (quorum) read.
+    let dp = if ctx.unsafe_modes.trust_cached_status {
+        dp
+    } else {
+        match api.get_opt(&name).await? {
+            Some(fresh) => Arc::new(fresh),
+            None => return Ok(Action::await_change()),
+        }
+    };
     let parent = dp.object_ref(&());
     let observed = pool::observe(&ctx, &ns, &name, Role::Decode).await?;
     let key = format!("{ns}/{name}");

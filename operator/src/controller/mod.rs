@@ -48,6 +48,10 @@ pub struct UnsafeModes {
     pub always_apply: bool,
     /// Ignore `deletionTimestamp` and run the normal reconcile.
     pub reconcile_while_deleting: bool,
+    /// Decide the DecodePool's scaling transaction from the object the reconcile was handed (the
+    /// reflector's copy, possibly older than the operator's last status write) instead of a fresh
+    /// read.
+    pub trust_cached_status: bool,
 }
 
 /// Shared state of the controllers.
