@@ -2,8 +2,10 @@
 //! and each job's acknowledgement. Shared by both load backends so they obey one bookkeeping
 //! (DESIGN contract 5; reference/dataplane.md R-HIC-2):
 //!
-//! - a backend calls [`EventLedger::record_plan`] at submission, before it returns the job's
-//!   [`LoadTicket`], so a consumer can never wait ahead of the record (sglang PR #38472);
+//! - a backend records every [`LoadOp::Record`] of a plan at submission, before it returns the
+//!   job's [`LoadTicket`] (the host backend with [`EventLedger::record_plan`]; the CUDA backend pair
+//!   by pair, each right after its `cuEventRecord`), so a consumer can never wait ahead of the
+//!   record (sglang PR #38472);
 //! - the host backend completes an event when its load thread passes the plan's
 //!   [`LoadOp::Record`]; the CUDA backend when its completion thread observes the CUDA event done;
 //! - a wait on a generation nobody recorded is [`LoadError::NeverRecorded`], never a silent pass.

@@ -90,6 +90,12 @@ pub enum LoadError {
         /// Device bytes per page-layer chunk.
         device: u64,
     },
+    /// A pool's bytes overflow the address space.
+    #[error("{pool}: pool size overflows")]
+    PoolTooLarge {
+        /// Pool.
+        pool: PoolRole,
+    },
     /// No usable CUDA device: built without `cuda`, `libcuda` absent, or no such ordinal.
     #[error("CUDA device unavailable: {reason}")]
     DeviceUnavailable {

@@ -30,6 +30,8 @@ pub mod l3_wire;
 pub mod load_error;
 pub mod load_order;
 pub mod load_plan;
+#[cfg(feature = "cuda")]
+pub mod load_stream_cuda;
 pub mod manifest;
 pub mod page_key;
 pub mod prefetch;
