@@ -9,6 +9,11 @@
 //! them; the host then checks every scratch page against B's bytes. With the waits: zero mismatches.
 //! With the indexer wait removed (negative control): all of layer 2's indexer pages are stale.
 //!
+//! Second scenario, the fence: compute round A, enqueued on the forward stream behind a long host
+//! function, still has to read A's device pages when a load of B into the same pages is submitted.
+//! With the fence the load waits for the forward stream and A reads only A's bytes; without it
+//! (negative control) the load overwrites the pages under the pending reads.
+//!
 //! The GPU tests are ignored where there is no device. On a GPU machine, run them with:
 //!
 //! ```text
@@ -23,10 +28,10 @@ use tandem_worker::cache::PageKey;
 use tandem_worker::cache::event_ledger::EventLedger;
 use tandem_worker::cache::host_locks::HostPageLocks;
 use tandem_worker::cache::load_error::LoadError;
-use tandem_worker::cache::load_plan::{LoadJob, PageCopy, ReadPolicy};
+use tandem_worker::cache::load_plan::{FencePolicy, LoadJob, PageCopy, ReadPolicy};
 use tandem_worker::cache::load_stream_cuda::{
     CudaLoadContext, CudaLoadOptions, CudaLoadStream, DevicePagePools, PinnedPagePools,
-    open_context,
+    hold_stream_for, open_context,
 };
 use tandem_worker::pool::{KvGeometry, PoolLayout, PoolRole};
 
@@ -59,6 +64,23 @@ fn shapes() -> Vec<(PoolRole, KvGeometry)> {
         layout: PoolLayout::LayerFirst,
     };
     POOLS.iter().map(|p| (*p, g)).collect()
+}
+
+/// Loads `keys` into the device pages of the same index, every pool, every layer.
+fn identity_job(keys: &[PageKey]) -> LoadJob {
+    LoadJob {
+        pools: POOLS.to_vec(),
+        layers: LAYERS,
+        pages: keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| PageCopy {
+                key: *k,
+                host_page: i as u32,
+                device_page: i as u32,
+            })
+            .collect(),
+    }
 }
 
 /// Runs the scenario under `policy`; returns the stale pages compute read, per layer and pool
@@ -98,20 +120,7 @@ fn delayed_indexer_load_on_the_gpu(policy: ReadPolicy) -> Vec<[usize; 2]> {
         },
     )
     .expect("load stream");
-    let job = LoadJob {
-        pools: POOLS.to_vec(),
-        layers: LAYERS,
-        pages: b
-            .iter()
-            .enumerate()
-            .map(|(i, k)| PageCopy {
-                key: *k,
-                host_page: i as u32,
-                device_page: i as u32,
-            })
-            .collect(),
-    };
-    let ticket = loads.submit(job).expect("submit");
+    let ticket = loads.submit(identity_job(&b)).expect("submit");
     for layer in 0..LAYERS {
         loads
             .wait_layer(layer, &POOLS, ticket.generation, policy)
@@ -161,6 +170,104 @@ fn gpu_negative_control_skipping_the_indexer_wait_reads_stale_pages() {
     // The KV pool is still waited on, so it is never stale; other layers' indexer reads race with
     // their undelayed copies, so their count is not fixed.
     assert!(stale.iter().all(|s| s[0] == 0), "{stale:?}");
+}
+
+/// Round A (a held forward stream, then reads of every page into scratch) is enqueued, then a load
+/// of B into the same pages is submitted under `fence`; returns the pages round A read that were not
+/// A's.
+fn load_over_in_flight_compute_on_the_gpu(fence: FencePolicy) -> usize {
+    let ctx = open_context(0).expect("a CUDA device");
+    let forward = ctx.new_stream().expect("forward stream");
+    let host = Arc::new(PinnedPagePools::new(&ctx, &shapes()).expect("pinned pages"));
+    let device = Arc::new(DevicePagePools::new(&ctx, &shapes()).expect("device pages"));
+    let scratch = DevicePagePools::new(&ctx, &shapes()).expect("compute scratch");
+    let locks = Arc::new(HostPageLocks::new());
+    let (a, b) = (keys(4_000), keys(5_000));
+    for (page, (ka, kb)) in a.iter().zip(&b).enumerate() {
+        for pool in POOLS {
+            for layer in 0..LAYERS {
+                let page = page as u32;
+                device
+                    .write_sync(pool, layer, page, &page_bytes(*ka, pool, layer))
+                    .expect("round A's bytes");
+                host.write(pool, layer, page, &page_bytes(*kb, pool, layer))
+                    .expect("host bytes");
+            }
+        }
+    }
+    let loads = CudaLoadStream::new(
+        CudaLoadContext {
+            forward: Arc::clone(&forward),
+            host,
+            device: Arc::clone(&device),
+            events: Arc::new(EventLedger::new()),
+            locks: Arc::clone(&locks),
+        },
+        CudaLoadOptions {
+            fence,
+            ..CudaLoadOptions::default()
+        },
+    )
+    .expect("load stream");
+    // Round A: still running (held) when B's pages are reassigned and loaded.
+    hold_stream_for(&forward, Duration::from_millis(300)).expect("hold forward");
+    for pool in POOLS {
+        for layer in 0..LAYERS {
+            for page in 0..PAGES {
+                device
+                    .copy_chunk_async(pool, layer, page, &scratch, &forward)
+                    .expect("round A read");
+            }
+        }
+    }
+    let ticket = loads.submit(identity_job(&b)).expect("submit");
+    forward.synchronize().expect("forward stream");
+    ticket.wait_ack(WAIT).expect("load acknowledged");
+    assert_eq!(locks.locked_pages(), 0, "host pages unlocked at ack");
+    let mut corrupt = 0;
+    for (page, ka) in a.iter().enumerate() {
+        for pool in POOLS {
+            for layer in 0..LAYERS {
+                let read = scratch
+                    .read_sync(pool, layer, page as u32)
+                    .expect("readback");
+                if read != page_bytes(*ka, pool, layer) {
+                    corrupt += 1;
+                }
+            }
+        }
+    }
+    // B landed either way.
+    for (page, kb) in b.iter().enumerate() {
+        for pool in POOLS {
+            for layer in 0..LAYERS {
+                let got = device
+                    .read_sync(pool, layer, page as u32)
+                    .expect("readback");
+                assert_eq!(got, page_bytes(*kb, pool, layer), "B loaded");
+            }
+        }
+    }
+    corrupt
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_a_load_never_overwrites_pages_that_in_flight_compute_reads() {
+    assert_eq!(
+        load_over_in_flight_compute_on_the_gpu(FencePolicy::WaitForward),
+        0
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_negative_control_without_the_fence_corrupts_in_flight_compute() {
+    assert_eq!(
+        load_over_in_flight_compute_on_the_gpu(FencePolicy::UnsafeSkipFence),
+        (PAGES * LAYERS) as usize * POOLS.len(),
+        "every page round A read after the hold must be B's"
+    );
 }
 
 #[test]

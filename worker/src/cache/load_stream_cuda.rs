@@ -601,7 +601,7 @@ impl CudaLoadStream {
             && p == pool
             && l == layer
         {
-            enqueue_sleep(&self.load, d)?;
+            hold_stream_for(&self.load, d)?;
         }
         self.load
             .context()
@@ -782,10 +782,15 @@ fn complete_job(
     job.ack.acknowledge(result.and(unlocked));
 }
 
-/// Holds `stream` for `d` with a host function (the delayed-load fault of the tests).
-fn enqueue_sleep(stream: &CudaStream, d: Duration) -> Result<(), LoadError> {
+/// Holds `stream` for `d`: enqueues a host function that sleeps, so the stream's later work starts
+/// no earlier than `d` after the stream reaches it. Fault injection for the device checks (a slow
+/// load, a long compute round); not for production paths.
+///
+/// # Errors
+/// [`LoadError::Device`] (`cuLaunchHostFunc`).
+pub fn hold_stream_for(stream: &CudaStream, d: Duration) -> Result<(), LoadError> {
     unsafe extern "C" fn sleep_on_stream(arg: *mut c_void) {
-        // SAFETY: `arg` is the `Box<Duration>` leaked by `enqueue_sleep`, passed to exactly this
+        // SAFETY: `arg` is the `Box<Duration>` leaked by `hold_stream_for`, passed to exactly this
         // call; the function makes no CUDA call (a host function must not).
         let d = unsafe { Box::from_raw(arg.cast::<Duration>()) };
         std::thread::sleep(*d);
