@@ -60,8 +60,9 @@ pub struct DecodeConfig {
     pub ack_timeout: Duration,
     /// Heartbeat interval on each signal stream; a peer silent for 3 intervals is dead.
     pub heartbeat: Duration,
-    /// Use the TCP receiver fence as transport proof (true for TCP; an RDMA-style transport without a
-    /// receiver check must set it false and rely on acks).
+    /// Use the TCP receiver fence as transport proof. Derive it from the transport that delivers the
+    /// KV with [`crate::transfer::select::receiver_fence_is_proof`]: true for TCP only; under RDMA
+    /// (no receiver-side check of one-sided writes) the gate must rely on acks or QP teardown.
     pub fence_is_proof: bool,
     /// Release gate mode ([`GateMode::UnsafeBypass`] only as a negative control).
     pub gate: GateMode,

@@ -132,7 +132,10 @@ pub fn run(args: Args) -> Result<(), RoleError> {
             data_bind: args.data_bind.clone(),
             ack_timeout: Duration::from_millis(args.ack_timeout_ms),
             heartbeat: Duration::from_millis(500),
-            fence_is_proof: true,
+            // The node receives KV through its TCP receiver: derive the gate's proof rule from that.
+            fence_is_proof: tandem_worker::transfer::select::receiver_fence_is_proof(
+                tandem_worker::transfer::TransportKind::Tcp,
+            ),
             gate: GateMode::Safe,
         })
         .map_err(|e| e.to_string())

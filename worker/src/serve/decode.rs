@@ -581,7 +581,10 @@ impl DecodeServer {
             data_bind: SocketAddr::new(opts.bind_ip, cfg.ports.data).to_string(),
             ack_timeout: Duration::from_secs(30),
             heartbeat: opts.heartbeat,
-            fence_is_proof: true,
+            // The node receives KV through its TCP receiver: derive the gate's proof rule from that.
+            fence_is_proof: crate::transfer::select::receiver_fence_is_proof(
+                crate::transfer::TransportKind::Tcp,
+            ),
             gate: GateMode::Safe,
         })?;
         let peers = PeerSet::new(

@@ -38,12 +38,27 @@ pub fn select(preference: Preference) -> Selection {
     selection
 }
 
+/// Whether decode's receiver fence proves that no write of a fenced room can land (the
+/// `fence_is_proof` of the decode node's release gate, DESIGN contract 3).
+///
+/// True only for TCP: its receiver checks every write's room generation and the fence waits out
+/// writes being applied (R-XFER-6). RDMA WRITE and the simulated one-sided transport have no
+/// receiver-side check — a posted write lands whatever the room's state — so their proof must come
+/// from prefill's acks or from destroying the peer's queue pairs (R-XFER-4).
+pub fn receiver_fence_is_proof(kind: TransportKind) -> bool {
+    match kind {
+        TransportKind::Tcp => true,
+        TransportKind::Rdma | TransportKind::Simulated => false,
+    }
+}
+
 #[cfg(feature = "rdma")]
 fn probe_rdma() -> Selection {
-    match super::rdma::probe() {
-        Ok(dev) => Selection {
+    use super::rdma::transport::{RdmaConfig, probe};
+    match probe(&RdmaConfig::default()) {
+        Ok(device) => Selection {
             kind: TransportKind::Rdma,
-            reason: format!("RDMA device {} opened", dev.name),
+            reason: format!("RDMA device {device} opened"),
         },
         Err(e) => {
             tracing::warn!(error = %e, "no usable RDMA device; falling back to TCP");
@@ -74,5 +89,12 @@ mod tests {
         assert_eq!(s.kind, TransportKind::Tcp);
         assert!(s.reason.contains("TCP fallback"), "{}", s.reason);
         assert_eq!(select(Preference::Tcp).kind, TransportKind::Tcp);
+    }
+
+    #[test]
+    fn only_the_tcp_receiver_fence_is_transport_proof() {
+        assert!(receiver_fence_is_proof(TransportKind::Tcp));
+        assert!(!receiver_fence_is_proof(TransportKind::Rdma));
+        assert!(!receiver_fence_is_proof(TransportKind::Simulated));
     }
 }
