@@ -17,11 +17,14 @@
 //! - [`sender`] (always compiled): [`sender::RdmaSender`], the [`super::Transport`] machinery —
 //!   submit → plan → ledger → post, the completion-poller thread, cancel, deadline waits, peer
 //!   removal as transport proof — against the [`sender::QueuePairOps`] seam (one connected QP).
+//! - [`source`] (always compiled): zero-copy write sources — a KV pool chunk as `Bytes`,
+//!   reader-pinned until the last work request reading it is retired (the one `unsafe` block
+//!   outside `verbs`).
 //! - `transport` (feature `rdma`): `RdmaTransport` — device, registration of existing memory
 //!   (`RdmaMemory`, implemented for a KV pool), the QP handshake (`local_endpoint` / `connect`),
 //!   `disconnect` — with `RdmaSender` over verbs queue pairs.
 //!
-//! What is verified where: `endpoint`, `plan`, `completions` and `sender` (with a scripted fake
+//! What is verified where: `endpoint`, `plan`, `completions`, `source` and `sender` (with a scripted fake
 //! queue pair) are unit- and property-tested in the default build. `verbs` and `transport` are
 //! compile-checked (`--features rdma`, clippy included) and their no-device path is tested (the
 //! constructor returns a typed [`RdmaError`], and [`super::select`] falls back to TCP with a log
@@ -42,6 +45,7 @@ pub mod completions;
 pub mod endpoint;
 pub mod plan;
 pub mod sender;
+pub mod source;
 
 #[cfg(feature = "rdma")]
 pub mod transport;

@@ -330,6 +330,60 @@ impl Transport for RdmaTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::room::RoomKey;
+    use crate::transfer::rdma::source::{pinned_chunk, tests::pool};
+    use crate::transfer::{FailureKind, WriteOp};
+
+    /// dataplane.md TC-XFER-06 on a machine with an RDMA NIC: register → connect a queue pair to
+    /// itself → RDMA WRITE a pool chunk → read it back; an out-of-range write is refused before
+    /// posting; disconnect is proof. Without a device it returns at once (nothing to test).
+    #[test]
+    fn device_loopback_write_lands_when_a_device_is_present() {
+        let t = match RdmaTransport::open(RdmaConfig::default()) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("no RDMA device, loopback skipped: {e}");
+                return;
+            }
+        };
+        let (dst, src) = (pool(2), pool(2));
+        let dpage = dst.allocate(1).unwrap()[0];
+        let spage = src.allocate(1).unwrap()[0];
+        let at = dst.chunk_region(dpage, 1).unwrap();
+        let data: Vec<u8> = (0..at.len).map(|i| (i * 7 + 1) as u8).collect();
+        src.write_chunk(spage, 1, 0, &data).unwrap();
+        t.register(dst.clone(), Some(RegionId(0))).unwrap();
+        t.register(src.clone(), None).unwrap();
+        let ep = t.local_endpoint("self").unwrap();
+        t.connect("self", &ep).unwrap();
+        let write = |offset: u64| WriteOp {
+            key: RoomKey::new(1, 1),
+            region: RegionId(0),
+            offset,
+            data: pinned_chunk(&src, spage, 1).unwrap(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let batch = WriteBatch::new(vec![write(at.offset as u64)], BatchLimits::default()).unwrap();
+        let h = t.submit("self", batch, None).unwrap();
+        assert_eq!(t.wait(h, deadline).unwrap(), TransferStatus::Completed);
+        let mut back = vec![0u8; at.len];
+        dst.read_chunk(dpage, 1, 0, &mut back).unwrap();
+        assert_eq!(back, data);
+        let region_len = ep.regions.iter().map(|r| r.len).sum::<u64>();
+        let past = WriteBatch::new(vec![write(region_len)], BatchLimits::default()).unwrap();
+        let h = t.submit("self", past, None).unwrap();
+        assert_eq!(
+            t.wait(h, deadline).unwrap(),
+            TransferStatus::Failed(FailureKind::Rejected {
+                stale: 0,
+                invalid: 1
+            })
+        );
+        assert_eq!(
+            t.disconnect("self"),
+            Some(TransportProof::PeerConnectionsDestroyed)
+        );
+    }
 
     #[test]
     fn without_a_device_open_fails_with_a_typed_error() {
