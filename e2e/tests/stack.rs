@@ -81,10 +81,18 @@ async fn scenario(h: &Harness) -> Result<(), String> {
         t0.elapsed().as_secs_f64()
     );
 
-    // Suite 3: the PrefillPool follows the ratio.
+    // Suite 3: the PrefillPool follows the ratio, and a scale-up deletes no pod on the way (a
+    // stale read of the scaling transaction once deleted and re-created the new groups).
+    let deletions = PodDeletions::watch(h);
     h.kubectl(&["scale", "decodepool", DECODE, "--replicas=2"])?;
     wait_groups(h, PREFILL, 8, 180).await?;
     wait_condition(h, "decodepool", DECODE, "Ready", "True", 240).await?;
+    let deleted = deletions.stop().await;
+    if !deleted.is_empty() {
+        return Err(format!(
+            "scaling up 1 → 2 deleted pods (churn): {deleted:?}"
+        ));
+    }
     let owner = h.kubectl(&[
         "get",
         "prefillpool",
@@ -458,6 +466,44 @@ fn check_one_group_at_a_time(log: &[Seen], old: &str) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+/// The names of pods of the stack's pools that start terminating while it watches.
+struct PodDeletions {
+    task: tokio::task::JoinHandle<()>,
+    seen: std::sync::Arc<std::sync::Mutex<BTreeSet<String>>>,
+}
+
+impl PodDeletions {
+    fn watch(h: &Harness) -> Self {
+        let pods: Api<Pod> = Api::namespaced(h.client.clone(), NS);
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(BTreeSet::new()));
+        let out = seen.clone();
+        let task = tokio::spawn(async move {
+            let mut stream = watcher(
+                pods,
+                watcher::Config::default().labels("serving.tandem.dev/role in (prefill,decode)"),
+            )
+            .boxed();
+            while let Some(ev) = stream.next().await {
+                let p = match ev {
+                    Ok(watcher::Event::Apply(p)) if p.metadata.deletion_timestamp.is_some() => p,
+                    Ok(watcher::Event::Delete(p)) => p,
+                    _ => continue,
+                };
+                if let Ok(mut s) = out.lock() {
+                    s.insert(p.metadata.name.unwrap_or_default());
+                }
+            }
+        });
+        Self { task, seen }
+    }
+
+    async fn stop(self) -> BTreeSet<String> {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        self.task.abort();
+        self.seen.lock().map(|s| s.clone()).unwrap_or_default()
+    }
 }
 
 async fn teardown(h: &Harness) -> Result<(), String> {
