@@ -19,13 +19,16 @@
 //! one-sided transport with RDMA-WRITE semantics: no receiver-side check, posted writes land; used by
 //! the abort stress and fault-injection tests), and [`rdma`]: one-sided RDMA WRITE over RC queue
 //! pairs. Its pure parts — endpoint exchange ([`rdma::endpoint`], `PeerInfo.rdma` in the hello),
-//! write planning with bounds and registration checks ([`rdma::plan`]) and completion accounting
-//! ([`rdma::completions`]) — are always built and tested; the verbs wrapper and `RdmaTransport` are
+//! write planning with bounds and registration checks ([`rdma::plan`]), completion accounting
+//! ([`rdma::completions`]), the submit/poll/cancel/wait/drain machinery over a queue-pair seam
+//! ([`rdma::sender`], tested with a fake queue pair) and pinned zero-copy sources
+//! ([`rdma::source`]) — are always built and tested; the verbs wrapper and `RdmaTransport` are
 //! built with feature `rdma` and only compile-checked here (no RDMA device on this project's
-//! machines). [`select`] picks RDMA when the feature is built and a device opens, otherwise TCP, and
-//! logs why; [`select::receiver_fence_is_proof`] says which transports let decode's receiver fence
-//! prove that nothing more lands (TCP only). The worker roles do not wire `RdmaTransport` in yet:
-//! decode receives through its TCP receiver.
+//! machines; their device loopback test returns early without one). [`select`] picks RDMA when
+//! the feature is built and a device opens, otherwise TCP, and logs why;
+//! [`select::receiver_fence_is_proof`] says which transports let decode's receiver fence prove that
+//! nothing more lands (TCP only). The worker roles do not wire `RdmaTransport` in yet: prefill
+//! sends and decode receives over TCP whatever the selection says.
 //! [`pool_region`] exposes a KV pool as a receive region.
 
 pub mod batch;

@@ -16,8 +16,8 @@
 //!   nothing of it can land (R-XFER-4).
 //!
 //! A write (one [`WriteOp`]) is accounted when all of its requests are, and its handle is terminal
-//! when all of its writes are ([`super::super::handles`]). So a handle never turns `Failed` on the
-//! first error while requests of it are still outstanding — declaring it early is seed 004's race:
+//! when all of its writes are (the transports' handle table). So a handle never turns `Failed` on
+//! the first error while requests of it are still outstanding — declaring it early is seed 004's race:
 //! decode frees the pages, and the request still on the wire writes into the next room's KV.
 //! [`TrackerMode::EagerFailure`] is that bug, kept as the negative control.
 //!

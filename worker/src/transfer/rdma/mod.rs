@@ -24,12 +24,22 @@
 //!   (`RdmaMemory`, implemented for a KV pool), the QP handshake (`local_endpoint` / `connect`),
 //!   `disconnect` — with `RdmaSender` over verbs queue pairs.
 //!
-//! What is verified where: `endpoint`, `plan`, `completions`, `source` and `sender` (with a scripted fake
-//! queue pair) are unit- and property-tested in the default build. `verbs` and `transport` are
-//! compile-checked (`--features rdma`, clippy included) and their no-device path is tested (the
-//! constructor returns a typed [`RdmaError`], and [`super::select`] falls back to TCP with a log
-//! line). This project's machines have no RDMA device, so the device path (register → connect →
-//! write → completion on a NIC, dataplane.md TC-XFER-06) has never run.
+//! What is verified where: `endpoint`, `plan`, `completions`, `source` and `sender` (with a
+//! scripted fake queue pair) are unit- and property-tested in the default build. `verbs` and
+//! `transport` are compile-checked (`--features rdma`, clippy included) and their no-device path is
+//! tested (the constructor returns a typed [`RdmaError`], and [`super::select`] falls back to TCP
+//! with a log line). This project's machines have no RDMA device, so the device path (register →
+//! connect → write → completion on a NIC, dataplane.md TC-XFER-06) has never run; the loopback test
+//! `transport::tests::device_loopback_write_lands_when_a_device_is_present` runs it where a NIC
+//! exists (`cargo test -p tandem-worker --features rdma --lib transfer::rdma`).
+//!
+//! Not wired yet: the worker roles still build the TCP transport, and the control plane does not
+//! fill `PeerInfo.rdma`. Plugging in: decode registers its KV pool with
+//! `RdmaTransport::register(pool, Some(region))`, sends `local_endpoint(prefill)` in its hello
+//! (`control/decode.rs`, `DecodeNode::connect`); prefill's `peer_hello` (`control/prefill.rs`)
+//! connects to it and answers with its own endpoint, which decode connects to; prefill's
+//! `submit_pages` sources writes with [`source::pinned_chunk`] from a registered pool instead of
+//! heap copies; decode's release gate runs with `fence_is_proof = false`.
 //!
 //! What RDMA cannot do: there is no receiver-side check of a write — a posted write lands whatever
 //! the room's state on the receiver. So decode's release gate may not use a receiver fence as

@@ -1,5 +1,5 @@
 //! [`RdmaTransport`]: the [`Transport`] over verbs (feature `rdma`): device, protection domain,
-//! memory registration and RC queue pairs from [`super::verbs`], driven by [`RdmaSender`] (planning,
+//! memory registration and RC queue pairs from the `verbs` module, driven by [`RdmaSender`] (planning,
 //! send-queue credit, completion polling, handle accounting — built and tested without a device).
 //!
 //! Connecting a peer: [`RdmaTransport::local_endpoint`] creates this side's queue pair for the peer
