@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use tandem_worker::control::KvLayout;
 use tandem_worker::control::prefill::{PrefillConfig, PrefillNode, PrefillService};
 use tandem_worker::transfer::Transport;
+use tandem_worker::transfer::TransportKind;
 use tandem_worker::transfer::select::{Preference, select};
 use tandem_worker::transfer::tcp::{TcpConfig, TcpTransport};
 
@@ -71,7 +72,17 @@ pub fn run(args: Args) -> Result<(), RoleError> {
 
 async fn serve(args: Args) -> Result<(), RoleError> {
     let selection = select(Preference::Auto);
-    tracing::info!(transport = selection.kind.as_str(), reason = %selection.reason, "data transport selected");
+    if selection.kind == TransportKind::Tcp {
+        tracing::info!(reason = %selection.reason, "KV data transport: TCP");
+    } else {
+        // The RDMA WRITE transport exists (`transfer::rdma`), but the hello does not yet carry
+        // the endpoint and prefill chunks are not yet registered sources: say so, send over TCP.
+        tracing::warn!(
+            selected = selection.kind.as_str(),
+            reason = %selection.reason,
+            "KV data transport: TCP (the RDMA write path is not wired into the roles yet)"
+        );
+    }
     let transport = Arc::new(TcpTransport::new(TcpConfig::default()));
     let cfg = PrefillConfig {
         worker_id: args.worker_id.clone(),
