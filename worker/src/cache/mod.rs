@@ -13,7 +13,8 @@
 //!   plans: [`load_order`] (host: a load thread) and `load_stream_cuda` (feature `cuda`: CUDA
 //!   streams and events); [`host_locks`] (host pages locked until the load is acknowledged),
 //!   [`prefetch`] (bounded wait, MIN publication);
-//! - L3: [`manifest`] (object identity, atomic manifest), [`l3_store`] (disk + memory tiers, LRU,
+//! - L3: [`placement`] (which replica owns a page: rendezvous hashing), [`manifest`] (object
+//!   identity, atomic manifest), [`l3_store`] (disk + memory tiers, LRU,
 //!   loadback, health), [`l3_wire`] / [`l3_server`] / [`l3_client`] (the `cache` role's protocol),
 //!   [`l3_replay`] (hit ratio of a trace against a store), [`l3_backup`] (L2 → L3 write-through that
 //!   marks pages pending until acknowledged).
@@ -34,6 +35,7 @@ pub mod load_plan;
 pub mod load_stream_cuda;
 pub mod manifest;
 pub mod page_key;
+pub mod placement;
 pub mod prefetch;
 pub mod prefix_index;
 pub mod trace;

@@ -25,6 +25,7 @@ use super::resolve::Resolver;
 use crate::cache::hit_accounting::page_token_len;
 use crate::cache::l3_client::L3Client;
 use crate::cache::manifest::{ObjectKey, ShardCoords};
+use crate::cache::placement::{self, Placement};
 use crate::cache::trace::TRACE_BLOCK_TOKENS;
 use crate::cache::{PageKey, PrefixIndex, Residency, Tier};
 use crate::config::WritePolicy;
@@ -112,7 +113,8 @@ impl PrefixCache {
         }
     }
 
-    /// The replica that owns `page` (pages spread over the sorted replica addresses).
+    /// The replica that owns `page` ([`placement::owner`]: rendezvous hashing, so a change of the
+    /// replica set moves only the pages of the replica that changed).
     fn client_for(&self, target: &L3Target, page: PageKey) -> Option<Arc<L3Client>> {
         let addrs = match self.resolver.lookup_blocking(&target.service, target.port) {
             Ok(a) if !a.is_empty() => a,
@@ -125,8 +127,7 @@ impl PrefixCache {
                 return None;
             }
         };
-        let h = xxhash_rust::xxh3::xxh3_64(&page.to_string().into_bytes());
-        let addr = addrs[(h % addrs.len() as u64) as usize];
+        let addr = placement::owner(page, &addrs, Placement::Rendezvous)?;
         if let Some(c) = lock(&self.clients).get(&addr) {
             return Some(c.clone());
         }
