@@ -68,6 +68,9 @@ pub struct TandemBlock {
     pub kv_bytes: u64,
     /// Pod name of the prefill worker.
     pub prefill_worker: String,
+    /// Prefills beyond the first inside the decode worker (another peer after a failure, or a
+    /// spec-guard retry).
+    pub prefill_retries: u32,
     /// Revision of the decode worker that served it.
     pub revision: String,
     /// Chunks whose verification failed (must be 0).

@@ -47,10 +47,12 @@ pub struct RequestCounts {
 
 /// Token-weighted prefix hit ratios (hit tokens / prompt tokens).
 ///
-/// Unless a field says otherwise, only requests completed on their **first** attempt count: a retried
-/// request's later attempt can hit the prefix that its own failed attempt stored, a hit the
-/// unbounded-cache ceiling (one pass over the trace) never counts, so mixing them in lets a short
-/// slice read above its ceiling. Retried requests are reported apart ([`Summary::hit_ratio_retried`]).
+/// Unless a field says otherwise, only requests served by their **first prefill** count: completed
+/// on the client's first attempt, with no prefill retried inside the decode worker
+/// (`tandem.prefill_retries` 0). A retry — by the client, or by the decode worker on another
+/// prefill peer — can hit the prefix its own failed attempt stored, a hit the unbounded-cache
+/// ceiling (one pass over the trace) never counts, so mixing them in lets a short slice read above
+/// its ceiling. Retried requests are reported apart ([`Summary::hit_ratio_retried`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct HitRatio {
     /// From L1.
@@ -131,8 +133,8 @@ pub struct Summary {
     pub unbounded_hit_ratio: f64,
     /// Measured prefix hit ratio, whole replay, first-attempt completions (see [`HitRatio`]).
     pub hit_ratio: HitRatio,
-    /// Prefix hit ratio of the requests that completed after retries (their own earlier attempt may
-    /// have stored the prefix they hit).
+    /// Prefix hit ratio of the completed requests that were retried (by the client or by the decode
+    /// worker on another prefill peer): their own earlier attempt may have stored what they hit.
     #[serde(default)]
     pub hit_ratio_retried: HitRatio,
     /// Hit ratio before the first restart event (None without one).
@@ -179,14 +181,17 @@ impl Summary {
     }
 }
 
-/// Hit ratio over the requests of `results` that ended with `outcome`.
-fn hit_ratio_of<'a>(
-    outcome: Outcome,
-    results: impl IntoIterator<Item = &'a RequestResult>,
-) -> HitRatio {
+/// True for a completed request served by its first prefill: no client retry, no prefill retried
+/// inside the decode worker.
+fn first_prefill(r: &RequestResult) -> bool {
+    r.outcome == Outcome::Ok && r.tandem.as_ref().is_none_or(|t| t.prefill_retries == 0)
+}
+
+/// Hit ratio over the completed requests of `results` for which `first_prefill` is `first`.
+fn hit_ratio_of<'a>(first: bool, results: impl IntoIterator<Item = &'a RequestResult>) -> HitRatio {
     let (mut l1, mut l2, mut l3, mut prompt) = (0u64, 0u64, 0u64, 0u64);
     for r in results {
-        if r.outcome != outcome {
+        if r.outcome == Outcome::Failed || first_prefill(r) != first {
             continue;
         }
         prompt += u64::from(r.input_tokens);
@@ -212,9 +217,9 @@ fn hit_ratio_of<'a>(
     }
 }
 
-/// Hit ratio of the first-attempt completions among `results` (see [`HitRatio`]).
+/// Hit ratio of the requests among `results` served by their first prefill (see [`HitRatio`]).
 fn hit_ratio<'a>(results: impl IntoIterator<Item = &'a RequestResult>) -> HitRatio {
-    hit_ratio_of(Outcome::Ok, results)
+    hit_ratio_of(true, results)
 }
 
 /// Window length for the over-time series: about 40 windows, at least 1 s.
@@ -338,7 +343,7 @@ pub fn summarize_run(input: ReportInput<'_>) -> Summary {
         output_tokens_per_s: out_tokens as f64 / secs,
         unbounded_hit_ratio: input.unbounded_hit_ratio,
         hit_ratio: hit_ratio(done.iter().copied()),
-        hit_ratio_retried: hit_ratio_of(Outcome::Retried, done.iter().copied()),
+        hit_ratio_retried: hit_ratio_of(false, done.iter().copied()),
         hit_ratio_before_restart: before,
         hit_ratio_after_restart: after,
         over_time,
@@ -422,12 +427,16 @@ impl fmt::Display for Summary {
         )?;
         writeln!(
             f,
-            "prefix hits   {} (first attempts); unbounded-cache ceiling {:.3}",
+            "prefix hits   {} (first prefills); unbounded-cache ceiling {:.3}",
             ratio(&self.hit_ratio),
             self.unbounded_hit_ratio
         )?;
         if self.hit_ratio_retried.prompt_tokens > 0 {
-            writeln!(f, "  retried requests {}", ratio(&self.hit_ratio_retried))?;
+            writeln!(
+                f,
+                "  retried (client or prefill) {}",
+                ratio(&self.hit_ratio_retried)
+            )?;
         }
         if let (Some(b), Some(a)) = (
             &self.hit_ratio_before_restart,
@@ -559,6 +568,14 @@ mod tests {
             result(1, 1000.0, Outcome::Retried, 300, 20.0),
             result(2, 3000.0, Outcome::Ok, 400, 30.0),
             result(3, 4000.0, Outcome::Failed, 0, 0.0),
+            // Completed on the first client attempt, but on a second prefill peer.
+            {
+                let mut r = result(4, 3500.0, Outcome::Ok, 1000, 40.0);
+                if let Some(t) = r.tandem.as_mut() {
+                    t.prefill_retries = 1;
+                }
+                r
+            },
         ];
         // "old" existed before the restart at 2000 ms; "new" started after it and loaded back.
         let samples = [sample(500.0, "old", 5, 0), sample(2500.0, "new", 9, 0)];
@@ -574,25 +591,26 @@ mod tests {
         });
         assert_eq!(
             (s.requests.ok, s.requests.retried, s.requests.failed),
-            (2, 1, 1)
+            (3, 1, 1)
         );
         assert_eq!(s.requests.retries, 2);
-        // Hit ratios count first-attempt completions only; the retried request is apart.
+        // Hit ratios count first-prefill completions only; the client-retried request and the
+        // one a second prefill peer served are apart.
         assert!((s.hit_ratio.l3 - 900.0 / 2000.0).abs() < 1e-12);
         assert_eq!(s.hit_ratio.prompt_tokens, 2000);
-        assert!((s.hit_ratio_retried.l3 - 0.3).abs() < 1e-12);
+        assert!((s.hit_ratio_retried.l3 - 1300.0 / 2000.0).abs() < 1e-12);
         assert!((s.hit_ratio_before_restart.unwrap().l3 - 0.5).abs() < 1e-12);
         assert!((s.hit_ratio_after_restart.unwrap().l3 - 0.4).abs() < 1e-12);
         assert_eq!(s.l3_pages_loaded_back_after_restart, Some(9));
         assert_eq!(s.worker_counters.l3_pages_loaded_back, 14);
         assert_eq!(s.ttft_ms.unwrap().p50, 20.0);
-        assert_eq!(s.kv.bytes_in_responses, 21);
+        assert_eq!(s.kv.bytes_in_responses, 28);
         // One lost request fails the run; no corruption passes its check.
         assert!(!s.passed());
         assert!(s.checks[0].passed && !s.checks[1].passed);
         let text = s.to_string();
         assert!(text.contains("1 failed") && text.contains("before restart"));
-        assert!(text.contains("retried requests"), "{text}");
+        assert!(text.contains("retried (client or prefill)"), "{text}");
     }
 
     #[test]

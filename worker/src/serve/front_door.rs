@@ -182,6 +182,9 @@ impl Reply {
             "prefix_hit_tokens": {"l1": h.l1, "l2": h.l2, "l3": h.l3},
             "kv_bytes": self.prefilled.kv_bytes,
             "prefill_worker": self.prefilled.peer,
+            // Prefills beyond the first (a failed peer, a spec-guard abort): a retry can hit pages
+            // its own failed attempt stored, so hit-ratio reports keep these requests apart.
+            "prefill_retries": self.prefilled.retries + self.guard.retries,
             "revision": self.revision,
             "corrupt_chunks": self.prefilled.corrupt_chunks,
             "spec_accept_length": decoding.accept_length(),
