@@ -7,6 +7,7 @@ pub mod control;
 pub mod engine;
 pub mod room;
 pub mod serve;
+pub mod snapshot;
 pub mod spec_guard;
 pub mod transfer;
 

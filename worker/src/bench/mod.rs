@@ -5,4 +5,5 @@ pub mod abort_stress;
 pub mod loadback;
 pub mod pool;
 pub mod registration;
+pub mod snapshot;
 pub mod transfer;

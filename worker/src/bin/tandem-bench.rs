@@ -28,6 +28,8 @@ enum Bench {
     AbortStress(bench::abort_stress::AbortStressArgs),
     /// L3 restart-to-warm time and loadback bytes/s vs the disk's sequential read rate.
     Loadback(bench::loadback::LoadbackArgs),
+    /// Snapshot sync with the prefill KV pool full: dedicated buffer vs the pool itself (seed 002).
+    Snapshot(bench::snapshot::SnapshotArgs),
 }
 
 fn main() -> ExitCode {
@@ -45,6 +47,9 @@ fn main() -> ExitCode {
             .map(|r| r.lines(a.unsafe_gate))
             .map_err(|e| e.to_string()),
         Bench::Loadback(a) => bench::loadback::run(&a)
+            .map(|r| r.lines())
+            .map_err(|e| e.to_string()),
+        Bench::Snapshot(a) => bench::snapshot::run(&a)
             .map(|r| r.lines())
             .map_err(|e| e.to_string()),
     };
