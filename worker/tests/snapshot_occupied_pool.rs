@@ -76,3 +76,13 @@ fn the_control_is_a_working_receive_path_when_the_pool_has_room() {
     assert_eq!(control.corrupt_chunks, 0);
     assert!(control.verified_chunks > 0);
 }
+
+#[test]
+fn a_workload_the_model_cannot_represent_is_refused() {
+    let cfg = WorkloadConfig {
+        pages_max: 9,
+        prefill_request_pages: 8,
+        ..config(WorkloadTransport::Sim)
+    };
+    assert!(run(Backing::Dedicated, &cfg).is_err());
+}

@@ -88,9 +88,9 @@ pub struct WorkloadConfig {
     pub pages_min: u32,
     /// Most pages of one snapshot.
     pub pages_max: u32,
-    /// Pages held by one prefill request (one finishes per tick). A snapshot larger than this can
-    /// finalize only if it arrives when enough pages are free at once, which in this model never
-    /// happens while `occupy_pool` is set: keep `pages_max <= prefill_request_pages`.
+    /// Pages held by one prefill request (one finishes per tick). With `occupy_pool`, a snapshot
+    /// larger than this could never finalize in this model (no tick frees enough pages at once), so
+    /// `pages_max > prefill_request_pages` is refused as invalid.
     pub prefill_request_pages: u32,
     /// Whether prefill work fills the pool (the seed's condition). Off: the pool stays empty, which
     /// shows the negative control is a working receive path when it has room.
@@ -332,6 +332,13 @@ pub fn run(backing: Backing, cfg: &WorkloadConfig) -> Result<WorkloadReport, Wor
         return Err(WorkloadError::Invalid(
             "need 1 <= pages_min <= pages_max and prefill_request_pages >= 1".into(),
         ));
+    }
+    if cfg.occupy_pool && cfg.pages_max > cfg.prefill_request_pages {
+        return Err(WorkloadError::Invalid(format!(
+            "pages_max {} > prefill_request_pages {}: with the pool occupied, the model never frees \
+             enough pages at once to finalize such a snapshot",
+            cfg.pages_max, cfg.prefill_request_pages
+        )));
     }
     let (rig, mut receiver) = rig(backing, cfg)?;
     let token_bytes = rig.pool.geometry().bytes_per_token_layer as usize;
