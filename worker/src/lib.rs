@@ -5,6 +5,7 @@ pub mod cache;
 pub mod config;
 pub mod control;
 pub mod engine;
+pub mod layer_split;
 pub mod room;
 pub mod serve;
 pub mod snapshot;

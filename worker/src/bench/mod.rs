@@ -2,6 +2,7 @@
 //! (DESIGN §7), each in its own module.
 
 pub mod abort_stress;
+pub mod layer_split;
 pub mod loadback;
 pub mod pool;
 pub mod registration;

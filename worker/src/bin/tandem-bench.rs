@@ -26,6 +26,8 @@ enum Bench {
     Transfer(bench::transfer::TransferArgs),
     /// Abort stress: corrupt pages read with the release gate (and with it bypassed, `--unsafe`).
     AbortStress(bench::abort_stress::AbortStressArgs),
+    /// LayerSplit per-rank KV bytes and broadcast bytes vs replicated / whole-buffer; identical outputs.
+    LayerSplit(bench::layer_split::LayerSplitArgs),
     /// L3 restart-to-warm time and loadback bytes/s vs the disk's sequential read rate.
     Loadback(bench::loadback::LoadbackArgs),
     /// Snapshot sync with the prefill KV pool full: dedicated buffer vs the pool itself (seed 002).
@@ -45,6 +47,9 @@ fn main() -> ExitCode {
             .map_err(|e| e.to_string()),
         Bench::AbortStress(a) => bench::abort_stress::run(&a)
             .map(|r| r.lines(a.unsafe_gate))
+            .map_err(|e| e.to_string()),
+        Bench::LayerSplit(a) => bench::layer_split::run(&a)
+            .map(|r| r.lines())
             .map_err(|e| e.to_string()),
         Bench::Loadback(a) => bench::loadback::run(&a)
             .map(|r| r.lines())
