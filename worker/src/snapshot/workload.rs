@@ -48,8 +48,8 @@ use super::layout::SlotGeometry;
 use super::region::SnapshotRegion;
 use super::shared_pool::{SharedPoolSnapshots, SharedPrepareOutcome};
 use super::store::{
-    FinalizeOutcome, Finalized, PrepareOutcome, SnapshotId, SnapshotRequest, SnapshotStore,
-    StoreConfig,
+    AbortOutcome, FinalizeOutcome, Finalized, PrepareOutcome, SnapshotId, SnapshotRequest,
+    SnapshotStore, StoreConfig,
 };
 
 /// Region id of the snapshot buffer at the receiver.
@@ -379,7 +379,8 @@ pub fn run(backing: Backing, cfg: &WorkloadConfig) -> Result<WorkloadReport, Wor
                 Receiver::Dedicated(store) => match store.prepare(req, now)? {
                     PrepareOutcome::BufFull(_) => report.buf_full += 1,
                     PrepareOutcome::Granted(grant) => {
-                        if push(&rig, &grant.key, &grant, &sync, cfg, token_bytes)? {
+                        let pushed = push(&rig, &grant.key, &grant, &sync, cfg, token_bytes)?;
+                        if pushed == Pushed::Completed {
                             store.seal(grant.id, now)?;
                             // Try at once: with the pool full this is alloc-failed-on-finalize and
                             // the snapshot waits, sealed, for the end of the tick.
@@ -400,14 +401,21 @@ pub fn run(backing: Backing, cfg: &WorkloadConfig) -> Result<WorkloadReport, Wor
                             }
                         } else {
                             report.transfer_failed += 1;
-                            store.abort(grant.id)?;
+                            // Without a receiver fence the slots drain until the writer is terminal.
+                            if store.abort(grant.id)? == AbortOutcome::Draining
+                                && pushed == Pushed::FailedTerminal
+                            {
+                                store.drained(grant.id)?;
+                            }
                         }
                     }
                 },
                 Receiver::Shared(shared) => match shared.prepare(req)? {
                     SharedPrepareOutcome::AllocFailed { .. } => report.prepare_alloc_failed += 1,
                     SharedPrepareOutcome::Granted(grant) => {
-                        if push(&rig, &grant.key, &grant, &sync, cfg, token_bytes)? {
+                        if push(&rig, &grant.key, &grant, &sync, cfg, token_bytes)?
+                            == Pushed::Completed
+                        {
                             let done = shared.finalize(grant.id, &mut index)?;
                             settle(
                                 &rig.pool,
@@ -483,6 +491,17 @@ fn admit_prefill(
     }
 }
 
+/// How a push ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pushed {
+    /// Every write landed.
+    Completed,
+    /// A write failed and every handle is terminal: nothing more can land.
+    FailedTerminal,
+    /// Not confirmed by the deadline (or not submitted): writes may still land.
+    NotConfirmed,
+}
+
 /// Decode side: writes every chunk of `sync` where `grant` says, waits for the transport.
 fn push(
     rig: &Rig,
@@ -491,7 +510,7 @@ fn push(
     sync: &Sync,
     cfg: &WorkloadConfig,
     token_bytes: usize,
-) -> Result<bool, WorkloadError> {
+) -> Result<Pushed, WorkloadError> {
     let mut ops = Vec::with_capacity((sync.pages * cfg.layers) as usize);
     for page in 0..sync.pages {
         for layer in 0..cfg.layers {
@@ -499,7 +518,7 @@ fn push(
             let mut data = vec![0u8; spec.bytes()];
             fill_chunk(&mut data, &spec);
             let Some(offset) = grant.chunk_offset(page as usize, layer) else {
-                return Ok(false);
+                return Ok(Pushed::NotConfirmed);
             };
             ops.push(WriteOp {
                 key: *key,
@@ -514,14 +533,15 @@ fn push(
         let status = rig
             .transport
             .wait(h, Instant::now() + Duration::from_secs(10))?;
-        if status.is_terminal() {
-            rig.transport.release(h)?;
+        if !status.is_terminal() {
+            return Ok(Pushed::NotConfirmed);
         }
+        rig.transport.release(h)?;
         if status != TransferStatus::Completed {
-            return Ok(false);
+            return Ok(Pushed::FailedTerminal);
         }
     }
-    Ok(true)
+    Ok(Pushed::Completed)
 }
 
 /// Verifies every chunk of a finalized snapshot in the pool, counts it, then drops it from the pool
