@@ -410,6 +410,7 @@ fn plots_without_a_font_still_decode() {
         source: "empty".into(),
         time_scale: 1.0,
         unbounded_hit_ratio: 0.0,
+        ceiling_hit_tokens: &[],
         results: &results,
         samples: &[],
         events: &[tandem_e2e::report::Event::new(10.0, "restart", "x")],

@@ -459,10 +459,12 @@ async fn on_cluster(
     let teardown_report = teardown::teardown_report(ends);
 
     say("phase report");
+    let ceiling = workload::ceiling_hit_tokens(&workload);
     let mut summary = summarize_run(ReportInput {
         source,
         time_scale: opts.time_scale,
         unbounded_hit_ratio: workload::unbounded_hit_ratio(&workload),
+        ceiling_hit_tokens: &ceiling,
         results: &results,
         samples: &samples,
         events: &events,

@@ -127,23 +127,33 @@ pub fn select_workload(
 /// request, count the tokens of the leading run of blocks whose ids were seen before (a partial
 /// last block counts its real length), then remember all its ids. 0 for an empty workload.
 pub fn unbounded_hit_ratio(requests: &[TraceRequest]) -> f64 {
-    let mut seen = HashSet::new();
-    let (mut hit, mut total) = (0u64, 0u64);
-    for r in requests {
-        total += u64::from(r.input_length);
-        for (i, id) in r.hash_ids.iter().enumerate() {
-            if !seen.contains(id) {
-                break;
-            }
-            hit += u64::from(block_len(r.input_length, i));
-        }
-        seen.extend(r.hash_ids.iter().copied());
-    }
+    let hit: u64 = ceiling_hit_tokens(requests).iter().sum();
+    let total: u64 = requests.iter().map(|r| u64::from(r.input_length)).sum();
     if total == 0 {
         0.0
     } else {
         hit as f64 / total as f64
     }
+}
+
+/// Per request, in workload order, the prefix tokens an unbounded cache serves when the requests
+/// run one after another in that order (the terms of [`unbounded_hit_ratio`]).
+pub fn ceiling_hit_tokens(requests: &[TraceRequest]) -> Vec<u64> {
+    let mut seen = HashSet::new();
+    requests
+        .iter()
+        .map(|r| {
+            let mut hit = 0u64;
+            for (i, id) in r.hash_ids.iter().enumerate() {
+                if !seen.contains(id) {
+                    break;
+                }
+                hit += u64::from(block_len(r.input_length, i));
+            }
+            seen.extend(r.hash_ids.iter().copied());
+            hit
+        })
+        .collect()
 }
 
 /// Tokens in block `i` of a prompt of `input_length` tokens (512 except a partial last block).

@@ -12,7 +12,7 @@ use super::{ReportError, ReportInput, Summary, summarize_run, write_report};
 use crate::replay::driver::{ReplayConfig, replay};
 use crate::replay::schedule::Clock;
 use crate::replay::targets::TargetSet;
-use crate::replay::workload::{TraceRequest, unbounded_hit_ratio};
+use crate::replay::workload::{TraceRequest, ceiling_hit_tokens, unbounded_hit_ratio};
 
 /// How often a progress line is logged when stderr is not a terminal.
 const PROGRESS_LINE_EVERY: Duration = Duration::from_secs(30);
@@ -92,10 +92,12 @@ pub async fn replay_and_report(
     // A last round after the replay so every worker's final counters are in.
     tokio::time::sleep(sample_every).await;
     let samples = sampler.stop().await;
+    let ceiling = ceiling_hit_tokens(workload);
     let mut summary = summarize_run(ReportInput {
         source,
         time_scale: config.time_scale,
         unbounded_hit_ratio: unbounded_hit_ratio(workload),
+        ceiling_hit_tokens: &ceiling,
         results: &results,
         samples: &samples,
         events: &[],

@@ -20,6 +20,9 @@ pub struct ReportInput<'a> {
     pub time_scale: f64,
     /// The workload's hit ratio with an unbounded cache (the ceiling for the measured one).
     pub unbounded_hit_ratio: f64,
+    /// Per request (by index), the hit tokens of that ceiling
+    /// ([`crate::replay::workload::ceiling_hit_tokens`]); empty when unknown.
+    pub ceiling_hit_tokens: &'a [u64],
     /// Per-request results.
     pub results: &'a [RequestResult],
     /// Worker `/report` samples.
@@ -137,6 +140,11 @@ pub struct Summary {
     /// worker on another prefill peer): their own earlier attempt may have stored what they hit.
     #[serde(default)]
     pub hit_ratio_retried: HitRatio,
+    /// First-prefill requests that hit more tokens than their own trace-order ceiling: possible
+    /// only when a later request sharing their blocks ran first (concurrency reorders), so a
+    /// handful is expected and many mean hits are over-counted.
+    #[serde(default)]
+    pub first_prefill_above_ceiling: usize,
     /// Hit ratio before the first restart event (None without one).
     pub hit_ratio_before_restart: Option<HitRatio>,
     /// Hit ratio after the first restart event.
@@ -344,6 +352,19 @@ pub fn summarize_run(input: ReportInput<'_>) -> Summary {
         unbounded_hit_ratio: input.unbounded_hit_ratio,
         hit_ratio: hit_ratio(done.iter().copied()),
         hit_ratio_retried: hit_ratio_of(false, done.iter().copied()),
+        first_prefill_above_ceiling: done
+            .iter()
+            .filter(|r| first_prefill(r))
+            .filter(|r| {
+                let hit = r.tandem.as_ref().map_or(0, |t| {
+                    t.prefix_hit_tokens.l1 + t.prefix_hit_tokens.l2 + t.prefix_hit_tokens.l3
+                });
+                input
+                    .ceiling_hit_tokens
+                    .get(r.index)
+                    .is_some_and(|ceiling| hit > *ceiling)
+            })
+            .count(),
         hit_ratio_before_restart: before,
         hit_ratio_after_restart: after,
         over_time,
@@ -431,6 +452,13 @@ impl fmt::Display for Summary {
             ratio(&self.hit_ratio),
             self.unbounded_hit_ratio
         )?;
+        if self.first_prefill_above_ceiling > 0 {
+            writeln!(
+                f,
+                "  {} first-prefill requests hit more than their trace-order ceiling",
+                self.first_prefill_above_ceiling
+            )?;
+        }
         if self.hit_ratio_retried.prompt_tokens > 0 {
             writeln!(
                 f,
@@ -584,6 +612,8 @@ mod tests {
             source: "t".into(),
             time_scale: 1.0,
             unbounded_hit_ratio: 0.5,
+            // Request 2 (first prefill, 400 hit tokens) is above its 300-token ceiling.
+            ceiling_hit_tokens: &[500, 0, 300, 0, 1000],
             results: &results,
             samples: &samples,
             events: &events,
@@ -611,6 +641,8 @@ mod tests {
         let text = s.to_string();
         assert!(text.contains("1 failed") && text.contains("before restart"));
         assert!(text.contains("retried (client or prefill)"), "{text}");
+        assert_eq!(s.first_prefill_above_ceiling, 1);
+        assert!(text.contains("1 first-prefill requests hit more"), "{text}");
     }
 
     #[test]
@@ -620,6 +652,7 @@ mod tests {
             source: "t".into(),
             time_scale: 1.0,
             unbounded_hit_ratio: 0.0,
+            ceiling_hit_tokens: &[],
             results: &results,
             samples: &[sample(1.0, "w", 0, 0)],
             events: &[],
@@ -630,6 +663,7 @@ mod tests {
             source: "t".into(),
             time_scale: 1.0,
             unbounded_hit_ratio: 0.0,
+            ceiling_hit_tokens: &[],
             results: &results,
             samples: &[sample(1.0, "w", 0, 2)],
             events: &[],
