@@ -257,6 +257,43 @@ mod tests {
     }
 
     #[test]
+    fn no_write_lands_after_release_returns_even_while_a_writer_races_it() {
+        for _ in 0..20 {
+            let r = std::sync::Arc::new(region(1));
+            let slots = r.reserve(1, SnapshotId(1)).unwrap();
+            let at = r.geometry().chunk_offset(slots[0], 0).unwrap();
+            let writer = {
+                let r = r.clone();
+                std::thread::spawn(move || {
+                    let mut landed = 0u32;
+                    for i in 0..2_000u32 {
+                        let byte = (i % 250) as u8 + 1;
+                        if r.write(at, &[byte; 16]).is_ok() {
+                            landed += 1;
+                        }
+                    }
+                    landed
+                })
+            };
+            std::thread::yield_now();
+            r.release(&slots, SnapshotId(1)).unwrap();
+            let mut after_release = [0u8; 16];
+            r.read(at, &mut after_release).unwrap();
+            writer.join().unwrap();
+            let mut at_end = [0u8; 16];
+            r.read(at, &mut at_end).unwrap();
+            assert_eq!(
+                after_release, at_end,
+                "a write landed after release returned"
+            );
+            assert!(
+                after_release.iter().all(|b| *b == after_release[0]),
+                "no torn write"
+            );
+        }
+    }
+
+    #[test]
     fn after_release_a_late_write_is_refused() {
         let r = region(2);
         let slots = r.reserve(2, SnapshotId(1)).unwrap();
