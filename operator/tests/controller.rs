@@ -587,3 +587,68 @@ async fn negative_control_trusting_the_cached_status_deletes_new_groups() {
     let deletes = scale_up_then_reconcile_a_stale_copy(true).await;
     assert!(!deletes.is_empty(), "the stale step must show as deletes");
 }
+
+/// Two DecodePools naming one PrefillPool would run two ratio transactions on its groups: the
+/// PrefillPool reports `PolicyConflict=True, MultipleDecodePools` (once, as an event too) and
+/// changes no child until one of them points elsewhere.
+#[tokio::test]
+async fn two_decode_pools_on_one_prefill_pool_are_refused_with_a_reason() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    let ctx = context(client);
+    converge(&fake, &ctx).await;
+    let mut second = sample("decodepool.yaml");
+    second["metadata"]["name"] = json!("llama70b-decode-b");
+    fake.insert(paths::DECODES, second);
+    fake.clear_calls();
+    reconcile_prefill(&ctx).await;
+    reconcile_prefill(&ctx).await;
+    let calls = fake.calls();
+    let prefill_children: Vec<String> = child_creates_or_applies(&calls)
+        .into_iter()
+        .filter(|c| c.contains("prefill"))
+        .collect();
+    assert_eq!(prefill_children, Vec::<String>::new());
+    let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
+    let pc = p["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "PolicyConflict")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (pc["status"].as_str(), pc["reason"].as_str()),
+        (Some("True"), Some("MultipleDecodePools"))
+    );
+    assert!(
+        pc["message"]
+            .as_str()
+            .unwrap()
+            .contains("llama70b-decode-b"),
+        "{pc}"
+    );
+    let reasons = event_reasons(&calls);
+    assert_eq!(
+        reasons
+            .iter()
+            .filter(|r| *r == "MultipleDecodePools")
+            .count(),
+        1,
+        "{reasons:?}"
+    );
+    // Removing the second pairing lifts the conflict.
+    fake.edit(paths::DECODES, "llama70b-decode-b", |o| {
+        o["spec"]["prefill"]["poolRef"]["name"] = json!("another-prefill")
+    });
+    reconcile_prefill(&ctx).await;
+    let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
+    let pc = p["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "PolicyConflict")
+        .unwrap()
+        .clone();
+    assert_eq!(pc["status"].as_str(), Some("False"), "{pc}");
+}

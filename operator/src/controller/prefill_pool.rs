@@ -69,6 +69,30 @@ pub async fn reconcile(pp: Arc<PrefillPool>, ctx: Arc<Context>) -> Result<Action
         Some(d) => format!("DecodePool/{} ratio {}", d.name_any(), d.spec.prefill.ratio),
         None => "spec.replicas".to_owned(),
     };
+    // Two live DecodePools pairing with one PrefillPool would each run a ratio transaction on the
+    // same prefill groups. Admission cannot see across objects, so refuse here: nothing of this
+    // pool changes until one of them points elsewhere.
+    let live: Vec<String> = pairs
+        .iter()
+        .filter(|d| !children::terminating(*d))
+        .map(|d| d.name_any())
+        .collect();
+    if live.len() > 1 {
+        let msg = format!(
+            "DecodePools {} all pair with this PrefillPool; one prefill pool serves one DecodePool \
+             (its group count follows that pool's ratio)",
+            live.join(", ")
+        );
+        return blocked(
+            &ctx,
+            &api,
+            &pp,
+            &observed,
+            Block::new(cond::POLICY_CONFLICT, "MultipleDecodePools", msg),
+            replicas_owner,
+        )
+        .await;
+    }
     let resolved = match revision::resolve(&ctx, &view).await? {
         Ok(r) => r,
         Err(Blocked::Conflict(c)) => {
