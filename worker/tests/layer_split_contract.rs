@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tandem_worker::config::LayerSplit;
 use tandem_worker::layer_split::group::run_group_with_maps;
-use tandem_worker::layer_split::receive::LayerReceiver;
+use tandem_worker::layer_split::receive::{Arrival, LayerReceiver};
 use tandem_worker::layer_split::transport::{RankLink, channel_mesh};
 use tandem_worker::layer_split::wire::{Frame, LayerFrame};
 use tandem_worker::layer_split::{
@@ -158,6 +158,9 @@ fn broadcast_moves_only_the_pages_in_use() {
             a.rank
         );
         assert_eq!(a.frames_sent, reqs.len() as u64 * owned * peers);
+        // One wait per layer the rank does not own, per request.
+        assert_eq!(a.waits, reqs.len() as u64 * (u64::from(layers) - owned));
+        assert!(a.waits_hidden <= a.waits);
         assert_eq!(
             b.broadcast_payload_bytes,
             reqs.len() as u64 * u64::from(POOL_PAGES) * CHUNK * owned * peers
@@ -248,7 +251,8 @@ fn waiting_on_a_layer_never_sent_is_an_error() {
     ));
     // Layer 2 arrives: the event fires and the scratch holds its pages.
     l1.send(0, layer_frame(1, 0, 2, vec![3, 9])).unwrap();
-    rx.wait(&l0, 0, 2, short).unwrap();
+    // Sent before the wait began: the broadcast was hidden.
+    assert_eq!(rx.wait(&l0, 0, 2, short).unwrap(), Arrival::AlreadyThere);
     assert_eq!(rx.scratch_pages(), &[3, 9]);
     assert_eq!(rx.chunk(9).unwrap()[0], 7);
     // The same (step, layer) again is refused.

@@ -57,6 +57,8 @@ pub struct CpRow {
     pub broadcast_bytes: u64,
     /// Payload bytes broadcast, whole layer buffer.
     pub whole_buffer_bytes: u64,
+    /// Waits whose broadcast had landed before the wait (hidden behind the indexer), and all waits.
+    pub waits_hidden: (u64, u64),
     /// Every output equal to the replicated layout's.
     pub identical: bool,
     /// Wall time of the replicated, pages-in-use and whole-buffer runs.
@@ -74,6 +76,8 @@ pub struct LayerSplitReport {
     pub pool_pages: u32,
     /// Requests.
     pub requests: u32,
+    /// Indexer work rounds per layer.
+    pub indexer_work: u32,
     /// One row per CP size.
     pub rows: Vec<CpRow>,
 }
@@ -104,6 +108,10 @@ impl LayerSplitReport {
                 r.whole_buffer_bytes,
                 r.broadcast_bytes as f64 / r.whole_buffer_bytes.max(1) as f64,
                 r.whole_buffer_bytes as f64 / r.broadcast_bytes.max(1) as f64
+            ));
+            out.push(format!(
+                "  broadcast_hidden_behind_indexer={} of {} layer waits (indexer work {} rounds)",
+                r.waits_hidden.0, r.waits_hidden.1, self.indexer_work
             ));
             out.push(format!(
                 "  wall_ms replicated={:.1} split={:.1} split_whole_buffer={:.1}",
@@ -180,6 +188,10 @@ pub fn run(args: &LayerSplitArgs) -> Result<LayerSplitReport, LayerSplitError> {
             group_sum_ratio: ls.iter().map(|r| r.stored_kv_bytes as f64).sum::<f64>() / full,
             broadcast_bytes: ls.iter().map(|r| r.broadcast_payload_bytes).sum(),
             whole_buffer_bytes: whole.iter().map(|r| r.broadcast_payload_bytes).sum(),
+            waits_hidden: (
+                ls.iter().map(|r| r.waits_hidden).sum(),
+                ls.iter().map(|r| r.waits).sum(),
+            ),
             identical: outputs(&ls) == outputs(&rep) && outputs(&whole) == outputs(&rep),
             wall: [t_rep, t_ls, t_whole],
         });
@@ -189,6 +201,7 @@ pub fn run(args: &LayerSplitArgs) -> Result<LayerSplitReport, LayerSplitError> {
         pages_in_use,
         pool_pages: args.pool_pages,
         requests: args.requests,
+        indexer_work: args.indexer_work,
         rows,
     })
 }

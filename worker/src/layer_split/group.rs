@@ -25,7 +25,7 @@ use super::attention::{attend, fold, indexer};
 use super::error::LayerSplitError;
 use super::ownership::OwnerMap;
 use super::rank_store::RankKvStore;
-use super::receive::LayerReceiver;
+use super::receive::{Arrival, LayerReceiver};
 use super::transport::{RankLink, channel_mesh};
 use super::wire::{Frame, LayerFrame};
 
@@ -56,8 +56,9 @@ pub enum WaitPolicy {
     /// Wait on the per-layer event before attention (contract 6).
     #[default]
     Wait,
-    /// NEGATIVE CONTROL: attend over the receive scratch without waiting (reads what the previous
-    /// layer left there).
+    /// NEGATIVE CONTROL: attend over the receive scratch without waiting on the layer's event. No
+    /// frame is then ever delivered into the scratch, so attention reads whatever it held before
+    /// (zeros, or an earlier layer) — what a kernel launched ahead of the broadcast would read.
     UnsafeSkipWait,
 }
 
@@ -110,6 +111,10 @@ pub struct RankReport {
     pub broadcast_frame_bytes: u64,
     /// Layer frames sent.
     pub frames_sent: u64,
+    /// Layer waits (non-owned layers × requests).
+    pub waits: u64,
+    /// Waits whose frame had landed before the wait began (broadcast hidden behind the indexer).
+    pub waits_hidden: u64,
     /// Attention output per request, in request order.
     pub outputs: Vec<u64>,
 }
@@ -273,7 +278,10 @@ impl StepCtx<'_> {
                     acc = fold(acc, indexer(rank, layer, req.id, self.spec.indexer_work));
                     if !owned_here {
                         if self.spec.wait == WaitPolicy::Wait {
-                            rx.wait(self.link, step, layer, self.spec.wait_timeout)?;
+                            let arrival =
+                                rx.wait(self.link, step, layer, self.spec.wait_timeout)?;
+                            report.waits += 1;
+                            report.waits_hidden += u64::from(arrival == Arrival::AlreadyThere);
                             check_pages(rx, step, layer, req, &pages)?;
                         }
                         let chunks = pages

@@ -170,3 +170,51 @@ impl RankKvStore {
         Ok(self.pool.destroy()?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::mmap::MmapBackend;
+    use crate::model::Attention;
+
+    #[test]
+    fn stores_only_owned_layers_and_refuses_the_others() {
+        let model = ModelIdentity {
+            name: "t".into(),
+            layers: 5,
+            attention: Attention::Gqa {
+                kv_heads: 1,
+                head_dim: 8,
+            },
+            dtype_bytes: 2,
+            row_extra_bytes: 0,
+        };
+        let a = Allocator::new("ls", MmapBackend::new());
+        let owners = [0, 0, 0, 1, 1];
+        let s = RankKvStore::new(1, &model, &[3, 4], &owners, 4, 8, &a).unwrap();
+        // 8 pages × 2 layers × (4 tokens × 32 B).
+        assert_eq!(s.stored_bytes(), 8 * 2 * 128);
+        let pages = s.allocate(2).unwrap();
+        let chunk = vec![9u8; s.chunk_bytes()];
+        s.write_chunk(pages[1], 4, &chunk).unwrap();
+        let mut back = vec![0u8; s.chunk_bytes()];
+        s.read_chunk(pages[1], 4, &mut back).unwrap();
+        assert_eq!(back, chunk);
+        assert!(matches!(
+            s.write_chunk(pages[0], 2, &chunk),
+            Err(LayerSplitError::NotOwned {
+                rank: 1,
+                layer: 2,
+                owner: 0
+            })
+        ));
+        assert!(matches!(
+            s.read_chunk(pages[0], 5, &mut back),
+            Err(LayerSplitError::LayerOutOfRange { layer: 5, .. })
+        ));
+        assert!(RankKvStore::new(1, &model, &[3, 3], &owners, 4, 8, &a).is_err());
+        assert!(RankKvStore::new(1, &model, &[], &owners, 4, 8, &a).is_err());
+        s.free(&pages).unwrap();
+        s.destroy().unwrap();
+    }
+}

@@ -111,7 +111,8 @@ impl LayerReceiver {
     }
 
     /// The per-layer event: blocks until the frame of `(step, layer)` from the layer's owner has
-    /// arrived, then copies its chunks into the scratch at their page offsets.
+    /// arrived, then copies its chunks into the scratch at their page offsets. Says whether the frame
+    /// was already there or had to be waited for.
     ///
     /// # Errors
     /// [`LayerSplitError::NeverBroadcast`] when `layer` is this rank's own (nobody broadcasts it here)
@@ -123,18 +124,28 @@ impl LayerReceiver {
         step: u64,
         layer: u32,
         timeout: Duration,
-    ) -> Result<(), LayerSplitError> {
+    ) -> Result<Arrival, LayerSplitError> {
         let owner = self.map.owner(layer)?;
         if owner == self.rank {
             return Err(LayerSplitError::NeverBroadcast { step, layer, owner });
         }
+        // Take what has already landed without blocking: if the frame is among it, the broadcast was
+        // fully hidden behind the work done since it was issued.
+        while !self.pending.contains_key(&(step, layer)) {
+            match link.recv(Duration::ZERO) {
+                Received::Frame(bytes) => self.accept(Frame::decode(&bytes)?)?,
+                Received::Timeout | Received::Closed => break,
+            }
+        }
+        let mut arrival = Arrival::AlreadyThere;
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(frame) = self.pending.remove(&(step, layer)) {
                 self.deliver(frame);
                 self.delivered[layer as usize] = Some(step);
-                return Ok(());
+                return Ok(arrival);
             }
+            arrival = Arrival::Waited;
             match self.pump(link, deadline)? {
                 Pumped::Frame => {}
                 Pumped::Timeout => {
@@ -244,6 +255,15 @@ impl LayerReceiver {
             }
         }
     }
+}
+
+/// How a [`LayerReceiver::wait`] was satisfied — the overlap figure of seed 004 "通信隐藏".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arrival {
+    /// The frame had landed before the wait began: the broadcast was hidden behind the indexer.
+    AlreadyThere,
+    /// The consumer blocked for it.
+    Waited,
 }
 
 enum Pumped {
