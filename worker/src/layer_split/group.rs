@@ -137,12 +137,20 @@ pub fn run_group(
 }
 
 /// Runs the group with one owner map per rank (`None` = replicated rank) — a test seam so that
-/// ranks started from different maps can be shown to refuse each other. Returns each rank's result.
+/// ranks started from different maps can be shown to refuse each other. Returns each rank's result;
+/// `maps.len()` must equal `spec.cp_size` (otherwise every rank gets
+/// [`LayerSplitError::InvalidOwnerMap`]).
 pub fn run_group_with_maps(
     spec: &GroupSpec,
     requests: &[RequestSpec],
     maps: &[Option<OwnerMap>],
 ) -> Vec<Result<RankReport, LayerSplitError>> {
+    if maps.len() != spec.cp_size as usize {
+        let reason = format!("{} owner maps for {} ranks", maps.len(), spec.cp_size);
+        return (0..spec.cp_size)
+            .map(|_| Err(LayerSplitError::InvalidOwnerMap(reason.clone())))
+            .collect();
+    }
     let links = channel_mesh(spec.cp_size);
     let results: Vec<RankOutcome> = std::thread::scope(|s| {
         let handles: Vec<_> = links
