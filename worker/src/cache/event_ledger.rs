@@ -11,9 +11,11 @@
 //! - a wait on a generation nobody recorded is [`LoadError::NeverRecorded`], never a silent pass.
 //!
 //! Generations grow with submission order and one load stream runs jobs in that order, so per
-//! (pool, layer) the ledger keeps the highest generation recorded, completed and failed.
+//! (pool, layer) the ledger keeps the highest generation recorded and completed — but every failed
+//! generation individually: a later job completing loads only its own pages, so it must never make
+//! an earlier failed generation read as loaded.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -21,15 +23,16 @@ use super::load_error::LoadError;
 use super::load_plan::{LoadOp, LoadPlan};
 use crate::pool::PoolRole;
 
-/// Highest generations seen for one (pool, layer).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+/// What the ledger knows of one (pool, layer).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct EventState {
     /// Highest generation recorded (submitted).
     pub recorded: u64,
-    /// Highest generation whose pages are loaded.
+    /// Highest generation whose pages are loaded (one stream runs jobs in order, so every earlier
+    /// generation that did not fail is loaded too).
     pub completed: u64,
-    /// Highest generation whose load failed.
-    pub failed: u64,
+    /// Every generation whose load failed.
+    pub failed: BTreeSet<u64>,
 }
 
 /// Where one generation of one (pool, layer) stands.
@@ -46,15 +49,14 @@ pub enum EventStatus {
 }
 
 impl EventState {
-    /// The status of `generation` given these highest generations. Completion wins over failure
-    /// only for a generation completed at or after it.
+    /// The status of `generation`. A failed generation stays failed whatever completes after it.
     pub fn status(&self, generation: u64) -> EventStatus {
         if self.recorded < generation {
             EventStatus::NeverRecorded
+        } else if self.failed.contains(&generation) {
+            EventStatus::Failed
         } else if self.completed >= generation {
             EventStatus::Complete
-        } else if self.failed >= generation {
-            EventStatus::Failed
         } else {
             EventStatus::Pending
         }
@@ -112,7 +114,7 @@ impl EventLedger {
     pub fn fail(&self, pool: PoolRole, layer: u32, generation: u64) {
         let mut t = self.table();
         let e = t.entry((pool, layer)).or_default();
-        e.failed = e.failed.max(generation);
+        e.failed.insert(generation);
         drop(t);
         self.changed.notify_all();
     }
@@ -125,11 +127,11 @@ impl EventLedger {
         }
     }
 
-    /// The highest generations of (pool, layer).
+    /// What the ledger knows of (pool, layer).
     pub fn state(&self, pool: PoolRole, layer: u32) -> EventState {
         self.table()
             .get(&(pool, layer))
-            .copied()
+            .cloned()
             .unwrap_or_default()
     }
 
@@ -153,8 +155,10 @@ impl EventLedger {
         let start = Instant::now();
         let mut t = self.table();
         loop {
-            let state = t.get(&(pool, layer)).copied().unwrap_or_default();
-            match state.status(generation) {
+            let status = t
+                .get(&(pool, layer))
+                .map_or(EventStatus::NeverRecorded, |s| s.status(generation));
+            match status {
                 EventStatus::NeverRecorded => {
                     return Err(LoadError::NeverRecorded {
                         pool,
@@ -282,6 +286,24 @@ impl LoadTicket {
 mod tests {
     use super::*;
     use crate::cache::load_plan::{FencePolicy, LoadJob, plan_load};
+
+    #[test]
+    fn a_failed_generation_stays_failed_when_a_later_one_completes() {
+        // Job 1's copy failed, job 2 (other pages of the same pool and layer) loaded: a reader of
+        // job 1's pages must still be refused, not told they are loaded.
+        let ev = EventLedger::new();
+        for g in [1, 2] {
+            ev.record(PoolRole::Indexer, 0, g);
+        }
+        ev.fail(PoolRole::Indexer, 0, 1);
+        ev.complete(PoolRole::Indexer, 0, 2);
+        assert_eq!(ev.status(PoolRole::Indexer, 0, 1), EventStatus::Failed);
+        assert_eq!(ev.status(PoolRole::Indexer, 0, 2), EventStatus::Complete);
+        assert!(matches!(
+            ev.wait(PoolRole::Indexer, 0, 1, Duration::from_millis(10)),
+            Err(LoadError::LoadFailed { generation: 1, .. })
+        ));
+    }
 
     #[test]
     fn waiting_on_an_unrecorded_event_is_an_error_not_a_no_op() {

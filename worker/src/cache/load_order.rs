@@ -288,14 +288,15 @@ impl LoadExecutor {
     /// [`LoadError::ExecutorGone`] (the host locks taken are released again and the plan's events
     /// marked failed).
     pub fn submit(&self, job: LoadJob) -> Result<LoadTicket, LoadError> {
-        let generation = {
-            let mut g = self
-                .next_generation
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            *g += 1;
-            *g
-        };
+        // Held until the job is queued: generations must reach the load thread in order, or a
+        // later job completing first would make an earlier one read as loaded (the ledger keeps
+        // the highest completed generation per (pool, layer)).
+        let mut next = self
+            .next_generation
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        *next += 1;
+        let generation = *next;
         let plan = plan_load(&job, generation, self.forward.fence(), self.fence);
         self.events.record_plan(&plan);
         let keys = plan.host_keys();
