@@ -119,7 +119,7 @@ impl SnapshotRegion {
             .iter()
             .filter_map(|s| self.slot_locks.get(s.0 as usize).map(lock))
             .collect();
-        lock(&self.slab).release(slots, id)
+        lock(&self.slab).release(&sorted, id)
     }
 
     /// Splits `[offset, offset + len)` into `(slot, offset in buffer, bytes)` pieces. In bounds.
@@ -155,16 +155,22 @@ impl ReceiveRegion for SnapshotRegion {
     fn write(&self, offset: u64, src: &[u8]) -> Result<(), RegionError> {
         check_bounds(offset, src.len() as u64, self.len())?;
         let pieces = self.pieces(offset, src.len() as u64);
-        for (slot, ..) in &pieces {
+        // Every slot the write touches is locked (ascending: pieces follow the offset, the same
+        // order `release` takes) and checked before the first byte is copied, so a write is
+        // refused whole: a release cannot free a slot between two pieces of one write.
+        let mut slots: Vec<SlotIndex> = pieces.iter().map(|(slot, ..)| *slot).collect();
+        slots.dedup();
+        let _guards: Vec<MutexGuard<'_, ()>> = slots
+            .iter()
+            .filter_map(|s| self.slot_locks.get(s.0 as usize).map(lock))
+            .collect();
+        for slot in &slots {
             self.refuse_free(*slot)?;
         }
         let mut done = 0usize;
-        for (slot, at, n) in pieces {
-            let _guard = lock(&self.slot_locks[slot.0 as usize]);
-            // Re-checked under the slot lock: `release` holds it while freeing.
-            self.refuse_free(slot)?;
+        for (_, at, n) in pieces {
             // SAFETY: `at + n <= len()` (checked above) and the buffer is live for `self`'s lifetime;
-            // the slot lock excludes every other writer and reader of these bytes.
+            // the slot locks held above exclude every other writer and reader of these bytes.
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     src[done..done + n].as_ptr(),

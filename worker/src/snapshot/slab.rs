@@ -80,8 +80,11 @@ impl SlotSlab {
             }
         }
         for s in slots {
-            self.owners[s.0 as usize] = None;
-            self.free.push(*s);
+            // A slot named twice goes back once: pushing it twice would let two later
+            // reservations share it.
+            if self.owners[s.0 as usize].take().is_some() {
+                self.free.push(*s);
+            }
         }
         Ok(())
     }
@@ -90,6 +93,20 @@ impl SlotSlab {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slot_named_twice_in_a_release_is_freed_once() {
+        let mut slab = SlotSlab::new(4);
+        let a = slab.reserve(2, SnapshotId(1)).unwrap();
+        slab.release(&[a[0], a[0], a[1]], SnapshotId(1)).unwrap();
+        // Four distinct slots to hand out, never one slot twice.
+        let all = slab.reserve(4, SnapshotId(2)).unwrap();
+        let mut ids: Vec<u32> = all.iter().map(|s| s.0).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), 4);
+        assert!(slab.reserve(1, SnapshotId(3)).is_none());
+    }
 
     #[test]
     fn reserve_is_all_or_nothing_and_release_is_lifo() {

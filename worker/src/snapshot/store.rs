@@ -118,8 +118,10 @@ impl SnapshotGrant {
     }
 }
 
-/// `snapshot-buf-full`: not enough free slots even after evicting every stale snapshot that could
-/// help. Nothing was reserved and nothing was evicted.
+/// `snapshot-buf-full`: not enough free slots even after retiring the stale snapshots that could
+/// help. Nothing was reserved. Stale snapshots evicted on the way (counted in `evicted`) stay
+/// evicted: freed, or — a reserved one whose writer cannot be proven stopped — draining until it
+/// is (their slots are in `draining`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BufFull {
     /// Slots the snapshot needs.
@@ -497,8 +499,15 @@ impl SnapshotStore {
                 break;
             }
             self.counters.evicted += 1;
-            tracing::info!(snapshot = %id, "evicting a stale snapshot to make room");
-            self.retire(id);
+            match self.retire(id) {
+                AbortOutcome::Freed(_) => {
+                    tracing::info!(snapshot = %id, "evicted a stale snapshot to make room");
+                }
+                AbortOutcome::Draining => tracing::info!(
+                    snapshot = %id,
+                    "evicted a stale snapshot; draining: its slots return when its writer is terminal"
+                ),
+            }
         }
     }
 
