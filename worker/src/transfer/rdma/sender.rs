@@ -84,6 +84,9 @@ struct LinkState {
     ledger: QpLedger,
 }
 
+/// How long [`RdmaSender::remove_peer`] waits for the poller to let go of a link.
+pub const REMOVE_PEER_WAIT: Duration = Duration::from_secs(5);
+
 struct Link {
     name: String,
     qp: Box<dyn QueuePairOps>,
@@ -154,25 +157,35 @@ impl RdmaSender {
         lock(&self.inner.links).insert(peer.to_string(), link);
     }
 
-    /// Moves `peer`'s queue pair to ERROR, destroys it and accounts every request still
-    /// outstanding; handles turn terminal only after the queue pair is destroyed. After it returns
-    /// no write to `peer` can land: the transport proof for the release gate (R-XFER-4).
-    /// `None` if `peer` had no queue pair.
+    /// Moves `peer`'s queue pair to ERROR, destroys it and only then accounts every request still
+    /// outstanding (releasing their source pages): after it returns `Some`, no write to `peer` can
+    /// land — the transport proof for the release gate (R-XFER-4). `None` if `peer` had no queue
+    /// pair, or if the poller still held the link after [`REMOVE_PEER_WAIT`]: then no proof is
+    /// given, the handles stay non-terminal and the sources stay pinned until the last holder
+    /// drops the link (the queue pair is destroyed before the ledger holding the sources).
     pub fn remove_peer(&self, peer: &str) -> Option<TransportProof> {
         let link = lock(&self.inner.links).remove(peer)?;
-        let accounted = {
-            let mut st = lock(&link.state);
-            if let Err(e) = link.qp.set_error() {
-                tracing::warn!(peer, error = %e, "cannot move the QP to ERROR; destroying it");
-            }
-            st.ledger.destroyed()
-        };
-        // The poller holds a snapshot for at most one pass: wait for it so the QP is destroyed here.
-        let deadline = Instant::now() + Duration::from_secs(1);
+        if let Err(e) = link.qp.set_error() {
+            tracing::warn!(peer, error = %e, "cannot move the QP to ERROR; destroying it");
+        }
+        // The poller holds a snapshot of the link for at most one pass.
+        let deadline = Instant::now() + REMOVE_PEER_WAIT;
         while Arc::strong_count(&link) > 1 && Instant::now() < deadline {
             thread::sleep(Duration::from_micros(100));
         }
-        drop(link);
+        let Ok(Link { qp, state, .. }) = Arc::try_unwrap(link) else {
+            tracing::error!(
+                peer,
+                "the link is still in use after {REMOVE_PEER_WAIT:?}: no transport proof"
+            );
+            return None;
+        };
+        drop(qp); // ibv_destroy_qp: the device reads no source and writes nothing after this
+        let accounted = state
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner())
+            .ledger
+            .destroyed();
         apply(&self.inner.handles, accounted);
         Some(TransportProof::PeerConnectionsDestroyed)
     }

@@ -47,15 +47,23 @@ impl Drop for PinnedChunk {
 }
 
 /// The chunk of `page` on `layer` as `Bytes`, the page reader-pinned until every view is dropped.
-/// The page must be allocated (owned or pinned) and no longer written: its KV is computed.
+///
+/// # Safety
+/// The page must be allocated (owned or pinned) and its KV computed: nothing may write the chunk
+/// while any view of it lives. The pool's reader pin keeps the page from being freed and reused,
+/// but it does not stop its owner writing — a write during the view's life is a data race.
 ///
 /// # Errors
 /// [`PoolError`] when the page is free, quarantined or out of range, the layer out of range, or
 /// the pool not host-addressable; nothing stays pinned.
-pub fn pinned_chunk(pool: &Arc<KvPool>, page: PageId, layer: u32) -> Result<Bytes, PoolError> {
+pub unsafe fn pinned_chunk(
+    pool: &Arc<KvPool>,
+    page: PageId,
+    layer: u32,
+) -> Result<Bytes, PoolError> {
     pool.pin_reader(page)?;
-    // SAFETY: the page is reader-pinned (above) and, per this function's contract, no longer
-    // written; the slice is only used to read its address and length.
+    // SAFETY: the page is reader-pinned (above) and, per this function's safety contract, no
+    // longer written; the slice is only used to read its address and length.
     let view = unsafe { pool.chunk_slice(page, layer) }.map(|s| (s.as_ptr() as usize, s.len()));
     let (addr, len) = match view {
         Ok(v) => v,
@@ -109,7 +117,8 @@ pub(super) mod tests {
         let at = p.chunk_region(page, 1).unwrap();
         let data: Vec<u8> = (0..at.len).map(|i| i as u8).collect();
         p.write_chunk(page, 1, 0, &data).unwrap();
-        let view = pinned_chunk(&p, page, 1).unwrap();
+        // SAFETY: the test wrote the page before and never writes it again.
+        let view = unsafe { pinned_chunk(&p, page, 1) }.unwrap();
         assert_eq!(&view[..], &data[..]);
         // Zero copy: the bytes are the pool's (so a registration of the pool covers them).
         let base = p.buffer().addr() as u64;
@@ -134,9 +143,17 @@ pub(super) mod tests {
     #[test]
     fn a_free_page_or_bad_layer_pins_nothing() {
         let p = pool(2);
-        assert!(pinned_chunk(&p, PageId(0), 0).is_err(), "free page");
+        // SAFETY: refused before any view exists.
+        assert!(
+            unsafe { pinned_chunk(&p, PageId(0), 0) }.is_err(),
+            "free page"
+        );
         let page = p.allocate(1).unwrap()[0];
-        assert!(pinned_chunk(&p, page, 9).is_err(), "layer out of range");
+        // SAFETY: refused before any view exists.
+        assert!(
+            unsafe { pinned_chunk(&p, page, 9) }.is_err(),
+            "layer out of range"
+        );
         assert_eq!(p.page_refs(page).unwrap().readers, 0);
     }
 }

@@ -360,7 +360,8 @@ mod tests {
             key: RoomKey::new(1, 1),
             region: RegionId(0),
             offset,
-            data: pinned_chunk(&src, spage, 1).unwrap(),
+            // SAFETY: the source page was filled above and is not written again.
+            data: unsafe { pinned_chunk(&src, spage, 1) }.unwrap(),
         };
         let deadline = Instant::now() + Duration::from_secs(10);
         let batch = WriteBatch::new(vec![write(at.offset as u64)], BatchLimits::default()).unwrap();
