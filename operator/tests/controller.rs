@@ -637,11 +637,36 @@ async fn two_decode_pools_on_one_prefill_pool_are_refused_with_a_reason() {
         1,
         "{reasons:?}"
     );
+    // The DecodePool says it too, rather than waiting forever for prefill groups.
+    reconcile_decode(&ctx).await;
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    let dc = d["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "PolicyConflict")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (dc["status"].as_str(), dc["reason"].as_str()),
+        (Some("True"), Some("MultipleDecodePools")),
+        "{dc}"
+    );
     // Removing the second pairing lifts the conflict.
     fake.edit(paths::DECODES, "llama70b-decode-b", |o| {
         o["spec"]["prefill"]["poolRef"]["name"] = json!("another-prefill")
     });
     reconcile_prefill(&ctx).await;
+    reconcile_decode(&ctx).await;
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert!(
+        d["status"]["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["type"] == "PolicyConflict" && c["status"] == "False"),
+        "{d}"
+    );
     let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
     let pc = p["status"]["conditions"]
         .as_array()

@@ -73,6 +73,29 @@ pub async fn reconcile(dp: Arc<DecodePool>, ctx: Arc<Context>) -> Result<Action>
         )
         .await;
     };
+    // Another live DecodePool pairing with the same PrefillPool: the PrefillPool refuses both
+    // (`MultipleDecodePools`), so a scale-up here would wait forever for prefill groups. Say so.
+    let rivals: Vec<String> = super::prefill_pool::pairing_decode_pools(&ctx, &ns, prefill_name)
+        .await?
+        .iter()
+        .filter(|d| !children::terminating(*d) && d.name_any() != name)
+        .map(|d| d.name_any())
+        .collect();
+    if !rivals.is_empty() {
+        let msg = format!(
+            "PrefillPool {prefill_name:?} is also paired with DecodePool {}; one prefill pool \
+             serves one DecodePool",
+            rivals.join(", ")
+        );
+        return blocked(
+            &ctx,
+            &api,
+            &dp,
+            &observed,
+            Block::new(cond::POLICY_CONFLICT, "MultipleDecodePools", msg),
+        )
+        .await;
+    }
     let resolved = match revision::resolve(&ctx, &view).await? {
         Ok(r) => r,
         Err(Blocked::Conflict(c)) => {
