@@ -172,16 +172,31 @@ fn say(msg: impl fmt::Display) {
 #[error("interrupted by {0}")]
 pub struct Interrupted(&'static str);
 
-/// Resolves on Ctrl-C or SIGTERM; never when neither handler can be installed.
+/// Resolves on Ctrl-C or SIGTERM (on Ctrl-C alone when the SIGTERM handler cannot be installed;
+/// never when neither can). After it resolved, the demo cleans up; a second signal during the
+/// cleanup ends the process at once (see [`exit_on_second_signal`]).
 async fn interrupted() -> Interrupted {
     use tokio::signal::unix::{SignalKind, signal};
     let Ok(mut term) = signal(SignalKind::terminate()) else {
-        return std::future::pending().await;
+        return match tokio::signal::ctrl_c().await {
+            Ok(()) => Interrupted("SIGINT"),
+            Err(_) => std::future::pending().await,
+        };
     };
     tokio::select! {
         Ok(()) = tokio::signal::ctrl_c() => Interrupted("SIGINT"),
         _ = term.recv() => Interrupted("SIGTERM"),
     }
+}
+
+/// While the cleanup after a signal runs, a second Ctrl-C or SIGTERM exits with status 130
+/// (tokio keeps its handlers installed, so without this a hanging cleanup could not be stopped).
+fn exit_on_second_signal() {
+    tokio::spawn(async {
+        let second = interrupted().await;
+        eprintln!("[demo] {second} during cleanup: exiting now; processes may be left running");
+        std::process::exit(130);
+    });
 }
 
 /// The workload of `opts`: the trace's first N requests, or N generated ones (default 300).
@@ -260,6 +275,7 @@ pub async fn run(opts: &DemoOptions) -> Result<Summary, DemoError> {
         r = on_cluster => r,
         signal = interrupted() => {
             say(format!("{signal}: stopping"));
+            exit_on_second_signal();
             Err(at(Phase::Interrupted)(signal))
         }
     };
