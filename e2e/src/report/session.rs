@@ -33,17 +33,21 @@ pub fn request_bar(n: usize) -> ProgressBar {
     bar
 }
 
-/// Logs the bar's position every `every` until it is finished or full.
+/// Logs the bar's position every `every` until it is finished, full, or dropped by everyone else
+/// (the task holds only a weak reference, so a replay that ends early stops the lines too).
 fn log_progress_lines(bar: &ProgressBar, every: Duration) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;
     };
-    let bar = bar.clone();
+    let weak = bar.downgrade();
     runtime.spawn(async move {
         let mut tick = tokio::time::interval(every);
         tick.tick().await;
         loop {
             tick.tick().await;
+            let Some(bar) = weak.upgrade() else {
+                break;
+            };
             let (pos, len) = (bar.position(), bar.length().unwrap_or(0));
             let secs = bar.elapsed().as_secs_f64();
             eprintln!(
