@@ -1,4 +1,21 @@
 //! Tandem data plane (see DESIGN §3). The crate has no Kubernetes dependency.
+//!
+//! Where each DESIGN contract lives (each module's docs give its rules and sources):
+//! 1. allocator domains: `memory` (domains, allocators, shared segments), `pool` (KV pools);
+//! 2. transactional registration: `registration`, `store_client` (embedded / standalone);
+//! 3. abort-safe release: `room` (room state machines, release gate, quarantine), `transfer`
+//!    (TCP, simulated one-sided and RDMA WRITE transports), `control` (gRPC between workers);
+//! 4. snapshot receive buffer: `snapshot`;
+//! 5. load-before-read: `cache` (`load_plan`, `event_ledger`, `load_order`, and
+//!    `load_stream_cuda` under `cuda`);
+//! 6. LayerSplit: `layer_split`;
+//! 7. L3 loadback: `cache` (`l3_store`, `manifest`, `placement`), the `cache` role;
+//! 8. spec guard: `spec_guard`;
+//! 9. teardown: `teardown`.
+//!
+//! The simulated engine is `engine`; the roles of the one binary (`prefill`, `decode`, `cache`,
+//! `store-client`) are the binary's `roles` over this crate's `serve`; `bench` holds the
+//! `tandem-bench` subcommands.
 
 pub mod bench;
 pub mod cache;
