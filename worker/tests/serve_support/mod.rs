@@ -67,20 +67,19 @@ pub struct PortSet {
     pub front: u16,
 }
 
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
+/// Four distinct free ports. The listeners are held until all four are taken: released one by
+/// one, the kernel may hand the same port out twice (a test once failed with its health and front
+/// ports equal: "binding the health port: Address already in use").
 pub fn ports() -> PortSet {
+    let held: Vec<std::net::TcpListener> = (0..4)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let port = |i: usize| held[i].local_addr().unwrap().port();
     PortSet {
-        control: free_port(),
-        data: free_port(),
-        health: free_port(),
-        front: free_port(),
+        control: port(0),
+        data: port(1),
+        health: port(2),
+        front: port(3),
     }
 }
 
