@@ -124,6 +124,15 @@ fn child_creates_or_applies(calls: &[Call]) -> Vec<String> {
     summary(&bad)
 }
 
+/// The status condition of `type_` on `obj` (panics when absent: the tests expect it).
+fn condition(obj: &Value, type_: &str) -> Value {
+    obj["status"]["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == type_))
+        .unwrap_or_else(|| panic!("no {type_} condition in {obj}"))
+        .clone()
+}
+
 fn event_reasons(calls: &[Call]) -> Vec<String> {
     calls
         .iter()
@@ -171,22 +180,10 @@ async fn the_stack_converges_and_a_steady_state_resync_makes_zero_writes() {
         d["status"]["updateRevision"], p["status"]["updateRevision"],
         "one revision per pair"
     );
-    let ready = d["status"]["conditions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["type"] == "Ready")
-        .unwrap()
-        .clone();
+    let ready = condition(&d, "Ready");
     assert_eq!(ready["status"], "True", "{ready}");
     let t = fake.get(paths::TIERS, TIER).unwrap();
-    let warm = t["status"]["conditions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["type"] == "CacheWarm")
-        .unwrap()
-        .clone();
+    let warm = condition(&t, "CacheWarm");
     assert_eq!(
         (warm["status"].as_str(), warm["reason"].as_str()),
         (Some("True"), Some("ReadyApproximation"))
@@ -246,13 +243,7 @@ async fn a_policy_conflict_creates_no_child_and_says_why() {
     assert_eq!(child_creates_or_applies(&calls), Vec::<String>::new());
     assert!(fake.names(paths::STS).is_empty());
     let d = fake.get(paths::DECODES, DECODE).unwrap();
-    let pc = d["status"]["conditions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["type"] == "PolicyConflict")
-        .unwrap()
-        .clone();
+    let pc = condition(&d, "PolicyConflict");
     assert_eq!(
         (pc["status"].as_str(), pc["reason"].as_str()),
         (Some("True"), Some("ModelMismatch"))
@@ -505,13 +496,7 @@ async fn an_unschedulable_scale_up_is_rolled_back_with_insufficient_capacity() {
         d["status"]["scaling"]["applied"],
         json!({"decode": 1, "prefill": 4})
     );
-    let ic = d["status"]["conditions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["type"] == "InsufficientCapacity")
-        .unwrap()
-        .clone();
+    let ic = condition(&d, "InsufficientCapacity");
     assert_eq!(
         (ic["status"].as_str(), ic["reason"].as_str()),
         (Some("True"), Some("Unschedulable"))
@@ -610,13 +595,7 @@ async fn two_decode_pools_on_one_prefill_pool_are_refused_with_a_reason() {
         .collect();
     assert_eq!(prefill_children, Vec::<String>::new());
     let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
-    let pc = p["status"]["conditions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["type"] == "PolicyConflict")
-        .unwrap()
-        .clone();
+    let pc = condition(&p, "PolicyConflict");
     assert_eq!(
         (pc["status"].as_str(), pc["reason"].as_str()),
         (Some("True"), Some("MultipleDecodePools"))
@@ -640,13 +619,7 @@ async fn two_decode_pools_on_one_prefill_pool_are_refused_with_a_reason() {
     // The DecodePool says it too, rather than waiting forever for prefill groups.
     reconcile_decode(&ctx).await;
     let d = fake.get(paths::DECODES, DECODE).unwrap();
-    let dc = d["status"]["conditions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["type"] == "PolicyConflict")
-        .unwrap()
-        .clone();
+    let dc = condition(&d, "PolicyConflict");
     assert_eq!(
         (dc["status"].as_str(), dc["reason"].as_str()),
         (Some("True"), Some("MultipleDecodePools")),
@@ -668,12 +641,6 @@ async fn two_decode_pools_on_one_prefill_pool_are_refused_with_a_reason() {
         "{d}"
     );
     let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
-    let pc = p["status"]["conditions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["type"] == "PolicyConflict")
-        .unwrap()
-        .clone();
+    let pc = condition(&p, "PolicyConflict");
     assert_eq!(pc["status"].as_str(), Some("False"), "{pc}");
 }
