@@ -5,13 +5,48 @@ use kube::CustomResourceExt;
 
 use crate::{CacheTier, DecodePool, PrefillPool};
 
+/// The annotation that makes Helm keep a resource on `helm uninstall`, `helm upgrade` and
+/// rollback, whichever way the resource came under a release.
+pub const HELM_RESOURCE_POLICY: &str = "helm.sh/resource-policy";
+
 /// Every CRD with the file name it is committed under, in a fixed order.
+///
+/// Each carries `helm.sh/resource-policy: keep` ([`keep_under_helm`]).
 pub fn all() -> Vec<(&'static str, CustomResourceDefinition)> {
     vec![
-        ("cachetiers.serving.tandem.dev.yaml", CacheTier::crd()),
-        ("prefillpools.serving.tandem.dev.yaml", PrefillPool::crd()),
-        ("decodepools.serving.tandem.dev.yaml", DecodePool::crd()),
+        (
+            "cachetiers.serving.tandem.dev.yaml",
+            keep_under_helm(CacheTier::crd()),
+        ),
+        (
+            "prefillpools.serving.tandem.dev.yaml",
+            keep_under_helm(PrefillPool::crd()),
+        ),
+        (
+            "decodepools.serving.tandem.dev.yaml",
+            keep_under_helm(DecodePool::crd()),
+        ),
     ]
+}
+
+/// Marks a CRD `helm.sh/resource-policy: keep`, so that no Helm path can delete it.
+///
+/// Deleting a CRD deletes every object of its kind: the whole serving stack. Helm never deletes
+/// what it installed from a chart's `crds/` directory, but a CRD can still come under a release:
+/// moved into `templates/` and adopted with `helm upgrade --take-ownership` (Helm's own hint when
+/// the upgrade refuses to import it), or rendered by a parent chart. A release-managed CRD without
+/// this annotation is deleted by `helm uninstall`, hangs in Terminating behind the objects'
+/// finalizers, and a later `helm install` brings the operator back to tear the stack down (found
+/// on the live stack, issue 19 item 6). With the annotation Helm leaves it in place on uninstall,
+/// on an upgrade that drops it, and on rollback. `e2e/tests/chart.rs` exercises the
+/// take-ownership path, with the annotation stripped as its negative control.
+#[must_use]
+pub fn keep_under_helm(mut crd: CustomResourceDefinition) -> CustomResourceDefinition {
+    crd.metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(HELM_RESOURCE_POLICY.to_owned(), "keep".to_owned());
+    crd
 }
 
 /// The YAML text of one CRD, with a header saying it is generated.

@@ -37,3 +37,22 @@ fn check_detects_drift() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Every committed CRD carries `helm.sh/resource-policy: keep` (issue 19 item 6: a CRD adopted
+/// into a Helm release without it is deleted by `helm uninstall`, and the whole stack with it).
+#[test]
+fn every_crd_is_kept_by_helm() {
+    for (file, crd) in tandem_crds::crdgen::all() {
+        let policy = crd
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(tandem_crds::crdgen::HELM_RESOURCE_POLICY));
+        assert_eq!(policy.map(String::as_str), Some("keep"), "{file}");
+        let text = tandem_crds::crdgen::render(&crd).unwrap();
+        assert!(
+            text.contains("    helm.sh/resource-policy: keep\n"),
+            "{file}: the rendered YAML lacks the policy"
+        );
+    }
+}

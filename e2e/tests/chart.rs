@@ -501,3 +501,201 @@ async fn operator_runs_under_its_service_account(
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
+
+/// Issue 19 item 6: no Helm path may delete the CRDs (deleting a CRD deletes every object of its
+/// kind: the whole stack). The path found on the live stack: the CRDs moved into `templates/`, the
+/// upgrade refuses to import them, Helm's own hint `--take-ownership` adopts them into the release,
+/// and `helm uninstall` then deleted them. With `helm.sh/resource-policy: keep` on every CRD
+/// (`tandem_crds::crdgen::keep_under_helm`) the uninstall keeps them and the objects survive.
+/// Negative control: the same path with the annotation stripped from the chart copy deletes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crds_survive_helm_take_ownership_and_uninstall() {
+    let tmp = tempfile::Builder::new()
+        .prefix("tandem-e2e-chart-own")
+        .tempdir()
+        .unwrap();
+    let config = ClusterConfig {
+        state_dir: tmp.path().join("cluster"),
+        ports: Ports::with_offset(4300),
+        controller_manager: true,
+        scheduler: false,
+        kwok_nodes: 0,
+        kwok_gpus_per_node: 0,
+        build: mode(),
+    };
+    let cluster = match up(&config).await {
+        Ok(c) => c,
+        Err(ClusterError::NotBuilt) if !required() => {
+            println!(
+                "SKIPPED crds_survive_helm_take_ownership_and_uninstall: control plane not built"
+            );
+            return;
+        }
+        Err(e) => panic!("cluster up: {e}"),
+    };
+    let outcome = take_ownership_scenario(&cluster, tmp.path()).await;
+    down(&config, false).await.expect("down");
+    if let Err(e) = outcome {
+        panic!("{e}");
+    }
+}
+
+/// CRD names of the chart, as `kubectl` object references.
+const CRDS: [&str; 3] = [
+    "crd/cachetiers.serving.tandem.dev",
+    "crd/prefillpools.serving.tandem.dev",
+    "crd/decodepools.serving.tandem.dev",
+];
+
+async fn take_ownership_scenario(cluster: &RunningCluster, tmp: &Path) -> Result<(), String> {
+    let kc = cluster.kubeconfig.as_path();
+    let env = [("KUBECONFIG", kc)];
+    let helm = cluster.bin_dir.helm();
+    let kubectl = cluster.bin_dir.kubectl();
+    let helm_in = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--namespace", RELEASE_NS]);
+        run(&helm, &all, &env)
+    };
+
+    // Kept: the committed chart, CRDs moved into templates/ and adopted.
+    let kept = copy_chart(tmp, "kept", false)?;
+    install_then_adopt(&helm_in, &kept)?;
+    run(
+        &kubectl,
+        &[
+            "apply",
+            "-f",
+            repo()
+                .join("manifests/samples/cachetier.yaml")
+                .to_str()
+                .unwrap(),
+        ],
+        &env,
+    )
+    .map_err(|e| format!("apply the sample CacheTier: {e}"))?;
+    let out = helm_in(&["uninstall", "tandem", "--wait", "--timeout", "60s"])
+        .map_err(|e| format!("helm uninstall: {e}"))?;
+    if !out.contains("kept due to the resource policy") {
+        return Err(format!("helm uninstall kept nothing:\n{out}"));
+    }
+    for crd in CRDS {
+        let deleting = run(
+            &kubectl,
+            &["get", crd, "-o", "jsonpath={.metadata.deletionTimestamp}"],
+            &env,
+        )
+        .map_err(|e| format!("{crd} is gone after helm uninstall: {e}"))?;
+        if !deleting.trim().is_empty() {
+            return Err(format!(
+                "{crd} is being deleted ({deleting}) after helm uninstall"
+            ));
+        }
+    }
+    let tiers = run(&kubectl, &["get", "cachetiers", "-A", "-o", "name"], &env)
+        .map_err(|e| format!("list CacheTiers: {e}"))?;
+    if tiers.trim().is_empty() {
+        return Err("the CacheTier is gone after helm uninstall".into());
+    }
+    run(
+        &kubectl,
+        &["delete", "cachetiers", "--all", "-A", "--wait"],
+        &env,
+    )
+    .map_err(|e| format!("delete the CacheTier: {e}"))?;
+    // The kept CRDs still carry the first release's ownership metadata, which would let the next
+    // upgrade adopt them without a refusal: start the control from no CRDs.
+    let mut delete = vec!["delete", "--wait"];
+    delete.extend(CRDS);
+    run(&kubectl, &delete, &env).map_err(|e| format!("delete the kept CRDs: {e}"))?;
+
+    // Negative control: the same path without the annotation deletes the CRDs.
+    let stripped = copy_chart(tmp, "stripped", true)?;
+    install_then_adopt(&helm_in, &stripped)?;
+    helm_in(&["uninstall", "tandem", "--wait", "--timeout", "60s"])
+        .map_err(|e| format!("helm uninstall (control): {e}"))?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for crd in CRDS {
+        loop {
+            let state = run(
+                &kubectl,
+                &["get", crd, "--ignore-not-found", "-o", "name"],
+                &env,
+            )
+            .map_err(|e| format!("get {crd}: {e}"))?;
+            if state.trim().is_empty() {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "negative control: {crd} survived an uninstall without the keep policy \
+                     (the test cannot tell kept from deleted)"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    Ok(())
+}
+
+/// `helm install` of `chart` with its CRDs in `crds/` (re-applied if a previous release left them),
+/// then the CRDs moved into `templates/` and `helm upgrade`: refused ("cannot be imported"), then
+/// adopted with `--take-ownership`.
+fn install_then_adopt(
+    helm_in: &dyn Fn(&[&str]) -> Result<String, String>,
+    chart: &Path,
+) -> Result<(), String> {
+    let chart_s = chart.to_str().unwrap();
+    helm_in(&["install", "tandem", chart_s, "--create-namespace"])
+        .map_err(|e| format!("helm install: {e}"))?;
+    let crds = chart.join("crds");
+    for entry in std::fs::read_dir(&crds).map_err(|e| e.to_string())? {
+        let entry = entry.map_err(|e| e.to_string())?;
+        std::fs::rename(
+            entry.path(),
+            chart.join("templates").join(entry.file_name()),
+        )
+        .map_err(|e| e.to_string())?;
+    }
+    std::fs::remove_dir(&crds).map_err(|e| e.to_string())?;
+    match helm_in(&["upgrade", "tandem", chart_s]) {
+        Ok(out) => return Err(format!("helm upgrade imported foreign CRDs:\n{out}")),
+        Err(e) if e.contains("cannot be imported") => {}
+        Err(e) => return Err(format!("helm upgrade failed otherwise: {e}")),
+    }
+    helm_in(&["upgrade", "tandem", chart_s, "--take-ownership"])
+        .map_err(|e| format!("helm upgrade --take-ownership: {e}"))?;
+    Ok(())
+}
+
+/// A copy of `charts/tandem` under `tmp/name`; `strip_keep` removes the keep policy from its CRDs.
+fn copy_chart(tmp: &Path, name: &str, strip_keep: bool) -> Result<PathBuf, String> {
+    let dst = tmp.join(name);
+    copy_dir(&chart(), &dst).map_err(|e| format!("copy the chart: {e}"))?;
+    if strip_keep {
+        for entry in std::fs::read_dir(dst.join("crds")).map_err(|e| e.to_string())? {
+            let path = entry.map_err(|e| e.to_string())?.path();
+            let text = std::fs::read_to_string(&path).map_err(|e| e.to_string())?;
+            let without = text.replace("    helm.sh/resource-policy: keep\n", "");
+            if without == text {
+                return Err(format!("{}: no keep policy to strip", path.display()));
+            }
+            std::fs::write(&path, without).map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(dst)
+}
+
+fn copy_dir(src: &Path, dst: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dst)?;
+    for entry in std::fs::read_dir(src)? {
+        let entry = entry?;
+        let to = dst.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_dir(&entry.path(), &to)?;
+        } else {
+            std::fs::copy(entry.path(), to)?;
+        }
+    }
+    Ok(())
+}
