@@ -325,8 +325,32 @@ async fn runner_pods(client: &Client, runner_dir: &Path) -> Result<(), String> {
     }
     service_account_token_under_rbac(client, &env).await?;
 
-    // Readiness negative control: Running, but not Ready.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Readiness negative control: Running, but not Ready, after its probe has failed three times
+    // (the runner logs each attempt in the container's probe.log; waiting on those lines, not on a
+    // fixed sleep, proves the probe ran).
+    let unready = pods.get("unready").await.map_err(|e| e.to_string())?;
+    let probe_log = runner_dir
+        .join("pods")
+        .join(format!(
+            "{NS}_unready_{}",
+            unready.metadata.uid.clone().unwrap_or_default()
+        ))
+        .join("containers/c/probe.log");
+    let failed = poll(Duration::from_secs(30), || async {
+        let log = std::fs::read_to_string(&probe_log).ok()?;
+        let fails = log.lines().filter(|l| l.starts_with("fail")).count();
+        (fails >= 3).then_some(log)
+    })
+    .await;
+    let Some(log) = failed else {
+        return Err(format!(
+            "unready: fewer than 3 failed probes in 30 s in {}",
+            probe_log.display()
+        ));
+    };
+    if log.lines().any(|l| l.ends_with("ready=true")) {
+        return Err(format!("unready: a probe left it ready:\n{log}"));
+    }
     let unready = pods.get("unready").await.map_err(|e| e.to_string())?;
     if phase(&unready) != "Running" || ready(&unready) {
         return Err(format!(

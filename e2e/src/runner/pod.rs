@@ -429,6 +429,7 @@ impl Supervisor {
             }
             let ok = run_probe(spec, &slot.spec, ip, &slot.env, &slot.root, state.timeout()).await;
             let ready = state.record(ok, Instant::now());
+            record_probe(&slot.root, ok, ready);
             slot.view.run = ContainerRun::Running { started_at, ready };
         }
     }
@@ -920,6 +921,24 @@ pub fn in_cluster_kubeconfig(api_port: u16, sa_dir: &Path, namespace: &str) -> S
     format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: in-cluster\n  cluster:\n    server: https://127.0.0.1:{api_port}\n    certificate-authority: {sa}/ca.crt\nusers:\n- name: serviceaccount\n  user:\n    tokenFile: {sa}/token\ncontexts:\n- name: in-cluster\n  context: {{cluster: in-cluster, user: serviceaccount, namespace: {namespace}}}\ncurrent-context: in-cluster\n"
     )
+}
+
+/// Appends one readiness-probe result to `<container dir>/probe.log` (`ok|fail ready=<bool>`, one
+/// line per attempt), beside the container's `root`: what a kubelet reports as `Unhealthy` events,
+/// and what tests wait on to know a probe ran (instead of sleeping). A write failure is logged and
+/// changes nothing else.
+fn record_probe(root: &Path, ok: bool, ready: bool) {
+    use std::io::Write as _;
+    let Some(dir) = root.parent() else { return };
+    let line = format!("{} ready={ready}\n", if ok { "ok" } else { "fail" });
+    let written = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("probe.log"))
+        .and_then(|mut f| f.write_all(line.as_bytes()));
+    if let Err(e) = written {
+        tracing::debug!(dir = %dir.display(), error = %e, "probe.log not written");
+    }
 }
 
 #[cfg(test)]
