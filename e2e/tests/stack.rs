@@ -83,11 +83,11 @@ async fn scenario(h: &Harness) -> Result<(), String> {
 
     // Suite 3: the PrefillPool follows the ratio, and a scale-up deletes no pod on the way (a
     // stale read of the scaling transaction once deleted and re-created the new groups).
-    let deletions = PodDeletions::watch(h);
+    let deletions = PodDeletions::watch(h).await?;
     h.kubectl(&["scale", "decodepool", DECODE, "--replicas=2"])?;
     wait_groups(h, PREFILL, 8, 180).await?;
     wait_condition(h, "decodepool", DECODE, "Ready", "True", 240).await?;
-    let deleted = deletions.stop().await;
+    let deleted = deletions.stop().await?;
     if !deleted.is_empty() {
         return Err(format!(
             "scaling up 1 → 2 deleted pods (churn): {deleted:?}"
@@ -469,17 +469,30 @@ fn check_one_group_at_a_time(log: &[Seen], old: &str) -> Result<(), String> {
 }
 
 /// The names of pods of the stack's pools that start terminating while it watches.
+///
+/// Synchronised on observed events, not on sleeps: [`PodDeletions::watch`] returns once the
+/// watcher's initial list is done (so no deletion can slip past it), and [`PodDeletions::stop`]
+/// annotates a live pod with a fresh token and waits until the watcher delivers that change —
+/// watch events arrive in order, so every deletion before the barrier has been seen by then.
 struct PodDeletions {
     task: tokio::task::JoinHandle<()>,
     seen: std::sync::Arc<std::sync::Mutex<BTreeSet<String>>>,
+    barrier: tokio::sync::watch::Receiver<String>,
+    client: kube::Client,
 }
 
+/// The annotation [`PodDeletions::stop`] writes as its barrier.
+const BARRIER_ANNOTATION: &str = "e2e.tandem.dev/watch-barrier";
+
 impl PodDeletions {
-    fn watch(h: &Harness) -> Self {
+    async fn watch(h: &Harness) -> Result<Self, String> {
         let pods: Api<Pod> = Api::namespaced(h.client.clone(), NS);
         let seen = std::sync::Arc::new(std::sync::Mutex::new(BTreeSet::new()));
         let out = seen.clone();
+        let (init_tx, init_rx) = tokio::sync::oneshot::channel::<()>();
+        let (barrier_tx, barrier) = tokio::sync::watch::channel(String::new());
         let task = tokio::spawn(async move {
+            let mut init_tx = Some(init_tx);
             let mut stream = watcher(
                 pods,
                 watcher::Config::default().labels("serving.tandem.dev/role in (prefill,decode)"),
@@ -487,8 +500,24 @@ impl PodDeletions {
             .boxed();
             while let Some(ev) = stream.next().await {
                 let p = match ev {
-                    Ok(watcher::Event::Apply(p)) if p.metadata.deletion_timestamp.is_some() => p,
-                    Ok(watcher::Event::Delete(p)) => p,
+                    Ok(watcher::Event::InitDone) => {
+                        if let Some(tx) = init_tx.take() {
+                            let _ = tx.send(());
+                        }
+                        continue;
+                    }
+                    Ok(watcher::Event::Apply(p)) if p.metadata.deletion_timestamp.is_none() => {
+                        if let Some(token) = p
+                            .metadata
+                            .annotations
+                            .as_ref()
+                            .and_then(|a| a.get(BARRIER_ANNOTATION))
+                        {
+                            let _ = barrier_tx.send(token.clone());
+                        }
+                        continue;
+                    }
+                    Ok(watcher::Event::Apply(p)) | Ok(watcher::Event::Delete(p)) => p,
                     _ => continue,
                 };
                 if let Ok(mut s) = out.lock() {
@@ -496,60 +525,110 @@ impl PodDeletions {
                 }
             }
         });
-        Self { task, seen }
+        tokio::time::timeout(Duration::from_secs(30), init_rx)
+            .await
+            .map_err(|_| "the pod watch did not finish its initial list in 30 s".to_string())?
+            .map_err(|_| "the pod watch ended before its initial list".to_string())?;
+        Ok(Self {
+            task,
+            seen,
+            barrier,
+            client: h.client.clone(),
+        })
     }
 
-    async fn stop(self) -> BTreeSet<String> {
-        tokio::time::sleep(Duration::from_secs(1)).await;
+    async fn stop(mut self) -> Result<BTreeSet<String>, String> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), NS);
+        let live = pods
+            .list(
+                &kube::api::ListParams::default()
+                    .labels("serving.tandem.dev/role in (prefill,decode)"),
+            )
+            .await
+            .map_err(|e| format!("list pods for the watch barrier: {e}"))?;
+        let name = live
+            .items
+            .iter()
+            .find(|p| p.metadata.deletion_timestamp.is_none())
+            .and_then(|p| p.metadata.name.clone())
+            .ok_or("no live pod to place the watch barrier on")?;
+        let token = format!(
+            "{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or_default()
+        );
+        let patch = serde_json::json!({"metadata": {"annotations": {BARRIER_ANNOTATION: token}}});
+        pods.patch(
+            &name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .map_err(|e| format!("annotate {name} as the watch barrier: {e}"))?;
+        let reached = tokio::time::timeout(
+            Duration::from_secs(30),
+            self.barrier.wait_for(|t| *t == token),
+        )
+        .await;
         self.task.abort();
-        self.seen.lock().map(|s| s.clone()).unwrap_or_default()
+        match reached {
+            Ok(Ok(_)) => Ok(self.seen.lock().map(|s| s.clone()).unwrap_or_default()),
+            _ => Err(format!(
+                "the pod watch did not deliver the barrier on {name} in 30 s"
+            )),
+        }
     }
 }
 
 async fn teardown(h: &Harness) -> Result<(), String> {
     let pods: Api<Pod> = Api::namespaced(h.client.clone(), NS);
+    // (role, "present|terminating|gone <name>", when), in watch order.
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(String, String, Instant)>();
+    let (init_tx, init_rx) = tokio::sync::oneshot::channel::<()>();
     let watch = tokio::spawn(async move {
+        let mut init_tx = Some(init_tx);
         let mut stream = watcher(
             pods,
             watcher::Config::default().labels("serving.tandem.dev/role"),
         )
         .boxed();
         while let Some(ev) = stream.next().await {
-            match ev {
-                Ok(watcher::Event::Apply(p)) if p.metadata.deletion_timestamp.is_some() => {
-                    let role = p
-                        .metadata
-                        .labels
-                        .as_ref()
-                        .and_then(|l| l.get("serving.tandem.dev/role"))
-                        .cloned()
-                        .unwrap_or_default();
-                    let _ = tx.send((
-                        role,
-                        format!("terminating {}", p.metadata.name.unwrap_or_default()),
-                        Instant::now(),
-                    ));
+            let (what, p) = match ev {
+                Ok(watcher::Event::InitDone) => {
+                    if let Some(tx) = init_tx.take() {
+                        let _ = tx.send(());
+                    }
+                    continue;
                 }
-                Ok(watcher::Event::Delete(p)) => {
-                    let role = p
-                        .metadata
-                        .labels
-                        .as_ref()
-                        .and_then(|l| l.get("serving.tandem.dev/role"))
-                        .cloned()
-                        .unwrap_or_default();
-                    let _ = tx.send((
-                        role,
-                        format!("gone {}", p.metadata.name.unwrap_or_default()),
-                        Instant::now(),
-                    ));
+                Ok(watcher::Event::InitApply(p) | watcher::Event::Apply(p)) => {
+                    if p.metadata.deletion_timestamp.is_some() {
+                        ("terminating", p)
+                    } else {
+                        ("present", p)
+                    }
                 }
-                _ => {}
-            }
+                Ok(watcher::Event::Delete(p)) => ("gone", p),
+                _ => continue,
+            };
+            let role = p
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get("serving.tandem.dev/role"))
+                .cloned()
+                .unwrap_or_default();
+            let name = p.metadata.name.unwrap_or_default();
+            let _ = tx.send((role, format!("{what} {name}"), Instant::now()));
         }
     });
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Start deleting only once the watch has listed every pod: nothing can be missed.
+    tokio::time::timeout(Duration::from_secs(30), init_rx)
+        .await
+        .map_err(|_| "the pod watch did not finish its initial list in 30 s".to_string())?
+        .map_err(|_| "the pod watch ended before its initial list".to_string())?;
     h.kubectl(&["delete", "-f", "manifests/samples/", "--wait=false"])?;
     let gone = poll(Duration::from_secs(300), || async {
         let left = h
@@ -559,12 +638,39 @@ async fn teardown(h: &Harness) -> Result<(), String> {
         (left.trim().is_empty() && pods.is_empty()).then_some(())
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    watch.abort();
-    let mut events = Vec::new();
-    while let Ok(e) = rx.try_recv() {
-        events.push(e);
+    // The API shows no pod; collect watch events until the watch has delivered the deletion of
+    // every pod it saw (bounded), instead of waiting a fixed time for them to arrive.
+    let mut events: Vec<(String, String, Instant)> = Vec::new();
+    let pending = |events: &[(String, String, Instant)]| {
+        let mut alive = BTreeSet::new();
+        for (_, what, _) in events {
+            match what.split_once(' ') {
+                Some(("gone", name)) => {
+                    alive.remove(name);
+                }
+                Some((_, name)) => {
+                    alive.insert(name.to_owned());
+                }
+                None => {}
+            }
+        }
+        alive
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        while let Ok(e) = rx.try_recv() {
+            events.push(e);
+        }
+        if gone.is_none() || pending(&events).is_empty() {
+            break;
+        }
+        match tokio::time::timeout_at(deadline, rx.recv()).await {
+            Ok(Some(e)) => events.push(e),
+            Ok(None) | Err(_) => break,
+        }
     }
+    watch.abort();
+    events.retain(|(_, what, _)| !what.starts_with("present"));
     if gone.is_none() {
         return Err(format!(
             "the stack was not gone 300 s after deletion; events: {events:?}"
