@@ -9,7 +9,8 @@
 //!
 //! The trace is read from `$TANDEM_TRACE`, else `../shared/data/mooncake/conversation_trace.jsonl`
 //! next to the repository, else `/work/shared/data/…` (the workplace's path); without it the
-//! demo's built-in generated workload is used (printed).
+//! demo's built-in generated workload is used (printed), unless `TANDEM_REQUIRE_DATA=1`: then the
+//! test fails.
 //! Skips when the control plane is not built, unless `TANDEM_E2E_REQUIRE_CLUSTER` is set.
 
 use std::path::{Path, PathBuf};
@@ -28,6 +29,11 @@ fn trace() -> Option<PathBuf> {
     ]
     .into_iter()
     .find(|p| p.exists())
+}
+
+/// `TANDEM_REQUIRE_DATA=1` (CI sets it): a test whose data is missing fails instead of passing.
+fn data_required() -> bool {
+    std::env::var_os("TANDEM_REQUIRE_DATA").is_some_and(|v| v == "1")
 }
 
 #[test]
@@ -74,7 +80,14 @@ fn demo_replays_a_trace_slice_through_scale_and_rolling_restart() {
             println!("replaying {}", t.display());
             cmd.arg("--trace").arg(t);
         }
-        None => println!("no Mooncake trace found: the demo's generated workload is used"),
+        None => {
+            assert!(
+                !data_required(),
+                "TANDEM_REQUIRE_DATA=1 and no Mooncake trace at $TANDEM_TRACE or \
+                 ../shared/data/mooncake/conversation_trace.jsonl"
+            );
+            println!("no Mooncake trace found: the demo's generated workload is used");
+        }
     }
     let output = cmd.output().expect("tandem-e2e runs");
     let stdout = String::from_utf8_lossy(&output.stdout);

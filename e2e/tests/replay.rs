@@ -434,6 +434,10 @@ fn real_trace() -> Option<PathBuf> {
 #[test]
 fn trace_loader_on_the_real_trace() {
     let Some(path) = real_trace() else {
+        assert!(
+            std::env::var_os("TANDEM_REQUIRE_DATA").is_none_or(|v| v != "1"),
+            "TANDEM_REQUIRE_DATA=1 and the Mooncake trace is not in shared/data"
+        );
         eprintln!("skipped: the Mooncake trace is not in shared/data");
         return;
     };

@@ -30,6 +30,9 @@ step "the e2e control plane (built from Go modules once, then cached under ~/.ca
 bash e2e/tools/build-controlplane.sh >/dev/null
 # With the binaries present the cluster suites must run, not skip.
 export TANDEM_E2E_REQUIRE_CLUSTER=1
+# Tests that read ../shared/data (the Mooncake trace, model geometry) fail instead of skipping
+# when it is missing.
+export TANDEM_REQUIRE_DATA=1
 
 step "cargo test --workspace (unit, integration, cluster suites)"
 cargo test --workspace
