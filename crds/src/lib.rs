@@ -17,6 +17,8 @@ pub mod common;
 pub mod conditions;
 pub mod crdgen;
 pub mod decode_pool;
+pub mod labels;
+pub mod ports;
 pub mod prefill_pool;
 pub mod ratio;
 

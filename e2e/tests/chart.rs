@@ -7,11 +7,11 @@
 //!   without its API; values change what they should (PDB, namespace-scoped binding).
 //! * `chart_installs_with_least_privilege_rbac` (own cluster, ports + 4200, one runner node):
 //!   `helm install` creates the CRDs, ServiceAccount, RBAC and Deployment; `kubectl auth can-i` as
-//!   the operator's ServiceAccount says yes to everything INTERFACES §1 lists and no to what the
-//!   operator must not do (Secrets, CRDs, creating pods, nodes, other Leases, RBAC). When the
-//!   workspace's `tandem-operator` binary exists, the Deployment's pod runs it through the process
-//!   runner with the chart's ServiceAccount token and must become Ready, hold the Lease and log no
-//!   `forbidden` (its watches on every kind it reconciles or owns started under RBAC).
+//!   the operator's ServiceAccount says yes to everything worker/interfaces/README.md §1 lists and
+//!   no to what the operator must not do (Secrets, CRDs, creating pods, nodes, other Leases, RBAC).
+//!   When the workspace's `tandem-operator` binary exists, the Deployment's pod runs it through the
+//!   process runner with the chart's ServiceAccount token and must become Ready, hold the Lease and
+//!   log no `forbidden` (its watches on every kind it reconciles or owns started under RBAC).
 //!
 //! Both skip (with a line saying why) when Helm / the control plane is not cached, unless
 //! `TANDEM_E2E_REQUIRE_CLUSTER` is set: then they build what is missing and must pass.
@@ -23,8 +23,9 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
-use kube::Api;
 use kube::api::ListParams;
+use kube::{Api, CustomResourceExt};
+use tandem_crds::{CacheTier, DecodePool, PrefillPool};
 use tandem_e2e::cluster::build::{BinDir, BuildMode, ensure_binaries};
 use tandem_e2e::cluster::down::down;
 use tandem_e2e::cluster::up::{RunningCluster, up};
@@ -293,13 +294,13 @@ fn helm_install(cluster: &RunningCluster) -> Result<(), String> {
     }
     let kubectl = cluster.bin_dir.kubectl();
     for object in [
-        "crd/cachetiers.serving.tandem.dev",
-        "crd/prefillpools.serving.tandem.dev",
-        "crd/decodepools.serving.tandem.dev",
-        "clusterrole/tandem-operator",
-        "clusterrolebinding/tandem-operator",
+        format!("crd/{}", CacheTier::crd_name()),
+        format!("crd/{}", PrefillPool::crd_name()),
+        format!("crd/{}", DecodePool::crd_name()),
+        "clusterrole/tandem-operator".to_owned(),
+        "clusterrolebinding/tandem-operator".to_owned(),
     ] {
-        run(&kubectl, &["get", object], &[("KUBECONFIG", kc)])
+        run(&kubectl, &["get", &object], &[("KUBECONFIG", kc)])
             .map_err(|e| format!("{object}: {e}"))?;
     }
     for object in [
@@ -322,24 +323,17 @@ fn helm_install(cluster: &RunningCluster) -> Result<(), String> {
 
 /// `kubectl auth can-i --as <the operator's SA>`: every grant it needs, and none it must not have.
 fn can_i_matrix(bins: &BinDir, kubeconfig: &Path) -> Result<(), String> {
+    let (tiers, prefills, decodes) = (
+        CacheTier::crd_name(),
+        PrefillPool::crd_name(),
+        DecodePool::crd_name(),
+    );
     let yes: &[&[&str]] = &[
-        &["list", "decodepools.serving.tandem.dev", "-A"],
-        &["watch", "cachetiers.serving.tandem.dev", "-A"],
-        &["patch", "prefillpools.serving.tandem.dev", "-n", "serving"],
-        &[
-            "patch",
-            "decodepools.serving.tandem.dev",
-            "--subresource=status",
-            "-n",
-            "x",
-        ],
-        &[
-            "update",
-            "cachetiers.serving.tandem.dev",
-            "--subresource=finalizers",
-            "-n",
-            "x",
-        ],
+        &["list", decodes, "-A"],
+        &["watch", tiers, "-A"],
+        &["patch", prefills, "-n", "serving"],
+        &["patch", decodes, "--subresource=status", "-n", "x"],
+        &["update", tiers, "--subresource=finalizers", "-n", "x"],
         &["create", "statefulsets.apps", "-n", "serving"],
         &["delete", "statefulsets.apps", "-n", "serving"],
         &[
@@ -370,8 +364,8 @@ fn can_i_matrix(bins: &BinDir, kubeconfig: &Path) -> Result<(), String> {
         &["create", "customresourcedefinitions.apiextensions.k8s.io"],
         &["create", "pods", "-n", "serving"],
         &["list", "nodes"],
-        &["create", "decodepools.serving.tandem.dev", "-n", "serving"],
-        &["delete", "cachetiers.serving.tandem.dev", "-n", "serving"],
+        &["create", decodes, "-n", "serving"],
+        &["delete", tiers, "-n", "serving"],
         &[
             "update",
             "leases.coordination.k8s.io/other",

@@ -1,5 +1,5 @@
-//! Replay and report against a fake DecodePool front door (INTERFACES §3) and fake worker
-//! `/report` (§4), plus the trace loader on the real Mooncake trace when it is present.
+//! Replay and report against a fake DecodePool front door (worker/interfaces/README.md §3) and fake
+//! worker `/report` (§4), plus the trace loader on the real Mooncake trace when it is present.
 //!
 //! The fake decides what to do with a request from its first block hash (the "behaviour code")
 //! and identifies it by its second; both fake front doors share one state, so attempts of one

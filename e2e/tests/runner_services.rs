@@ -1,4 +1,5 @@
-//! The process runner's cluster emulation against a real control plane (INTERFACES §5).
+//! The process runner's cluster emulation against a real control plane (worker/interfaces/README.md
+//! §5).
 //!
 //! Brings up its own cluster (temp state dir, ports offset by 4100, no kwok), starts a runner with
 //! one extra pod env variable from its config, then checks:

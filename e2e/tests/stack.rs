@@ -31,9 +31,11 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
-use kube::Api;
 use kube::runtime::watcher;
+use kube::{Api, CustomResourceExt};
 use support::{Harness, HarnessConfig, poll};
+use tandem_crds::labels::{GROUP, POOL, REVISION, ROLE, ROLE_DECODE, ROLE_PREFILL};
+use tandem_crds::{CacheTier, DecodePool, PrefillPool};
 
 const NS: &str = "default";
 const DECODE: &str = "llama70b-decode";
@@ -134,7 +136,7 @@ async fn scenario(h: &Harness) -> Result<(), String> {
     wait_groups(h, PREFILL, 4, 120).await?;
     let unschedulable = poll(Duration::from_secs(60), || async {
         let pods = h
-            .pods(&format!("serving.tandem.dev/pool in ({DECODE},{PREFILL})"))
+            .pods(&format!("{POOL} in ({DECODE},{PREFILL})"))
             .await
             .ok()?;
         let pending = pods.iter().filter(|p| phase(p) == "Pending").count();
@@ -205,8 +207,12 @@ async fn scenario(h: &Harness) -> Result<(), String> {
     })
     .await
     .ok_or("operator pods remain after helm uninstall")?;
-    for crd in ["cachetiers", "prefillpools", "decodepools"] {
-        h.kubectl(&["get", "crd", &format!("{crd}.serving.tandem.dev")])
+    for crd in [
+        CacheTier::crd_name(),
+        PrefillPool::crd_name(),
+        DecodePool::crd_name(),
+    ] {
+        h.kubectl(&["get", "crd", crd])
             .map_err(|e| format!("helm uninstall must keep the CRDs: {e}"))?;
     }
     println!(
@@ -285,7 +291,7 @@ async fn groups(h: &Harness, pool: &str) -> Result<usize, String> {
         "get",
         "statefulsets",
         "-l",
-        &format!("serving.tandem.dev/pool={pool}"),
+        &format!("{POOL}={pool}"),
         "-o",
         "jsonpath={range .items[*]}{.metadata.name} {.spec.replicas}{\"\\n\"}{end}",
     ])?;
@@ -333,18 +339,17 @@ fn seen(p: &Pod) -> Option<Seen> {
     let labels = p.metadata.labels.as_ref()?;
     Some(Seen {
         at: Instant::now(),
-        pool: labels.get("serving.tandem.dev/pool")?.clone(),
-        group: labels
-            .get("serving.tandem.dev/group")
-            .cloned()
-            .unwrap_or_default(),
-        revision: labels
-            .get("serving.tandem.dev/revision")
-            .cloned()
-            .unwrap_or_default(),
+        pool: labels.get(POOL)?.clone(),
+        group: labels.get(GROUP).cloned().unwrap_or_default(),
+        revision: labels.get(REVISION).cloned().unwrap_or_default(),
         terminating: p.metadata.deletion_timestamp.is_some(),
         ready: ready(p),
     })
+}
+
+/// Selector of the worker pods of both pool kinds.
+fn prefill_or_decode() -> String {
+    format!("{ROLE} in ({ROLE_PREFILL},{ROLE_DECODE})")
 }
 
 async fn rolling_restart(h: &Harness) -> Result<(), String> {
@@ -353,7 +358,7 @@ async fn rolling_restart(h: &Harness) -> Result<(), String> {
     let watch = tokio::spawn(async move {
         let mut stream = watcher(
             pods,
-            watcher::Config::default().labels("serving.tandem.dev/role in (prefill,decode)"),
+            watcher::Config::default().labels(&prefill_or_decode()),
         )
         .boxed();
         while let Some(ev) = stream.next().await {
@@ -495,7 +500,7 @@ impl PodDeletions {
             let mut init_tx = Some(init_tx);
             let mut stream = watcher(
                 pods,
-                watcher::Config::default().labels("serving.tandem.dev/role in (prefill,decode)"),
+                watcher::Config::default().labels(&prefill_or_decode()),
             )
             .boxed();
             while let Some(ev) = stream.next().await {
@@ -540,10 +545,7 @@ impl PodDeletions {
     async fn stop(mut self) -> Result<BTreeSet<String>, String> {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), NS);
         let live = pods
-            .list(
-                &kube::api::ListParams::default()
-                    .labels("serving.tandem.dev/role in (prefill,decode)"),
-            )
+            .list(&kube::api::ListParams::default().labels(&prefill_or_decode()))
             .await
             .map_err(|e| format!("list pods for the watch barrier: {e}"))?;
         let name = live
@@ -590,11 +592,7 @@ async fn teardown(h: &Harness) -> Result<(), String> {
     let (init_tx, init_rx) = tokio::sync::oneshot::channel::<()>();
     let watch = tokio::spawn(async move {
         let mut init_tx = Some(init_tx);
-        let mut stream = watcher(
-            pods,
-            watcher::Config::default().labels("serving.tandem.dev/role"),
-        )
-        .boxed();
+        let mut stream = watcher(pods, watcher::Config::default().labels(ROLE)).boxed();
         while let Some(ev) = stream.next().await {
             let (what, p) = match ev {
                 Ok(watcher::Event::InitDone) => {
@@ -617,7 +615,7 @@ async fn teardown(h: &Harness) -> Result<(), String> {
                 .metadata
                 .labels
                 .as_ref()
-                .and_then(|l| l.get("serving.tandem.dev/role"))
+                .and_then(|l| l.get(ROLE))
                 .cloned()
                 .unwrap_or_default();
             let name = p.metadata.name.unwrap_or_default();
@@ -634,7 +632,7 @@ async fn teardown(h: &Harness) -> Result<(), String> {
         let left = h
             .kubectl(&["get", "cachetiers,prefillpools,decodepools", "-o", "name"])
             .ok()?;
-        let pods = h.pods("serving.tandem.dev/role").await.ok()?;
+        let pods = h.pods(ROLE).await.ok()?;
         (left.trim().is_empty() && pods.is_empty()).then_some(())
     })
     .await;

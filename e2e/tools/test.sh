@@ -2,7 +2,8 @@
 # The project's test command (README "Run the tests"; `.ci/run` calls exactly this).
 #
 # On a fresh machine it installs what the build needs (Debian packages for the `rdma` feature and
-# the control plane's PKI) and builds the e2e control plane from Go modules (cached), then:
+# the control plane's PKI) and builds the e2e control plane from Go modules (cached), then: the
+# dependency rules (operator and e2e free of the worker crate, one feature set for the demo),
 # formatting, clippy with warnings denied, the whole workspace's tests (cluster suites included),
 # the CRD drift check, clippy of the `cuda` and `rdma` features and the `cuda` host-side tests.
 set -euo pipefail
@@ -18,6 +19,32 @@ step() { printf '\n==> %s\n' "$*"; }
 
 step "build dependencies"
 bash e2e/tools/install-build-deps.sh
+
+step "the operator and e2e do not depend on the worker crate (DESIGN §1)"
+# Every edge kind: a dev- or build-dependency on tandem-worker would break the rule too.
+for p in tandem-operator tandem-e2e; do
+  tree=$(cargo tree -p "$p" -e normal,build,dev --prefix none --format '{p}')
+  if grep -q '^tandem-worker ' <<<"$tree"; then
+    echo "$p depends on tandem-worker:" >&2
+    cargo tree -p "$p" -e normal,build,dev -i tandem-worker >&2
+    exit 1
+  fi
+done
+
+step "one feature set: the demo's build of worker + operator reuses every dependency of tandem-e2e"
+# `cargo run -p tandem-e2e -- demo` builds tandem-e2e, then the demo builds tandem-worker and
+# tandem-operator with tandem-e2e selected too (e2e/src/demo/stack.rs::ensure_binaries). Both must
+# resolve every third-party package with the same features, or the second build compiles them
+# again: keep e2e/demo-deps/Cargo.toml in step with the worker's and the operator's dependencies.
+features() {
+  cargo tree "$@" -e normal,build --prefix none --format '{p}|{f}' \
+    | sed -E 's/ \((\*|proc-macro)\)//g' | grep -v -e '^tandem-' -e '^$' | sort -u
+}
+if ! diff <(features -p tandem-e2e) \
+  <(features -p tandem-e2e -p tandem-worker -p tandem-operator) >&2; then
+  echo "the demo's second build would see other features (lines: tandem-e2e alone < > with the binaries)" >&2
+  exit 1
+fi
 
 step "cargo fmt --check"
 cargo fmt --all -- --check

@@ -8,14 +8,9 @@
 
 use std::collections::BTreeMap;
 
-/// `serving.tandem.dev/pool`: the owning pool or tier.
-pub const POOL: &str = "serving.tandem.dev/pool";
-/// `serving.tandem.dev/role`: `prefill`, `decode` or `cache`.
-pub const ROLE: &str = "serving.tandem.dev/role";
-/// `serving.tandem.dev/group`: the replica group index.
-pub const GROUP: &str = "serving.tandem.dev/group";
-/// `serving.tandem.dev/revision`: hash of everything that requires a restart when it changes.
-pub const REVISION: &str = "serving.tandem.dev/revision";
+/// The `serving.tandem.dev/{pool,role,group,revision}` label keys (defined in `tandem-crds`, which
+/// e2e shares).
+pub use tandem_crds::labels::{GROUP, POOL, REVISION, ROLE};
 /// The field manager of every server-side apply.
 pub const FIELD_MANAGER: &str = "tandem-operator";
 
@@ -34,9 +29,9 @@ impl Role {
     /// The label value.
     pub fn as_str(self) -> &'static str {
         match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-            Role::Cache => "cache",
+            Role::Prefill => tandem_crds::labels::ROLE_PREFILL,
+            Role::Decode => tandem_crds::labels::ROLE_DECODE,
+            Role::Cache => tandem_crds::labels::ROLE_CACHE,
         }
     }
 }

@@ -1,4 +1,5 @@
-//! `tandem-operator`: runs the CacheTier, PrefillPool and DecodePool controllers (INTERFACES §1).
+//! `tandem-operator`: runs the CacheTier, PrefillPool and DecodePool controllers
+//! (worker/interfaces/README.md §1).
 //!
 //! Serves `/metrics`, `/healthz` and `/readyz` on `--metrics-addr`; with leader election (the
 //! default) only the holder of the Lease `tandem-operator` in `$POD_NAMESPACE` reconciles, and a

@@ -10,10 +10,10 @@ use tandem_crds::{
     AllocatorDomain as TierAllocator, CacheTierSpec, ClientMode as TierClientMode, ModelSpec,
     RegistrationFailurePolicy, WritePolicy as TierWritePolicy,
 };
-use tandem_worker::config::WritePolicy;
-use tandem_worker::memory::AllocatorDomain;
-use tandem_worker::registration::FailurePolicy;
-use tandem_worker::store_client::ClientMode;
+use tandem_interfaces::config::WritePolicy;
+use tandem_interfaces::memory::AllocatorDomain;
+use tandem_interfaces::memory::ClientMode;
+use tandem_interfaces::memory::FailurePolicy;
 
 /// The resolved policy a pool's workers get.
 #[derive(Debug, Clone, PartialEq, Eq)]

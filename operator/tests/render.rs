@@ -4,11 +4,11 @@ use std::path::Path;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use tandem_crds::{CacheTier, DecodePool, PrefillPool};
+use tandem_interfaces::config::WorkerConfig;
+use tandem_interfaces::memory::AllocatorDomain;
+use tandem_interfaces::memory::ClientMode;
 use tandem_operator::policy::{self, TierLookup};
 use tandem_operator::render::{PoolView, config::worker_config, workload};
-use tandem_worker::config::WorkerConfig;
-use tandem_worker::memory::AllocatorDomain;
-use tandem_worker::store_client::ClientMode;
 
 fn load<T: serde::de::DeserializeOwned>(file: &str) -> T {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -162,15 +162,11 @@ fn config_file_round_trips_through_the_worker_loader() {
     let cfg = rendered(&view, &tier);
     let cm = workload::config_map(&view, &cfg, &owner()).unwrap();
     let text = &cm.data.as_ref().unwrap()["worker.json"];
-    let dir = std::env::temp_dir().join(format!("tandem-render-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("worker.json");
-    std::fs::write(&path, text).unwrap();
-    assert_eq!(WorkerConfig::load(&path).unwrap(), cfg);
+    // The worker's loader reads the file and parses and checks its text with `from_json`.
+    let path = Path::new("/etc/tandem/worker.json");
+    assert_eq!(WorkerConfig::from_json(text, path).unwrap(), cfg);
     // A field the worker does not know is refused, not dropped.
     let mut v: serde_json::Value = serde_json::from_str(text).unwrap();
     v["memory"]["surprise"] = serde_json::json!(1);
-    std::fs::write(&path, v.to_string()).unwrap();
-    assert!(WorkerConfig::load(&path).is_err());
-    std::fs::remove_dir_all(&dir).ok();
+    assert!(WorkerConfig::from_json(&v.to_string(), path).is_err());
 }

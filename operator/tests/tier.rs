@@ -157,3 +157,22 @@ fn tier_revision_moves_with_config_and_image_not_replicas() {
     assert_ne!(tier_config(&t4).unwrap().revision, base);
     let _ = tier::TIER_CONFIG_API_VERSION;
 }
+
+/// The ports and data dir the operator renders are the ones a store replica defaults to when its
+/// `tier.json` leaves them out (worker/interfaces/README.md §2): one number on both sides.
+#[test]
+fn rendered_ports_are_the_store_defaults() {
+    use tandem_interfaces::config::{
+        CachePorts, DEFAULT_CACHE_DATA_DIR, DEFAULT_HEALTH_PORT, DEFAULT_L3_PORT,
+    };
+    assert_eq!(tandem_crds::ports::L3_PORT, DEFAULT_L3_PORT);
+    assert_eq!(tandem_crds::ports::HEALTH_PORT, DEFAULT_HEALTH_PORT);
+    assert_eq!(
+        CachePorts::default(),
+        CachePorts {
+            l3: L3_PORT,
+            health: tandem_crds::ports::HEALTH_PORT
+        }
+    );
+    assert_eq!(DATA_DIR, DEFAULT_CACHE_DATA_DIR);
+}

@@ -5,16 +5,9 @@ use std::sync::{Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
 
-/// Why a component runs degraded.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DegradedReason {
-    /// Component, e.g. `l3/draft`.
-    pub component: String,
-    /// Machine-readable reason code, e.g. `RegistrationFallbackToL2`.
-    pub code: String,
-    /// Human-readable detail (the error chain).
-    pub message: String,
-}
+/// Why a component runs degraded: an element of `/report`'s `degraded` list, so it lives in
+/// `tandem-interfaces` (worker/interfaces/README.md §4).
+pub use tandem_interfaces::report::DegradedReason;
 
 /// A point-in-time health report.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

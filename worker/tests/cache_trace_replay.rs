@@ -9,7 +9,7 @@ use std::io::BufReader;
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 
-use tandem_worker::cache::trace::{TraceRequest, read_trace, replay};
+use tandem_worker::cache::trace::{TracePageKeys, TraceRequest, read_trace, replay};
 use tandem_worker::cache::{PrefixIndex, Tier};
 
 fn trace_path() -> PathBuf {
@@ -87,7 +87,7 @@ fn pending_l3_writes_are_not_counted_as_hits_during_a_replay() {
     let mut acc = tandem_worker::cache::HitAccounting::default();
     for r in head {
         let keys = r.page_keys();
-        acc.record(r.input_length, 512, &idx.lookup(&keys));
+        acc.record(u64::from(r.input_length), 512, &idx.lookup(&keys));
         idx.insert(
             Tier::L3Store,
             &keys,

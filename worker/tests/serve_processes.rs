@@ -123,7 +123,7 @@ async fn streaming_and_plain_completions_through_prefill_and_decode() {
     let (code, metrics) = http(health, "GET", "/metrics", None).await;
     assert_eq!(code, 200);
     assert!(text(&metrics).contains("tandem_requests_ok_total 2"));
-    // INTERFACES §2: worker RSS stays under 300 MiB.
+    // worker/interfaces/README.md §2: worker RSS stays under 300 MiB.
     for (name, proc) in [("prefill", &p), ("decode", &d)] {
         let rss = proc.rss_mib();
         assert!(rss > 0 && rss < 300, "{name} RSS {rss} MiB");

@@ -106,7 +106,8 @@ async fn start_all(config: &ClusterConfig, bin_dir: &BinDir) -> Result<(), Clust
     )
     .await?;
 
-    // The default StorageClass whose claims the process runner provisions (INTERFACES §5).
+    // The default StorageClass whose claims the process runner provisions
+    // (worker/interfaces/README.md §5).
     let classes: Api<StorageClass> = Api::all(client.clone());
     classes
         .patch(

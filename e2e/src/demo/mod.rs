@@ -356,12 +356,12 @@ async fn on_cluster(
         .await
         .map_err(at(Phase::Stack))?;
     say(out.trim());
-    let resources = [
-        ("CacheTier", TIER),
-        ("PrefillPool", PREFILL_POOL),
-        ("DecodePool", DECODE_POOL),
-    ];
-    stack::wait_resources_ready(&client, NAMESPACE, &resources, opts.wait_timeout)
+    let names = stack::StackNames {
+        tier: TIER,
+        prefill: PREFILL_POOL,
+        decode: DECODE_POOL,
+    };
+    stack::wait_resources_ready(&client, NAMESPACE, names, opts.wait_timeout)
         .await
         .map_err(at(Phase::Stack))?;
     let pods = stack::list_tandem_pods(&client, NAMESPACE)
@@ -657,7 +657,7 @@ async fn revisions(client: &kube::Client) -> Result<Vec<String>, StackError> {
     let pods = stack::list_tandem_pods(client, NAMESPACE).await?;
     let mut revs: Vec<String> = stack::pod_rows(&pods)
         .into_iter()
-        .filter(|r| r.role == "decode" && r.pool == DECODE_POOL)
+        .filter(|r| r.role == tandem_crds::labels::ROLE_DECODE && r.pool == DECODE_POOL)
         .map(|r| r.revision)
         .collect();
     revs.sort();

@@ -4,24 +4,56 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::Api;
-use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::api::{ListParams, Patch, PatchParams};
+use kube::{Api, CustomResourceExt};
+use serde::de::DeserializeOwned;
+use tandem_crds::labels::{ROLE_CACHE, ROLE_DECODE, ROLE_PREFILL};
+use tandem_crds::{CacheTier, DecodePool, PrefillPool};
 
 use crate::replay::targets::{GROUP_LABEL, POOL_LABEL, REVISION_LABEL, ROLE_LABEL, pod_serving};
 
-/// API group of Tandem's kinds.
-pub const GROUP: &str = "serving.tandem.dev";
-/// API version of Tandem's kinds.
-pub const VERSION: &str = "v1alpha1";
-/// The CRDs the chart installs.
-pub const CRDS: [&str; 3] = [
-    "cachetiers.serving.tandem.dev",
-    "prefillpools.serving.tandem.dev",
-    "decodepools.serving.tandem.dev",
-];
+/// The CRDs the chart installs (`cachetiers.serving.tandem.dev`, …).
+pub fn crd_names() -> [&'static str; 3] {
+    [
+        CacheTier::crd_name(),
+        PrefillPool::crd_name(),
+        DecodePool::crd_name(),
+    ]
+}
+
+/// A Tandem kind of `tandem-crds` whose status carries standard conditions.
+pub trait TandemKind:
+    kube::Resource<Scope = NamespaceResourceScope, DynamicType = ()>
+    + Clone
+    + DeserializeOwned
+    + std::fmt::Debug
+{
+    /// The status conditions (none before the operator's first status write).
+    fn conditions(&self) -> &[Condition];
+}
+
+impl TandemKind for CacheTier {
+    fn conditions(&self) -> &[Condition] {
+        self.status.as_ref().map_or(&[], |s| &s.conditions)
+    }
+}
+
+impl TandemKind for PrefillPool {
+    fn conditions(&self) -> &[Condition] {
+        self.status.as_ref().map_or(&[], |s| &s.conditions)
+    }
+}
+
+impl TandemKind for DecodePool {
+    fn conditions(&self) -> &[Condition] {
+        self.status.as_ref().map_or(&[], |s| &s.conditions)
+    }
+}
 
 /// Why a step failed (the demo wraps it with the phase).
 #[derive(Debug, thiserror::Error)]
@@ -96,8 +128,9 @@ pub fn repo_root() -> PathBuf {
 
 /// Makes sure `tandem-worker` and `tandem-operator` sit next to the running executable (where
 /// the process runner looks for them, unless `$TANDEM_WORKER_BIN` / `$TANDEM_OPERATOR_BIN` point
-/// elsewhere): builds them with cargo, same profile and target dir, when they are missing or
-/// older than their sources would warrant (cargo decides; a no-op build takes a second).
+/// elsewhere): builds them with cargo, same profile, target dir and feature set as this
+/// executable, when they are missing or older than their sources would warrant (cargo decides; a
+/// no-op build takes a second).
 pub async fn ensure_binaries() -> Result<(), StackError> {
     let exe = std::env::current_exe().map_err(|e| StackError::Missing(e.to_string()))?;
     let Some(profile_dir) = exe.parent() else {
@@ -114,7 +147,18 @@ pub async fn ensure_binaries() -> Result<(), StackError> {
     let release = profile_dir.file_name().is_some_and(|n| n == "release");
     let target_dir = profile_dir.parent().unwrap_or(profile_dir);
     let cargo = std::env::var_os("CARGO").map_or_else(|| PathBuf::from("cargo"), PathBuf::from);
-    let mut args = vec!["build", "-p", "tandem-worker", "-p", "tandem-operator"];
+    // tandem-e2e is selected too: with it (and its `tandem-demo-deps`) every shared dependency
+    // gets the feature set this executable was built with, so nothing but the two binaries'
+    // own crates compiles here (e2e/demo-deps/Cargo.toml).
+    let mut args = vec![
+        "build",
+        "-p",
+        "tandem-worker",
+        "-p",
+        "tandem-operator",
+        "-p",
+        "tandem-e2e",
+    ];
     if release {
         args.push("--release");
     }
@@ -191,7 +235,7 @@ where
     }
 }
 
-/// Waits until every CRD of [`CRDS`] is `Established`.
+/// Waits until every CRD of [`crd_names`] is `Established`.
 pub async fn wait_crds_established(
     client: &kube::Client,
     timeout: Duration,
@@ -201,7 +245,7 @@ pub async fn wait_crds_established(
         let api = api.clone();
         async move {
             let mut missing = Vec::new();
-            for name in CRDS {
+            for name in crd_names() {
                 let ok = api.get_opt(name).await.ok().flatten().is_some_and(|c| {
                     c.status.and_then(|s| s.conditions).is_some_and(|cs| {
                         cs.iter()
@@ -267,79 +311,84 @@ pub async fn wait_deployments_available(
     .await
 }
 
-/// The dynamic API of one Tandem kind (`CacheTier`, `PrefillPool`, `DecodePool`).
-pub fn tandem_api(client: &kube::Client, namespace: &str, kind: &str) -> Api<DynamicObject> {
-    let plural = format!("{}s", kind.to_lowercase());
-    let gvk = GroupVersionKind::gvk(GROUP, VERSION, kind);
-    let ar = ApiResource::from_gvk_with_plural(&gvk, &plural);
-    Api::namespaced_with(client.clone(), namespace, &ar)
+/// `(type, status, reason)` of each condition.
+pub fn conditions(cs: &[Condition]) -> Vec<(String, String, String)> {
+    cs.iter()
+        .map(|c| (c.type_.clone(), c.status.clone(), c.reason.clone()))
+        .collect()
 }
 
-/// `(type, status, reason)` of each status condition of a custom resource.
-pub fn conditions(obj: &DynamicObject) -> Vec<(String, String, String)> {
-    let field =
-        |c: &serde_json::Value, k: &str| c.get(k).and_then(|v| v.as_str()).unwrap_or("").to_owned();
-    obj.data
-        .pointer("/status/conditions")
-        .and_then(|v| v.as_array())
-        .map(|cs| {
-            cs.iter()
-                .map(|c| (field(c, "type"), field(c, "status"), field(c, "reason")))
-                .collect()
-        })
-        .unwrap_or_default()
+/// True when the `Ready` condition is `True`.
+pub fn is_ready(cs: &[Condition]) -> bool {
+    cs.iter()
+        .any(|c| c.type_ == tandem_crds::conditions::READY && c.status == "True")
 }
 
-/// True when the object's `Ready` condition is `True`.
-pub fn is_ready(obj: &DynamicObject) -> bool {
-    conditions(obj)
-        .iter()
-        .any(|(t, s, _)| t == "Ready" && s == "True")
+/// Whether object `name` of kind `K` is Ready, and a line describing what was seen.
+async fn ready_state<K: TandemKind>(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+) -> (bool, String) {
+    let kind = K::kind(&());
+    match Api::<K>::namespaced(client.clone(), namespace)
+        .get_opt(name)
+        .await
+    {
+        Ok(Some(o)) => {
+            let cs: Vec<String> = conditions(o.conditions())
+                .into_iter()
+                .map(|(t, s, r)| {
+                    format!(
+                        "{t}={s}{}",
+                        if r.is_empty() {
+                            String::new()
+                        } else {
+                            format!("({r})")
+                        }
+                    )
+                })
+                .collect();
+            (
+                is_ready(o.conditions()),
+                format!("{kind}/{name} [{}]", cs.join(" ")),
+            )
+        }
+        Ok(None) => (false, format!("{kind}/{name} absent")),
+        Err(e) => (false, format!("{kind}/{name}: {e}")),
+    }
 }
 
-/// Waits until each `(kind, name)` is Ready.
+/// Names of the three objects of a stack.
+#[derive(Debug, Clone, Copy)]
+pub struct StackNames<'a> {
+    /// The CacheTier.
+    pub tier: &'a str,
+    /// The PrefillPool.
+    pub prefill: &'a str,
+    /// The DecodePool.
+    pub decode: &'a str,
+}
+
+/// Waits until the CacheTier, the PrefillPool and the DecodePool of `names` are Ready.
 pub async fn wait_resources_ready(
     client: &kube::Client,
     namespace: &str,
-    resources: &[(&str, &str)],
+    names: StackNames<'_>,
     timeout: Duration,
 ) -> Result<(), StackError> {
     poll(
         "CacheTier, PrefillPool and DecodePool Ready",
         timeout,
         || async move {
-            let mut seen = Vec::new();
-            let mut all = true;
-            for &(kind, name) in resources {
-                match tandem_api(client, namespace, kind).get_opt(name).await {
-                    Ok(Some(o)) => {
-                        all &= is_ready(&o);
-                        let cs: Vec<String> = conditions(&o)
-                            .into_iter()
-                            .map(|(t, s, r)| {
-                                format!(
-                                    "{t}={s}{}",
-                                    if r.is_empty() {
-                                        String::new()
-                                    } else {
-                                        format!("({r})")
-                                    }
-                                )
-                            })
-                            .collect();
-                        seen.push(format!("{kind}/{name} [{}]", cs.join(" ")));
-                    }
-                    Ok(None) => {
-                        all = false;
-                        seen.push(format!("{kind}/{name} absent"));
-                    }
-                    Err(e) => {
-                        all = false;
-                        seen.push(format!("{kind}/{name}: {e}"));
-                    }
-                }
-            }
-            (all.then_some(()), seen.join("; "))
+            let seen = [
+                ready_state::<CacheTier>(client, namespace, names.tier).await,
+                ready_state::<PrefillPool>(client, namespace, names.prefill).await,
+                ready_state::<DecodePool>(client, namespace, names.decode).await,
+            ];
+            let all = seen.iter().all(|(ready, _)| *ready);
+            let lines: Vec<&str> = seen.iter().map(|(_, l)| l.as_str()).collect();
+            (all.then_some(()), lines.join("; "))
         },
     )
     .await
@@ -398,9 +447,9 @@ pub fn pod_rows(pods: &[Pod]) -> Vec<PodRow> {
         })
         .collect();
     let rank = |r: &str| match r {
-        "cache" => 0,
-        "prefill" => 1,
-        "decode" => 2,
+        ROLE_CACHE => 0,
+        ROLE_PREFILL => 1,
+        ROLE_DECODE => 2,
         _ => 3,
     };
     rows.sort_by(|a, b| {
@@ -466,19 +515,16 @@ pub async fn list_tandem_pods(
         .items)
 }
 
-/// `spec.replicas` of a DecodePool (1 when unset, the CRD default).
+/// `spec.replicas` of a DecodePool.
 pub async fn decode_replicas(
     client: &kube::Client,
     namespace: &str,
     pool: &str,
 ) -> Result<i64, StackError> {
-    let o = tandem_api(client, namespace, "DecodePool")
+    let o = Api::<DecodePool>::namespaced(client.clone(), namespace)
         .get(pool)
         .await?;
-    Ok(o.data
-        .pointer("/spec/replicas")
-        .and_then(|v| v.as_i64())
-        .unwrap_or(1))
+    Ok(i64::from(o.spec.replicas))
 }
 
 /// Merge-patches a DecodePool's spec.
@@ -488,7 +534,7 @@ pub async fn patch_decode_pool(
     pool: &str,
     spec: serde_json::Value,
 ) -> Result<(), StackError> {
-    tandem_api(client, namespace, "DecodePool")
+    Api::<DecodePool>::namespaced(client.clone(), namespace)
         .patch(
             pool,
             &PatchParams::default(),
@@ -526,14 +572,24 @@ mod tests {
     }
 
     #[test]
-    fn conditions_of_a_dynamic_object() {
-        let o: DynamicObject = serde_json::from_value(serde_json::json!({
-            "apiVersion": "serving.tandem.dev/v1alpha1", "kind": "DecodePool",
-            "metadata": {"name": "d"},
-            "status": {"conditions": [{"type": "Ready", "status": "True", "reason": "AllGroupsReady"}]}
-        }))
+    fn conditions_of_a_typed_status() {
+        let cs: Vec<Condition> = serde_json::from_value(serde_json::json!([
+            {"type": "Ready", "status": "True", "reason": "AllGroupsReady", "message": "",
+             "lastTransitionTime": "2026-01-01T00:00:00Z"}
+        ]))
         .unwrap();
-        assert!(is_ready(&o));
-        assert_eq!(conditions(&o)[0].2, "AllGroupsReady");
+        assert!(is_ready(&cs));
+        assert_eq!(conditions(&cs)[0].2, "AllGroupsReady");
+        let mut not_ready = cs.clone();
+        not_ready[0].status = "False".into();
+        assert!(!is_ready(&not_ready) && !is_ready(&[]));
+        assert_eq!(
+            crd_names(),
+            [
+                "cachetiers.serving.tandem.dev",
+                "prefillpools.serving.tandem.dev",
+                "decodepools.serving.tandem.dev"
+            ]
+        );
     }
 }

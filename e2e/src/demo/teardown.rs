@@ -7,9 +7,10 @@
 //! the first `deletionTimestamp` observation per pod is recorded alongside for the report.
 
 use serde::{Deserialize, Serialize};
+use tandem_crds::labels::{ROLE_CACHE, ROLE_DECODE, ROLE_PREFILL};
 
 /// The pod roles of a stack (label `serving.tandem.dev/role`) in teardown order.
-pub const TEARDOWN_ORDER: [&str; 3] = ["decode", "prefill", "cache"];
+pub const TEARDOWN_ORDER: [&str; 3] = [ROLE_DECODE, ROLE_PREFILL, ROLE_CACHE];
 
 /// One pod's end, as observed.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

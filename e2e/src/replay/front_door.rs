@@ -1,5 +1,5 @@
-//! The DecodePool front door's wire format (INTERFACES §3): the request body, the streamed chunks,
-//! the final `tandem` block, and an incremental `text/event-stream` decoder.
+//! The DecodePool front door's wire format (worker/interfaces/README.md §3): the request body, the
+//! streamed chunks, the final `tandem` block, and an incremental `text/event-stream` decoder.
 
 use serde::{Deserialize, Serialize};
 
@@ -39,7 +39,7 @@ impl CompletionRequest {
     }
 }
 
-/// Prefix tokens served per tier (INTERFACES §3 `tandem.prefix_hit_tokens`).
+/// Prefix tokens served per tier (worker/interfaces/README.md §3 `tandem.prefix_hit_tokens`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct TierTokens {

@@ -2,7 +2,8 @@
 //!
 //! * [`workload`]: the Mooncake trace schema, its loader, and a seeded generator in the same schema.
 //! * [`schedule`]: pure timing rules (scaled send times, back-off, outcome classes).
-//! * [`front_door`]: the wire format of INTERFACES §3 and an incremental SSE decoder.
+//! * [`front_door`]: the wire format of worker/interfaces/README.md §3 and an incremental SSE
+//!   decoder.
 //! * [`targets`]: fixed URLs or the Ready decode pods of a DecodePool, refreshed while it runs.
 //! * [`driver`]: sends each request at its scaled time, streams it, times it, retries elsewhere.
 

@@ -73,8 +73,9 @@ pub fn classify(attempts: u32, completed: bool) -> Outcome {
     }
 }
 
-/// Whether an HTTP status from the front door is worth retrying on another target (INTERFACES §3:
-/// 503 not ready / draining / no prefill peer of this revision, 429 at capacity).
+/// Whether an HTTP status from the front door is worth retrying on another target
+/// (worker/interfaces/README.md §3: 503 not ready / draining / no prefill peer of this revision,
+/// 429 at capacity).
 pub fn retryable_status(status: u16) -> bool {
     matches!(status, 503 | 429)
 }

@@ -12,16 +12,12 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::ListParams;
 
-/// Label keys the operator puts on every pod it renders (`operator/src/labels.rs`).
-pub const POOL_LABEL: &str = "serving.tandem.dev/pool";
-/// See [`POOL_LABEL`].
-pub const ROLE_LABEL: &str = "serving.tandem.dev/role";
-/// See [`POOL_LABEL`].
-pub const GROUP_LABEL: &str = "serving.tandem.dev/group";
-/// See [`POOL_LABEL`].
-pub const REVISION_LABEL: &str = "serving.tandem.dev/revision";
-/// The decode front door's container port (INTERFACES §2).
-pub const FRONT_DOOR_PORT: u16 = 8000;
+/// Label keys the operator puts on every pod it renders (`tandem_crds::labels`).
+pub use tandem_crds::labels::{
+    GROUP as GROUP_LABEL, POOL as POOL_LABEL, REVISION as REVISION_LABEL, ROLE as ROLE_LABEL,
+};
+/// The decode front door's container port (`tandem_crds::ports`).
+pub use tandem_crds::ports::FRONT_DOOR_PORT;
 
 /// A shared, replaceable list of base URLs (`http://ip:port`).
 #[derive(Debug, Clone, Default)]
@@ -85,7 +81,10 @@ pub fn serving_urls(pods: &[Pod], port: u16) -> Vec<String> {
 
 /// Label selector of a DecodePool's decode pods.
 pub fn decode_selector(pool: &str) -> String {
-    format!("{POOL_LABEL}={pool},{ROLE_LABEL}=decode")
+    format!(
+        "{POOL_LABEL}={pool},{ROLE_LABEL}={}",
+        tandem_crds::labels::ROLE_DECODE
+    )
 }
 
 /// The front doors of DecodePool `pool` in `namespace`, right now.

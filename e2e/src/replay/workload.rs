@@ -3,32 +3,20 @@
 //! One request a line: `{"timestamp": ms, "input_length": tokens, "output_length": tokens,
 //! "hash_ids": [u64]}` (Mooncake FAST'25 `conversation_trace.jsonl`, see
 //! `shared/data/mooncake/README.md`). `hash_ids[i]` identifies the prefix of `(i+1) × 512` tokens,
-//! so `len(hash_ids) == ceil(input_length / 512)` and equal ids mean equal prefixes.
+//! so `len(hash_ids) == ceil(input_length / 512)` and equal ids mean equal prefixes. The request
+//! type and its parser are the worker's (`tandem_interfaces::trace`, worker/interfaces/README.md
+//! §7).
 
 use std::collections::HashSet;
-use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use serde::{Deserialize, Serialize};
+use tandem_interfaces::trace::{TraceError, TraceReader};
 
-/// Tokens per `hash_ids` block in the Mooncake trace.
-pub const BLOCK_TOKENS: u32 = 512;
-
-/// One request of a workload, exactly the trace's schema.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TraceRequest {
-    /// Arrival time in ms, relative to the trace start (non-decreasing over a file).
-    pub timestamp: u64,
-    /// Prompt length in tokens.
-    pub input_length: u32,
-    /// Completion length in tokens.
-    pub output_length: u32,
-    /// Prefix identity, one id per 512-token block.
-    pub hash_ids: Vec<u64>,
-}
+/// One request of a workload, exactly the trace's schema; tokens per `hash_ids` block; tokens in
+/// block `i` of a prompt.
+pub use tandem_interfaces::trace::{BLOCK_TOKENS, TraceRequest, block_len};
 
 /// Why a trace could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -53,52 +41,31 @@ pub enum WorkloadError {
     },
 }
 
-/// Reads the first `limit` requests (all when `None`) of a JSONL trace. Blank lines are skipped.
+/// Reads the first `limit` requests (all when `None`) of a JSONL trace ([`TraceReader`]). Blank
+/// lines are skipped.
 ///
 /// Errors: [`WorkloadError::Io`] when the file cannot be read, [`WorkloadError::Malformed`] for a
 /// line that does not parse, a timestamp that goes backwards, or a block count that contradicts
 /// `input_length` (`len(hash_ids) != ceil(input_length / 512)`).
 pub fn load_trace(path: &Path, limit: Option<usize>) -> Result<Vec<TraceRequest>, WorkloadError> {
-    let io = |source| WorkloadError::Io {
+    let file = std::fs::File::open(path).map_err(|source| WorkloadError::Io {
         path: path.to_owned(),
         source,
-    };
-    let file = std::fs::File::open(path).map_err(io)?;
-    let mut out = Vec::new();
-    let mut last_ts = 0;
-    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-        if limit.is_some_and(|n| out.len() >= n) {
-            break;
-        }
-        let line = line.map_err(io)?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let malformed = |message: String| WorkloadError::Malformed {
-            path: path.to_owned(),
-            line: i + 1,
-            message,
-        };
-        let req: TraceRequest =
-            serde_json::from_str(&line).map_err(|e| malformed(e.to_string()))?;
-        if req.timestamp < last_ts {
-            return Err(malformed(format!(
-                "timestamp {} goes back (previous {last_ts})",
-                req.timestamp
-            )));
-        }
-        let blocks = req.input_length.div_ceil(BLOCK_TOKENS) as usize;
-        if req.hash_ids.len() != blocks {
-            return Err(malformed(format!(
-                "{} hash_ids for input_length {} (want {blocks})",
-                req.hash_ids.len(),
-                req.input_length
-            )));
-        }
-        last_ts = req.timestamp;
-        out.push(req);
-    }
-    Ok(out)
+    })?;
+    TraceReader::new(std::io::BufReader::new(file))
+        .take(limit.unwrap_or(usize::MAX))
+        .collect::<Result<_, _>>()
+        .map_err(|e| match e {
+            TraceError::Io(source) => WorkloadError::Io {
+                path: path.to_owned(),
+                source,
+            },
+            TraceError::Line { line, problem } => WorkloadError::Malformed {
+                path: path.to_owned(),
+                line,
+                message: problem.to_string(),
+            },
+        })
 }
 
 /// The workload of the `--trace` / `--requests` flags: the trace's first `requests` lines, or
@@ -154,12 +121,6 @@ pub fn ceiling_hit_tokens(requests: &[TraceRequest]) -> Vec<u64> {
             hit
         })
         .collect()
-}
-
-/// Tokens in block `i` of a prompt of `input_length` tokens (512 except a partial last block).
-pub fn block_len(input_length: u32, i: usize) -> u32 {
-    let start = (i as u32).saturating_mul(BLOCK_TOKENS);
-    input_length.saturating_sub(start).min(BLOCK_TOKENS)
 }
 
 /// Knobs of [`generate`]. The defaults make a few-minute demo workload whose unbounded hit ratio
@@ -256,14 +217,6 @@ pub fn generate(config: &GeneratorConfig) -> Vec<TraceRequest> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn block_lengths_count_the_partial_last_block() {
-        assert_eq!(block_len(1100, 0), 512);
-        assert_eq!(block_len(1100, 1), 512);
-        assert_eq!(block_len(1100, 2), 76);
-        assert_eq!(block_len(1100, 3), 0);
-    }
 
     #[test]
     fn unbounded_hit_ratio_counts_the_leading_run_only() {

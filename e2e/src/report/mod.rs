@@ -2,7 +2,8 @@
 //! and PNG plots.
 //!
 //! * [`percentile`]: nearest-rank percentiles.
-//! * [`workers`]: worker `/report` bodies (INTERFACES §4) and their aggregation across restarts.
+//! * [`workers`]: worker `/report` bodies (worker/interfaces/README.md §4) and their aggregation
+//!   across restarts.
 //! * [`sampler`]: polls every worker's `/report` once a second while the replay runs.
 //! * [`events`]: scale/restart/pod events on the replay clock.
 //! * [`summary`]: the pure aggregation into [`summary::Summary`] (`results.json`).

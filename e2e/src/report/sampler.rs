@@ -11,8 +11,8 @@ use super::workers::{Sample, WorkerReport};
 use crate::replay::schedule::Clock;
 use crate::replay::targets::ROLE_LABEL;
 
-/// The health port of every worker role (INTERFACES §2).
-pub const HEALTH_PORT: u16 = 8080;
+/// The health port of every worker role (`tandem_crds::ports`; worker/interfaces/README.md §2).
+pub use tandem_crds::ports::HEALTH_PORT;
 
 /// One worker to sample.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,4 +1,4 @@
-//! Worker `/report` samples (INTERFACES §4) and their aggregation.
+//! Worker `/report` samples (worker/interfaces/README.md §4) and their aggregation.
 //!
 //! Counters are cumulative per worker process and start over when the process restarts, so a
 //! total is the sum, over every process *incarnation*, of its last sampled value. An incarnation
@@ -9,102 +9,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-/// The counters of INTERFACES §4 (all u64; a counter a worker does not report is 0).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct Counters {
-    /// Requests completed.
-    pub requests_ok: u64,
-    /// Requests failed.
-    pub requests_failed: u64,
-    /// Prompt tokens looked up in the prefix cache.
-    pub prefix_lookup_tokens: u64,
-    /// Prefix tokens found in L1 (device).
-    pub prefix_hit_tokens_l1: u64,
-    /// Prefix tokens found in L2 (host).
-    pub prefix_hit_tokens_l2: u64,
-    /// Prefix tokens found in L3 (CacheTier store).
-    pub prefix_hit_tokens_l3: u64,
-    /// KV bytes sent (prefill → decode).
-    pub kv_bytes_sent: u64,
-    /// KV bytes received.
-    pub kv_bytes_received: u64,
-    /// Transfer rooms aborted (DESIGN contract 3).
-    pub rooms_aborted: u64,
-    /// Abort acknowledgements received.
-    pub abort_acks: u64,
-    /// Pages quarantined because a write could still land.
-    pub pages_quarantined: u64,
-    /// Pages whose verification failed on read (must stay 0).
-    pub corrupt_pages_read: u64,
-    /// Pages loaded back from L3 after a restart (DESIGN contract 7).
-    pub l3_pages_loaded_back: u64,
-    /// Pages written to L3.
-    pub l3_pages_written: u64,
-}
-
-macro_rules! each_counter {
-    ($m:ident) => {
-        $m!(
-            requests_ok,
-            requests_failed,
-            prefix_lookup_tokens,
-            prefix_hit_tokens_l1,
-            prefix_hit_tokens_l2,
-            prefix_hit_tokens_l3,
-            kv_bytes_sent,
-            kv_bytes_received,
-            rooms_aborted,
-            abort_acks,
-            pages_quarantined,
-            corrupt_pages_read,
-            l3_pages_loaded_back,
-            l3_pages_written
-        )
-    };
-}
-
-impl Counters {
-    /// Field-wise sum (saturating).
-    pub fn add(&mut self, o: &Counters) {
-        macro_rules! add {
-            ($($f:ident),*) => { $( self.$f = self.$f.saturating_add(o.$f); )* };
-        }
-        each_counter!(add);
-    }
-
-    /// Some counter is lower than in `earlier`: the process started over.
-    pub fn went_back_from(&self, earlier: &Counters) -> bool {
-        macro_rules! back {
-            ($($f:ident),*) => { false $( || self.$f < earlier.$f )* };
-        }
-        each_counter!(back)
-    }
-}
-
-/// A worker's `/report` body.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct WorkerReport {
-    /// Admitting work.
-    pub ready: bool,
-    /// prefill | decode | cache | store-client.
-    pub role: String,
-    /// Pool (or tier) name.
-    pub pool: String,
-    /// Revision the worker runs.
-    pub revision: String,
-    /// Degradations (free-form reasons).
-    pub degraded: Vec<serde_json::Value>,
-    /// Cumulative counters.
-    pub counters: Counters,
-    /// Cache replicas: loadback finished.
-    pub warm: Option<bool>,
-    /// Cache replicas: objects held.
-    pub objects: Option<u64>,
-    /// Cache replicas: bytes held.
-    pub bytes: Option<u64>,
-}
+/// The counters of a worker's `/report` (worker/interfaces/README.md §4; all u64, a counter a
+/// worker does not report is 0), and the report body: the worker's own schema.
+pub use tandem_interfaces::report::{ReportCounters as Counters, WorkerReport};
 
 /// One GET of one worker's `/report`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -1,4 +1,5 @@
-//! Service emulation: a hosts file written from Services, pods and EndpointSlices (INTERFACES §5).
+//! Service emulation: a hosts file written from Services, pods and EndpointSlices
+//! (worker/interfaces/README.md §5).
 //!
 //! There is no kube-proxy and no cluster DNS: a ClusterIP goes nowhere. Instead the runner keeps
 //! one file in hosts(5) format, `<runner dir>/hosts`, and gives every pod its path in
@@ -166,7 +167,7 @@ fn pod_ready(pod: &Pod) -> bool {
 }
 
 /// The addresses a hosts-file text gives `name` (exact match of any name on a line), in file
-/// order — the lookup a worker does (INTERFACES §2).
+/// order — the lookup a worker does (worker/interfaces/README.md §2).
 pub fn resolve(hosts: &str, name: &str) -> Vec<String> {
     hosts
         .lines()

@@ -97,12 +97,12 @@ pub struct RunnerConfig {
     pub api_port: u16,
 }
 
-/// What the runner adds to every pod beyond its spec (INTERFACES §5).
+/// What the runner adds to every pod beyond its spec (worker/interfaces/README.md §5).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PodDefaults {
     /// Extra environment variables (`--pod-env K=V`), set after the runner's own variables and
     /// before the container's `envFrom`/`env`, which therefore override them. Used for the
-    /// worker's simulation knobs (`TANDEM_SIM_*`, INTERFACES §2).
+    /// worker's simulation knobs (`TANDEM_SIM_*`, worker/interfaces/README.md §2).
     pub env: Vec<(String, String)>,
 }
 

@@ -1,4 +1,5 @@
-//! Local persistent volumes: the `tandem-e2e-local` StorageClass and its provisioner (INTERFACES §5).
+//! Local persistent volumes: the `tandem-e2e-local` StorageClass and its provisioner
+//! (worker/interfaces/README.md §5).
 //!
 //! `cluster up` creates [`storage_class`], the cluster's default class (provisioner
 //! [`PROVISIONER`], `Immediate` binding, reclaim `Delete`). The runner plays the external

@@ -12,7 +12,7 @@ use kube::{Api, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use tandem_crds::conditions as cond;
 use tandem_crds::{PoolStatus, RolloutStatus, ScalingStatus};
-use tandem_worker::config::WorkerConfig;
+use tandem_interfaces::config::WorkerConfig;
 
 use super::children::{self, ApplyReason, normal, warning};
 use super::{Context, RESYNC, Result};

@@ -1,26 +1,24 @@
-//! `GET http://<podIP>:8080/report` of a cache replica (INTERFACES §4): its `warm` flag and
-//! object counts, for the CacheTier's `CacheWarm` condition and capacity figures.
+//! `GET http://<podIP>:8080/report` of a cache replica (worker/interfaces/README.md §4, parsed as
+//! its [`WorkerReport`]): its `warm` flag and object counts, for the CacheTier's `CacheWarm`
+//! condition and capacity figures.
 //!
 //! A plain HTTP/1.0 request over a TCP stream with a short deadline; any failure is `None` and the
 //! caller falls back to pod readiness (the condition's reason says which source was used).
 
 use std::time::Duration;
 
-use serde::Deserialize;
+use tandem_interfaces::report::WorkerReport;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// The fields of a cache replica's report the operator reads.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+/// The fields of a cache replica's report the operator reads (absent = `false` / 0).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheReport {
     /// Loadback finished.
-    #[serde(default)]
     pub warm: bool,
     /// Objects held.
-    #[serde(default)]
     pub objects: u64,
     /// Bytes held.
-    #[serde(default)]
     pub bytes: u64,
 }
 
@@ -51,7 +49,12 @@ pub fn parse_response(buf: &[u8]) -> Option<CacheReport> {
     if status != "200" {
         return None;
     }
-    serde_json::from_str(body.trim()).ok()
+    let report: WorkerReport = serde_json::from_str(body.trim()).ok()?;
+    Some(CacheReport {
+        warm: report.warm.unwrap_or(false),
+        objects: report.objects.unwrap_or(0),
+        bytes: report.bytes.unwrap_or(0),
+    })
 }
 
 #[cfg(test)]

@@ -1,16 +1,17 @@
 //! A pool's resolved policy, config and revision; and the revision a DecodePool and its
 //! PrefillPool share.
 //!
-//! Workers pair only with peers whose config `revision` equals their own (INTERFACES §2), so a
-//! paired decode and prefill pool must carry the **same** revision string. It is the hash of both
-//! pools' own revisions ([`crate::render::workload::revision`]: config, image, resources, pod
-//! overrides, `restart.id`). Any change to either pool — including the DecodePool's `restart.id`
-//! — thus rolls both, prefill first (see [`crate::rollout`]).
+//! Workers pair only with peers whose config `revision` equals their own
+//! (worker/interfaces/README.md §2), so a paired decode and prefill pool must carry the **same**
+//! revision string. It is the hash of both pools' own revisions
+//! ([`crate::render::workload::revision`]: config, image, resources, pod overrides, `restart.id`).
+//! Any change to either pool — including the DecodePool's `restart.id` — thus rolls both, prefill
+//! first (see [`crate::rollout`]).
 
 use kube::Api;
 use sha2::{Digest, Sha256};
 use tandem_crds::CacheTier;
-use tandem_worker::config::WorkerConfig;
+use tandem_interfaces::config::WorkerConfig;
 
 use super::{Context, Result};
 use crate::policy::{self, MemoryPolicy, PolicyConflict, TierLookup};

@@ -2,25 +2,19 @@
 //! that config or rejected").
 
 use tandem_crds::{AttentionKind, ModelSpec, Transport};
-use tandem_worker::config::{
+use tandem_interfaces::config::{
     CONFIG_API_VERSION, CacheConfig, IndexerGeometry, LayerSplit, MemoryPolicy as ConfigMemory,
     Parallelism, Peers, Ports, SpecGuard, Speculative, TransportChoice, WorkerConfig, WorkerRole,
 };
-use tandem_worker::model::{Attention, ModelIdentity};
+use tandem_interfaces::model::{Attention, ModelIdentity};
 
 use super::PoolView;
 use crate::labels::{self, Role};
 use crate::policy::MemoryPolicy;
 use crate::quantity::{self, QuantityError};
 
-/// gRPC control port of every worker.
-pub const CONTROL_PORT: u16 = 7000;
-/// TCP data port of every worker.
-pub const DATA_PORT: u16 = 7001;
-/// Health/readiness/metrics port of every worker.
-pub const HEALTH_PORT: u16 = 8080;
-/// Container port of the decode front door (the Service maps `frontDoor.port` to it).
-pub const FRONT_DOOR_PORT: u16 = 8000;
+/// The ports every worker listens on (defined in `tandem-crds`, which e2e shares).
+pub use tandem_crds::ports::{CONTROL_PORT, DATA_PORT, FRONT_DOOR_PORT, HEALTH_PORT};
 
 /// Why a pool's config cannot be rendered (reported as a `Degraded` condition; nothing rolls out).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -9,8 +9,8 @@
 //!
 //! The StatefulSet uses `RollingUpdate` (one replica at a time, the next only once the previous is
 //! Ready): a store replica is Ready as soon as it serves, while loadback continues in the
-//! background (INTERFACES §2: "warming is NOT unready for cache"), so clients lose at most one
-//! replica's objects at a time, and only until its loadback ends.
+//! background (worker/interfaces/README.md §2: "warming is NOT unready for cache"), so clients lose
+//! at most one replica's objects at a time, and only until its loadback ends.
 
 use std::collections::BTreeMap;
 
@@ -30,22 +30,23 @@ use sha2::{Digest, Sha256};
 use tandem_crds::{
     CacheTier, EvictionPolicy, RegistrationFailurePolicy, WritePolicy as TierWritePolicy,
 };
-use tandem_worker::config::{
+use tandem_interfaces::config::{
     CACHE_TIER_CONFIG_API_VERSION, CACHE_TIER_CONFIG_FILE, CacheEviction, CachePorts,
     CacheTierConfig, DEFAULT_MAX_PARALLEL, EvictionOrder, IndexerGeometry, WritePolicy,
 };
-use tandem_worker::pool::PoolLayout;
-use tandem_worker::registration::FailurePolicy;
+use tandem_interfaces::memory::FailurePolicy;
+use tandem_interfaces::memory::PoolLayout;
 
 use super::config::{HEALTH_PORT, RenderError, model_identity};
 use super::workload::CONFIG_DIR;
 use crate::labels::{self, Role};
 use crate::quantity;
 
-/// L3 protocol port of every store replica (INTERFACES §2).
-pub const L3_PORT: u16 = 7420;
-/// Data directory of a store replica (INTERFACES §2).
-pub const DATA_DIR: &str = "/var/lib/tandem/cache";
+/// L3 protocol port of every store replica (defined in `tandem-crds`; worker/interfaces/README.md
+/// §2).
+pub use tandem_crds::ports::L3_PORT;
+/// Data directory of a store replica (worker/interfaces/README.md §2).
+pub const DATA_DIR: &str = tandem_interfaces::config::DEFAULT_CACHE_DATA_DIR;
 /// File name of the tier config inside `<tier>-config`.
 pub const TIER_CONFIG_FILE: &str = CACHE_TIER_CONFIG_FILE;
 /// Schema version of [`TierConfig`].
@@ -54,8 +55,8 @@ pub const TIER_CONFIG_API_VERSION: &str = CACHE_TIER_CONFIG_API_VERSION;
 pub const STORE_TERMINATION_GRACE_SECONDS: i64 = 60;
 
 /// The resolved config of one store replica: the worker crate's
-/// [`CacheTierConfig`](tandem_worker::config::CacheTierConfig) (INTERFACES §2), written as
-/// `tier.json` and read by `tandem-worker cache --config /etc/tandem/tier.json`.
+/// [`CacheTierConfig`](tandem_interfaces::config::CacheTierConfig) (worker/interfaces/README.md
+/// §2), written as `tier.json` and read by `tandem-worker cache --config /etc/tandem/tier.json`.
 ///
 /// Every CacheTier spec field lands here, in the client pools' worker config (allocator, client
 /// mode, registration-failure policy, write policy, page tokens — see `render::config`), or in the

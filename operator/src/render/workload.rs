@@ -19,8 +19,8 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use sha2::{Digest, Sha256};
-use tandem_worker::config::{CONFIG_FILE, WorkerConfig};
-use tandem_worker::store_client::ClientMode;
+use tandem_interfaces::config::{CONFIG_FILE, WorkerConfig};
+use tandem_interfaces::memory::ClientMode;
 
 use super::PoolView;
 use super::config::{CONTROL_PORT, DATA_PORT, FRONT_DOOR_PORT, HEALTH_PORT};

@@ -4,7 +4,7 @@
 use super::hit_accounting::HitAccounting;
 use super::l3_store::{L3Error, L3Store};
 use super::manifest::{ObjectKey, ShardCoords};
-use super::trace::{TRACE_BLOCK_TOKENS, TraceRequest};
+use super::trace::{TRACE_BLOCK_TOKENS, TracePageKeys, TraceRequest};
 use crate::pool::PoolRole;
 
 /// What a replay needs from a store.
@@ -75,7 +75,7 @@ pub fn replay_l3<B: L3Backend>(
         let matched = super::prefix_index::PrefixMatch {
             tiers: vec![super::prefix_index::Tier::L3Store; hit],
         };
-        acc.record(req.input_length, TRACE_BLOCK_TOKENS, &matched);
+        acc.record(u64::from(req.input_length), TRACE_BLOCK_TOKENS, &matched);
         if mode == ReplayMode::Fill {
             for key in &keys[hit..] {
                 store.put(*key, &object_bytes(key))?;

@@ -17,28 +17,15 @@ use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3;
 
 use super::page_key::PageKey;
-use crate::model::ModelIdentity;
-use crate::pool::{PoolLayout, PoolRole};
+use crate::pool::PoolRole;
 
 /// Manifest format version; a manifest of another version is a mismatch (a miss), never a crash.
 pub const MANIFEST_FORMAT: u32 = 1;
 
-/// What every object of one store must agree on. A restart with a different value (another model,
-/// layout, page size or parallel layout) makes every old object a miss (reference TC-L3-02).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct StoreIdentity {
-    /// Model identity and KV geometry (`model.rs`).
-    pub model: ModelIdentity,
-    /// Chunk order of the object bytes.
-    pub layout: PoolLayout,
-    /// Tokens per page (DESIGN §2 `pageTokens`).
-    pub page_tokens: u32,
-    /// Tensor-parallel size of the writers.
-    pub tp_size: u32,
-    /// Context-parallel size of the writers (LayerSplit splits layers across CP ranks).
-    pub cp_size: u32,
-}
+/// What every object of one store must agree on; the cache-tier config names it
+/// ([`CacheTierConfig::identity`](crate::config::CacheTierConfig::identity)), so it lives in
+/// `tandem-interfaces` (worker/interfaces/README.md §2).
+pub use tandem_interfaces::config::StoreIdentity;
 
 /// Which rank's share of a page an object holds: the TP rank, and the CP rank with its owned layer
 /// range `[layer_start, layer_end)` (DESIGN contract 6: L3 keys are per owned layer range, so two
@@ -176,7 +163,8 @@ pub fn sync_dir(dir: &Path) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Attention;
+    use crate::model::{Attention, ModelIdentity};
+    use crate::pool::PoolLayout;
 
     fn identity() -> StoreIdentity {
         StoreIdentity {

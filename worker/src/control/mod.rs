@@ -1,5 +1,6 @@
-//! gRPC control between workers (tonic; `proto/tandem/transfer/v1/transfer.proto`, compiled by protox
-//! in `build.rs`, no `protoc`).
+//! gRPC control between workers (tonic; `worker/interfaces/proto/tandem/transfer/v1/transfer.proto`,
+//! compiled by protox, no `protoc`: the messages in `tandem-interfaces`, the client and server by
+//! this crate's `build.rs`).
 //!
 //! - [`prefill`]: the prefill worker's `Transfer` service — opens sender rooms, runs the simulated
 //!   engine, posts KV writes over the data transport, and answers aborts through the sender room table
@@ -12,9 +13,11 @@
 pub mod decode;
 pub mod prefill;
 
-/// Generated protobuf types, client and server.
+/// The peer protocol (worker/interfaces/README.md §6): the message types of `tandem-interfaces`
+/// and the tonic client and server `build.rs` generates over them.
 #[allow(missing_docs, clippy::all, clippy::pedantic)]
 pub mod pb {
+    pub use tandem_interfaces::peer::pb::*;
     tonic::include_proto!("tandem.transfer.v1");
 }
 

@@ -9,20 +9,11 @@
 //! - `PageFirst`: `[page][layer]` — offset `(page × layers + layer) × chunk`; one page of all layers is
 //!   contiguous (what a page transfer or an L3 object wants).
 
-use serde::{Deserialize, Serialize};
-
 use crate::model::ModelIdentity;
 
-/// Order of page-layer chunks in a pool buffer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
-#[serde(rename_all = "camelCase")]
-pub enum PoolLayout {
-    /// `[layer][page]`.
-    #[default]
-    LayerFirst,
-    /// `[page][layer]`.
-    PageFirst,
-}
+/// Order of page-layer chunks in a pool buffer; named in the cache-tier config, so it lives in
+/// `tandem-interfaces` (worker/interfaces/README.md §2).
+pub use tandem_interfaces::memory::PoolLayout;
 
 /// The shape of one pool: how many pages, of how many tokens, over how many layers, in which layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -29,18 +29,9 @@ use crate::store_client::{BufferRef, ClientMode, StoreClient};
 use super::metrics::RegistrationMetrics;
 use super::registry::{DeregisterError, RegisterError, RegistrationId, Registry};
 
-/// What to do when registering a pool fails (DESIGN §2/§3 contract 2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub enum FailurePolicy {
-    /// Fail startup with an error naming allocator, client mode, buffer size and phase. The default
-    /// when L3 was asked for: serving silently with other semantics is worse than not serving.
-    #[default]
-    FailClosed,
-    /// Continue without L3 for this pool: a warning log, `tandem_l3_fallback_total{role}` and a reason
-    /// in the health report.
-    FallbackToL2,
-}
+/// What to do when registering a pool fails (DESIGN §2/§3 contract 2); named in the worker config,
+/// so it lives in `tandem-interfaces` (worker/interfaces/README.md §2).
+pub use tandem_interfaces::memory::FailurePolicy;
 
 /// Transaction states (DESIGN contract 2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -13,7 +13,7 @@ use tandem_worker::cache::l3_server::L3Server;
 use tandem_worker::cache::l3_store::{L3Config, L3Store};
 use tandem_worker::cache::manifest::StoreIdentity;
 
-use tandem_worker::config::{CacheTierConfig, resolve_path};
+use tandem_worker::config::{CacheTierConfig, LoadConfig, resolve_path};
 use tandem_worker::serve::counters::mirror;
 use tandem_worker::serve::health::{ServeState, router, spawn_http};
 
@@ -161,8 +161,9 @@ pub fn run(args: Args) -> Result<(), RoleError> {
     Ok(())
 }
 
-/// The replica's health port: ready at once (warming is not unready; INTERFACES §2), `/report`
-/// with `warm`, `objects` and `bytes`, and the store counters mirrored into the §4 names.
+/// The replica's health port: ready at once (warming is not unready; worker/interfaces/README.md
+/// §2), `/report` with `warm`, `objects` and `bytes`, and the store counters mirrored into the §4
+/// names.
 async fn serve_health(
     addr: SocketAddr,
     tier: &str,

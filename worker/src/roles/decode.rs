@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tandem_worker::config::LoadConfig;
 use tandem_worker::control::KvLayout;
 use tandem_worker::control::decode::{DecodeConfig, DecodeNode, TransferOutcome};
 use tandem_worker::control::pb::RequestSpec;

@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tandem_worker::config::LoadConfig;
 use tandem_worker::control::KvLayout;
 use tandem_worker::control::prefill::{PrefillConfig, PrefillNode, PrefillService};
 use tandem_worker::transfer::Transport;

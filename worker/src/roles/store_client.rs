@@ -11,7 +11,7 @@ use tandem_worker::store_client::server::{ServerConfig, StoreClientServer};
 
 use std::net::SocketAddr;
 
-use tandem_worker::config::{WorkerConfig, resolve_path};
+use tandem_worker::config::{LoadConfig, WorkerConfig, resolve_path};
 use tandem_worker::serve::health::{ServeState, router, spawn_http};
 
 use crate::RoleError;

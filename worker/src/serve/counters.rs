@@ -1,5 +1,6 @@
 //! The serving counters of one worker: one set of monotonic `u64`s, exported both as the
-//! `counters` object of `/report` (INTERFACES §4, exact names) and as Prometheus counters
+//! `counters` object of `/report` (worker/interfaces/README.md §4; the names and their docs are
+//! `tandem_interfaces::with_report_counters!`, the one list) and as Prometheus counters
 //! `tandem_<name>_total` on `/metrics`; plus [`ReasonCounters`], counters labelled by a reason code
 //! (`tandem_<name>_total{reason="…"}`).
 
@@ -21,6 +22,13 @@ macro_rules! counters {
                 vec![$((stringify!($name), self.$name.get()),)*]
             }
 
+            /// The values now, as the `counters` object of `/report`.
+            pub fn report(&self) -> tandem_interfaces::report::ReportCounters {
+                tandem_interfaces::report::ReportCounters {
+                    $($name: self.$name.get(),)*
+                }
+            }
+
             /// Registers every counter as `tandem_<name>` (the text encoder appends `_total`).
             pub fn register(&self, registry: &mut Registry) {
                 $(registry.register(
@@ -33,46 +41,7 @@ macro_rules! counters {
     };
 }
 
-counters! {
-    /// Requests answered successfully (decode: completions; prefill: rooms whose writes all landed).
-    requests_ok,
-    /// Requests that failed after admission.
-    requests_failed,
-    /// Prompt tokens looked up in the prefix index.
-    prefix_lookup_tokens,
-    /// Prompt tokens served from the device pool.
-    prefix_hit_tokens_l1,
-    /// Prompt tokens served from the host pool.
-    prefix_hit_tokens_l2,
-    /// Prompt tokens served from the CacheTier store.
-    prefix_hit_tokens_l3,
-    /// KV bytes whose writes completed (prefill).
-    kv_bytes_sent,
-    /// KV bytes received and verified (decode).
-    kv_bytes_received,
-    /// Rooms aborted (decode: failed rooms; prefill: aborts received).
-    rooms_aborted,
-    /// Abort acks (decode: received; prefill: sent).
-    abort_acks,
-    /// Pages put in quarantine (no ack, no proof) — an alarm when non-zero.
-    pages_quarantined,
-    /// KV chunks that failed verification on read — must stay 0.
-    corrupt_pages_read,
-    /// L3 objects loaded back into L2 at start.
-    l3_pages_loaded_back,
-    /// Pages written to the L3 store.
-    l3_pages_written,
-    /// Requests retried on another prefill peer after a peer failure.
-    requests_retried,
-    /// Prefill peers refused for another revision (one per refused handshake).
-    peer_revision_refusals,
-    /// Requests refused at admission (not ready, draining, no peer, capacity).
-    requests_refused,
-    /// Decode attempts aborted by the speculative-decoding guard (DESIGN contract 8).
-    spec_guard_aborts,
-    /// Attempts retried on another prefill peer after a spec-guard abort.
-    spec_guard_retries,
-}
+tandem_interfaces::with_report_counters!(counters);
 
 type ReasonFamily = Family<Vec<(String, String)>, Counter>;
 

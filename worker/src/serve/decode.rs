@@ -1,4 +1,5 @@
-//! `tandem-worker decode --config`: the decode serving process (INTERFACES §2, §3).
+//! `tandem-worker decode --config`: the decode serving process (worker/interfaces/README.md §2,
+//! §3).
 //!
 //! Owns the KV receive region (data port), the same-revision prefill [`PeerSet`], and the front
 //! door. Per request ([`DecodeEngine::prefill`]): pick a peer round-robin, open a room for the
@@ -25,7 +26,8 @@
 //! [`super::sim`]) makes the simulated draft anomalous.
 //!
 //! `/report` adds `peers`, `refused_peers`, `kv_pages` `{free, held, quarantined}` (pages of the
-//! receive region) and `spec_guard` `{enabled, anomalies_by_reason}` to INTERFACES §4.
+//! receive region) and `spec_guard` `{enabled, anomalies_by_reason}` to worker/interfaces/README.md
+//! §4.
 //!
 //! Readiness: ready only while at least one same-revision prefill peer is connected; `/report`
 //! says why not otherwise. Drain (SIGTERM): readiness 503 at once, new requests 503, in-flight

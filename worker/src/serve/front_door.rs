@@ -1,4 +1,4 @@
-//! The OpenAI-compatible front door of a decode worker (INTERFACES §3).
+//! The OpenAI-compatible front door of a decode worker (worker/interfaces/README.md §3).
 //!
 //! - `POST /v1/completions`: body `model`, `prompt` (string, array of strings, or array of token
 //!   ids), `max_tokens` (default 16), `stream`, and the Tandem extensions `kv_block_hashes` (prefix

@@ -1,6 +1,6 @@
-//! The health port of every role (INTERFACES §2): `GET /healthz` (200 while the process runs),
-//! `GET /readyz` (200 only while admitting; 503 while starting or draining, with the reason),
-//! `GET /metrics` (Prometheus text) and `GET /report` (INTERFACES §4 JSON).
+//! The health port of every role (worker/interfaces/README.md §2): `GET /healthz` (200 while the
+//! process runs), `GET /readyz` (200 only while admitting; 503 while starting or draining, with the
+//! reason), `GET /metrics` (Prometheus text) and `GET /report` (the JSON of §4 there).
 //!
 //! [`ServeState`] is the one place a serving process records its phase, its degradations (the
 //! existing [`Health`]) and its [`Counters`]; the HTTP layer only reads it.
@@ -15,6 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use prometheus_client::registry::Registry;
 use serde_json::{Map, Value, json};
+use tandem_interfaces::report::{ReportPhase, WorkerReport};
 
 use super::counters::{Counters, ReasonCounters};
 use crate::health::Health;
@@ -129,31 +130,31 @@ impl ServeState {
         }
     }
 
-    /// The `/report` document (INTERFACES §4), plus `phase` and `reason` (why not ready).
+    /// The `/report` document ([`WorkerReport`], worker/interfaces/README.md §4: `phase` and
+    /// `reason` say why not ready), plus the role's extra fields ([`ServeState::set_extra`]).
     pub fn report(&self) -> Value {
         self.refresh();
         let phase = self.phase();
-        let counters: Map<String, Value> = self
-            .counters
-            .snapshot()
-            .into_iter()
-            .map(|(k, v)| (k.to_owned(), json!(v)))
-            .collect();
         let (phase_name, reason) = match &phase {
-            Phase::Starting(r) => ("starting", Some(r.clone())),
-            Phase::Ready => ("ready", None),
-            Phase::Draining => ("draining", Some("draining after SIGTERM".to_owned())),
+            Phase::Starting(r) => (ReportPhase::Starting, Some(r.clone())),
+            Phase::Ready => (ReportPhase::Ready, None),
+            Phase::Draining => (
+                ReportPhase::Draining,
+                Some("draining after SIGTERM".to_owned()),
+            ),
         };
-        let mut doc = json!({
-            "ready": phase == Phase::Ready,
-            "role": self.role,
-            "pool": self.pool,
-            "revision": self.revision,
-            "degraded": self.health.report().degraded,
-            "counters": counters,
-            "phase": phase_name,
-            "reason": reason,
-        });
+        let report = WorkerReport {
+            ready: phase == Phase::Ready,
+            role: self.role.to_owned(),
+            pool: self.pool.clone(),
+            revision: self.revision.clone(),
+            degraded: self.health.report().degraded,
+            counters: self.counters.report(),
+            phase: Some(phase_name),
+            reason,
+            ..WorkerReport::default()
+        };
+        let mut doc = serde_json::to_value(report).unwrap_or_else(|_| json!({}));
         if let (Some(extra), Some(obj)) = (lock(&self.extra).as_ref(), doc.as_object_mut()) {
             obj.extend(extra());
         }

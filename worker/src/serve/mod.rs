@@ -1,5 +1,5 @@
-//! Long-running serving processes of the worker roles (INTERFACES §2, §3, §4): what
-//! `tandem-worker <role> --config FILE` runs in a pod.
+//! Long-running serving processes of the worker roles (worker/interfaces/README.md §2, §3, §4):
+//! what `tandem-worker <role> --config FILE` runs in a pod.
 //!
 //! Map:
 //! - [`sim`]: the simulation knobs (`TANDEM_SIM_*`) and the KV layout they imply;
@@ -37,7 +37,7 @@ pub enum ServeError {
     Decode(#[from] crate::control::decode::DecodeError),
 }
 
-/// `$POD_IP` when set and valid, else `0.0.0.0` (INTERFACES §2).
+/// `$POD_IP` when set and valid, else `0.0.0.0` (worker/interfaces/README.md §2).
 pub fn pod_ip() -> IpAddr {
     std::env::var("POD_IP")
         .ok()

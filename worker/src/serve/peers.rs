@@ -1,4 +1,4 @@
-//! The decode worker's set of prefill peers (INTERFACES §2, DESIGN §5).
+//! The decode worker's set of prefill peers (worker/interfaces/README.md §2, DESIGN §5).
 //!
 //! Every refresh (about every 2 s) resolves `peers.prefillService` through [`Resolver`], connects to
 //! each new address's control port with a hello that carries this decode's revision, keeps the

@@ -1,4 +1,4 @@
-//! `tandem-worker prefill --config`: the prefill serving process (INTERFACES §2).
+//! `tandem-worker prefill --config`: the prefill serving process (worker/interfaces/README.md §2).
 //!
 //! Serves the gRPC `Transfer` service on `$POD_IP:ports.control` with this pool's revision (a decode
 //! of another revision is refused in the hello), runs the simulated engine per room with the

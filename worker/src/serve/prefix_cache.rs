@@ -35,8 +35,8 @@ use crate::control::prefill::{ComputePlan, RoomPlanner};
 use crate::engine::{ChunkSpec, fill_chunk};
 use crate::pool::PoolRole;
 
-/// The L3 protocol port of store replicas (INTERFACES §2).
-pub const L3_PORT: u16 = 7420;
+/// The L3 protocol port of store replicas (worker/interfaces/README.md §2).
+pub const L3_PORT: u16 = crate::config::DEFAULT_L3_PORT;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())

@@ -1,7 +1,7 @@
-//! Name resolution of peer Services (INTERFACES §2): when `$TANDEM_HOSTS_FILE` is set, that file
-//! alone (hosts(5) format, re-read on every lookup because the e2e runner rewrites it as endpoints
-//! change); otherwise the system resolver. A name may appear on several lines: every address is
-//! returned (a headless or emulated ClusterIP Service resolves to its ready pods).
+//! Name resolution of peer Services (worker/interfaces/README.md §2): when `$TANDEM_HOSTS_FILE` is
+//! set, that file alone (hosts(5) format, re-read on every lookup because the e2e runner rewrites
+//! it as endpoints change); otherwise the system resolver. A name may appear on several lines:
+//! every address is returned (a headless or emulated ClusterIP Service resolves to its ready pods).
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};

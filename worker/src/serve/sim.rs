@@ -1,4 +1,5 @@
-//! Simulation knobs of the serving processes (INTERFACES §2) and the KV layout they imply.
+//! Simulation knobs of the serving processes (worker/interfaces/README.md §2) and the KV layout
+//! they imply.
 //!
 //! The simulated engine (DESIGN §3) writes, moves and verifies real bytes; these knobs scale how many
 //! and how fast, so that a demo of many workers fits one machine (RSS < 300 MiB per worker):

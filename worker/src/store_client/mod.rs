@@ -20,28 +20,12 @@ pub mod standalone;
 
 use std::fmt;
 
-use serde::{Deserialize, Serialize};
-
 use crate::memory::{Allocator, AllocatorDomain, Buffer, BufferId, MemoryError};
 use protocol::RemoteError;
 
-/// Where the store client runs (DESIGN §2 `CacheTier.clientMode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum ClientMode {
-    /// In the worker process.
-    Embedded,
-    /// In a separate `store-client` process that owns the segments.
-    Standalone,
-}
-
-impl fmt::Display for ClientMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ClientMode::Embedded => "Embedded",
-            ClientMode::Standalone => "Standalone",
-        })
-    }
-}
+/// Where the store client runs (DESIGN §2 `CacheTier.clientMode`); named in the worker config, so
+/// it lives in `tandem-interfaces` (worker/interfaces/README.md §2).
+pub use tandem_interfaces::memory::ClientMode;
 
 /// A range to register: a whole buffer or a sub-range of one, with the buffer's provenance.
 #[derive(Debug, Clone, PartialEq, Eq)]
