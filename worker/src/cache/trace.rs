@@ -9,9 +9,9 @@ use std::io::BufRead;
 
 use serde::Deserialize;
 
-use super::hit_accounting::HitAccounting;
-use super::page_key::PageKey;
-use super::prefix_index::{PrefixIndex, Residency, Tier};
+use crate::tier::hit_accounting::HitAccounting;
+use crate::tier::page_key::PageKey;
+use crate::tier::prefix_index::{PrefixIndex, Residency, Tier};
 
 /// Tokens per block of the Mooncake traces.
 pub const TRACE_BLOCK_TOKENS: u64 = 512;

@@ -4,16 +4,18 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use super::l3_replay::L3Backend;
 use super::manifest::ObjectKey;
-use super::prefix_index::{PrefixIndex, Residency, Tier};
+use super::replay::L3Backend;
+use crate::tier::prefix_index::{PrefixIndex, Residency, Tier};
 
 /// How a backup marks its pages in the index while the puts run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BackupMarking {
     /// `Pending` until acknowledged (the rule).
     Honest,
-    /// Negative control: `Present` at submission, before the store has the bytes.
+    /// Negative control: `Present` at submission, before the store has the bytes (feature
+    /// `negative-controls`).
+    #[cfg(feature = "negative-controls")]
     UnsafeOptimistic,
 }
 
@@ -37,6 +39,7 @@ pub fn backup_sequence<B: L3Backend>(
     let pages: Vec<_> = objects.iter().map(|o| o.page).collect();
     let residency = match marking {
         BackupMarking::Honest => Residency::Pending,
+        #[cfg(feature = "negative-controls")]
         BackupMarking::UnsafeOptimistic => Residency::Present,
     };
     lock(index).insert(Tier::L3Store, &pages, residency);

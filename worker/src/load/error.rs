@@ -1,11 +1,11 @@
 //! Errors of load-before-read: of loads, of waits on their events, and of the backends that run them
-//! (the host backend in [`super::load_order`], the CUDA backend in `load_stream_cuda`).
+//! (the host backend in [`super::order`], the CUDA backend in `stream_cuda`).
 
 use std::time::Duration;
 
 use super::host_locks::UnlockUnderflow;
-use super::load_plan::PlanViolation;
-use crate::pool::PoolRole;
+use super::plan::PlanViolation;
+use crate::memory::pool::PoolRole;
 
 /// Errors of loads and of waits on their events.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -76,7 +76,7 @@ pub enum LoadError {
     /// Host lock bookkeeping broke.
     #[error(transparent)]
     Unlock(#[from] UnlockUnderflow),
-    /// A plan broke an ordering rule (see [`super::load_plan::check_load_plan`]).
+    /// A plan broke an ordering rule (see [`super::plan::check_load_plan`]).
     #[error(transparent)]
     Plan(#[from] PlanViolation),
     /// The host and device pools of one role disagree on the bytes a page holds on a layer, so a

@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use crate::room::RoomKey;
-use crate::transfer::tcp::{GenerationCheck, TcpConfig, TcpReceiver, TcpTransport};
-use crate::transfer::{
+use tandem_worker::release::RoomKey;
+use tandem_worker::transfer::tcp::{GenerationCheck, TcpConfig, TcpReceiver, TcpTransport};
+use tandem_worker::transfer::{
     BatchLimits, HostRegion, RegionId, TransferStatus, Transport, WriteBatch, WriteOp,
 };
 
@@ -206,7 +206,7 @@ fn transport_copy(page: u64, pages: u64) -> Result<f64, TransferBenchError> {
 
 fn finish(
     tx: &TcpTransport,
-    h: crate::transfer::TransferHandle,
+    h: tandem_worker::transfer::TransferHandle,
     deadline: Instant,
 ) -> Result<(), TransferBenchError> {
     match tx

@@ -16,9 +16,9 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3;
 
-use super::page_key::PageKey;
+use crate::memory::pool::{PoolLayout, PoolRole};
 use crate::model::ModelIdentity;
-use crate::pool::{PoolLayout, PoolRole};
+use crate::tier::page_key::PageKey;
 
 /// Manifest format version; a manifest of another version is a mismatch (a miss), never a crash.
 pub const MANIFEST_FORMAT: u32 = 1;

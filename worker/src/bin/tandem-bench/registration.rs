@@ -15,17 +15,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::health::Health;
-use crate::memory::segment::SegmentBackend;
-use crate::model::{Attention, ModelIdentity};
-use crate::pool::{PoolLayout, PoolRole, PoolSpec};
-use crate::registration::fault::{FaultInjector, FaultPlan, FaultyClient};
-use crate::registration::metrics::RegistrationMetrics;
-use crate::registration::{Registrar, RegistrarConfig, Registry};
-use crate::store_client::embedded::EmbeddedClient;
-use crate::store_client::server::{ServerConfig, StoreClientServer};
-use crate::store_client::standalone::StandaloneClient;
-use crate::store_client::{BufferRef, StoreClient};
+use tandem_worker::health::Health;
+use tandem_worker::memory::pool::{PoolLayout, PoolRole, PoolSpec};
+use tandem_worker::memory::segment::SegmentBackend;
+use tandem_worker::model::{Attention, ModelIdentity};
+use tandem_worker::registration::fault::{FaultInjector, FaultPlan, FaultyClient};
+use tandem_worker::registration::metrics::RegistrationMetrics;
+use tandem_worker::registration::{Registrar, RegistrarConfig, Registry};
+use tandem_worker::store_client::embedded::EmbeddedClient;
+use tandem_worker::store_client::server::{ServerConfig, StoreClientServer};
+use tandem_worker::store_client::standalone::StandaloneClient;
+use tandem_worker::store_client::{BufferRef, StoreClient};
 
 /// Arguments.
 #[derive(Debug, Clone, clap::Args)]

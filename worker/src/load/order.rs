@@ -3,15 +3,15 @@
 //! BugFix #2; reference/dataplane.md R-HIC-1..4).
 //!
 //! The rules — fence behind the forward stream, per-layer per-pool events, recorded before waited,
-//! host pages locked until the load is acknowledged — are the plan's ([`super::load_plan`]); this
+//! host pages locked until the load is acknowledged — are the plan's ([`super::plan`]); this
 //! backend executes [`LoadPlan`]s op by op and keeps its events in the shared
-//! [`EventLedger`], exactly as the CUDA backend (`load_stream_cuda`, feature `cuda`) does on CUDA
+//! [`EventLedger`], exactly as the CUDA backend (`stream_cuda`, feature `cuda`) does on CUDA
 //! streams. Here "device" pages are host memory ([`PagePools`]), [`LoadOp::Record`] completes its
 //! event when the load thread reaches it, and [`wait_layer`] blocks the calling thread.
 //!
-//! The negative controls ([`ReadPolicy::UnsafeSkipPool`], [`FencePolicy::UnsafeSkipFence`],
-//! `EvictionPolicy::UnsafeIgnoreLocks`) exist only so tests can show that removing a rule produces
-//! stale reads (`tests/cache_load_order.rs`).
+//! The negative controls (`ReadPolicy::UnsafeSkipPool`, `FencePolicy::UnsafeSkipFence`,
+//! `EvictionPolicy::UnsafeIgnoreLocks`; feature `negative-controls`) exist only so tests can show
+//! that removing a rule produces stale reads (`tests/cache_load_order.rs`).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::mpsc;
@@ -19,13 +19,13 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::error::LoadError;
 use super::event_ledger::{Acknowledger, EventLedger, LoadTicket};
 use super::host_locks::HostPageLocks;
-use super::load_error::LoadError;
-use super::load_plan::{
+use super::plan::{
     FencePolicy, LoadJob, LoadOp, LoadPlan, ReadOp, ReadPolicy, plan_layer_reads, plan_load,
 };
-use crate::pool::PoolRole;
+use crate::memory::pool::PoolRole;
 
 /// Host-backend page storage: for each pool, `layers × pages` pages of `page_bytes` bytes, each
 /// behind its own lock (one page-layer chunk of the pool geometry).

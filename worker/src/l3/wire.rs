@@ -9,7 +9,7 @@
 //! | `PUT` 1 | `key_len: u16 | key (JSON ObjectKey) | data` | `1` stored or `0` already present |
 //! | `GET` 2 | key (JSON) | the object's bytes (`MISS` when absent) |
 //! | `LOOKUP` 3 | JSON array of keys | `u64`: leading keys present |
-//! | `HEALTH` 4 | empty | JSON [`L3Health`](super::l3_store::L3Health) |
+//! | `HEALTH` 4 | empty | JSON [`L3Health`](super::store::L3Health) |
 //!
 //! `ERROR` responses carry a UTF-8 message. Bodies above [`MAX_BODY`] are refused before allocation,
 //! and any malformed frame is a typed [`WireError`]: the server answers what it can and closes that

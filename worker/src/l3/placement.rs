@@ -11,7 +11,7 @@
 
 use std::net::SocketAddr;
 
-use super::page_key::PageKey;
+use crate::tier::page_key::PageKey;
 
 /// A placement rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -1,4 +1,4 @@
-//! Load-before-read, CUDA backend (feature `cuda`): the plans of [`super::load_plan`] on a
+//! Load-before-read, CUDA backend (feature `cuda`): the plans of [`super::plan`] on a
 //! non-blocking CUDA load stream beside the engine's forward stream, with one CUDA event per
 //! (pool, layer) and job (DESIGN contract 5; seed 004 BugFix #2; reference/dataplane.md R-HIC-1..4).
 //!
@@ -39,14 +39,14 @@ use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result, sys};
 
+use super::error::LoadError;
 use super::event_ledger::{Acknowledger, EventLedger, EventStatus, LoadTicket};
 use super::host_locks::HostPageLocks;
-use super::load_error::LoadError;
-use super::load_plan::{
+use super::plan::{
     FencePolicy, LoadJob, LoadOp, LoadPlan, ReadOp, ReadPolicy, plan_layer_reads, plan_load,
 };
-use super::page_key::PageKey;
-use crate::pool::{KvGeometry, PoolRole};
+use crate::memory::pool::{KvGeometry, PoolRole};
+use crate::tier::page_key::PageKey;
 
 /// Opens device `ordinal`'s primary context.
 ///
@@ -814,7 +814,7 @@ pub fn hold_stream_for(stream: &CudaStream, d: Duration) -> Result<(), LoadError
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::PoolLayout;
+    use crate::memory::pool::PoolLayout;
 
     fn geometry(layers: u32, pages: u32, chunk: u64) -> KvGeometry {
         KvGeometry {

@@ -19,9 +19,9 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::load_error::LoadError;
-use super::load_plan::{LoadOp, LoadPlan};
-use crate::pool::PoolRole;
+use super::error::LoadError;
+use super::plan::{LoadOp, LoadPlan};
+use crate::memory::pool::PoolRole;
 
 /// What the ledger knows of one (pool, layer).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -285,7 +285,7 @@ impl LoadTicket {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::load_plan::{FencePolicy, LoadJob, plan_load};
+    use crate::load::plan::{FencePolicy, LoadJob, plan_load};
 
     #[test]
     fn a_failed_generation_stays_failed_when_a_later_one_completes() {

@@ -1,4 +1,4 @@
-//! A blocking client of a store replica over the [`l3_wire`](super::l3_wire) protocol: what a store
+//! A blocking client of a store replica over the [`wire`](super::wire) protocol: what a store
 //! client (embedded or standalone) and the restart tests use.
 
 use std::io::{BufReader, BufWriter};
@@ -6,10 +6,10 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use super::l3_replay::L3Backend;
-use super::l3_store::L3Health;
-use super::l3_wire::{Op, Status, WireError, read_frame, write_frame};
 use super::manifest::ObjectKey;
+use super::replay::L3Backend;
+use super::store::L3Health;
+use super::wire::{Op, Status, WireError, read_frame, write_frame};
 
 /// Errors of client calls.
 #[derive(Debug, thiserror::Error)]
@@ -127,10 +127,10 @@ impl L3Client {
     pub fn hot(
         &self,
         shard: super::manifest::ShardCoords,
-        pool: crate::pool::PoolRole,
+        pool: crate::memory::pool::PoolRole,
         limit: usize,
     ) -> Result<Vec<ObjectKey>, L3ClientError> {
-        let q = super::l3_server::HotQuery { shard, pool, limit };
+        let q = super::server::HotQuery { shard, pool, limit };
         let body = serde_json::to_vec(&q).map_err(|e| L3ClientError::Protocol(e.to_string()))?;
         match self.call(Op::Hot, &[&body])? {
             (Status::Ok, b) => serde_json::from_slice(&b)

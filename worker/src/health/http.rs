@@ -16,8 +16,8 @@ use axum::routing::get;
 use prometheus_client::registry::Registry;
 use serde_json::{Map, Value, json};
 
+use super::Health;
 use super::counters::{Counters, ReasonCounters};
-use crate::health::Health;
 
 /// Where a serving process is in its life.
 #[derive(Debug, Clone, PartialEq, Eq)]

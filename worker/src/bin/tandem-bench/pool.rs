@@ -7,10 +7,10 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use crate::memory::Allocator;
-use crate::memory::mmap::MmapBackend;
-use crate::model::{Attention, ModelIdentity};
-use crate::pool::{KvPool, PoolLayout, PoolRole, PoolSpec};
+use tandem_worker::memory::Allocator;
+use tandem_worker::memory::mmap::MmapBackend;
+use tandem_worker::memory::pool::{KvPool, PoolLayout, PoolRole, PoolSpec};
+use tandem_worker::model::{Attention, ModelIdentity};
 
 /// Arguments.
 #[derive(Debug, Clone, clap::Args)]

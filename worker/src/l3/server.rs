@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use super::l3_store::{L3Store, PutOutcome};
-use super::l3_wire::{Op, Status, WireError, read_frame, split_put, write_frame};
 use super::manifest::ObjectKey;
+use super::store::{L3Store, PutOutcome};
+use super::wire::{Op, Status, WireError, read_frame, split_put, write_frame};
 
 /// Open connections: the stream (to shut it down at stop) and the thread serving it.
 type ConnTable = Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>>;
@@ -142,7 +142,7 @@ pub struct HotQuery {
     /// Writer shard.
     pub shard: super::manifest::ShardCoords,
     /// Pool.
-    pub pool: crate::pool::PoolRole,
+    pub pool: crate::memory::pool::PoolRole,
     /// Most keys answered.
     pub limit: usize,
 }

@@ -24,11 +24,11 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::cache::PageKey;
-use crate::cache::l3_store::{L3Config, L3Error, L3Store, READ_AHEAD_OBJECTS};
-use crate::cache::manifest::{ObjectKey, ShardCoords, StoreIdentity};
-use crate::model::{Attention, ModelIdentity};
-use crate::pool::{PoolLayout, PoolRole};
+use tandem_worker::l3::manifest::{ObjectKey, ShardCoords, StoreIdentity};
+use tandem_worker::l3::store::{L3Config, L3Error, L3Store, READ_AHEAD_OBJECTS};
+use tandem_worker::memory::pool::{PoolLayout, PoolRole};
+use tandem_worker::model::{Attention, ModelIdentity};
+use tandem_worker::tier::PageKey;
 
 /// Parameters.
 #[derive(Clone, Debug, clap::Args)]

@@ -1,5 +1,12 @@
-//! The worker's health report: readiness plus the reasons it runs degraded (seed 000: a fallback to L2
-//! must be visible in "the cache report", not only in a log line; DESIGN contract 2).
+//! Health of a worker: one module for what a role reports about itself.
+//!
+//! - [`Health`] (here): readiness plus the reasons the worker runs degraded (seed 000: a fallback to
+//!   L2 must be visible in "the cache report", not only in a log line; DESIGN contract 2);
+//! - [`counters`]: the serving counters, exported in `/report` and as Prometheus counters;
+//! - [`http`]: the health port of every role (`/healthz`, `/readyz`, `/metrics`, `/report`).
+
+pub mod counters;
+pub mod http;
 
 use std::sync::{Mutex, MutexGuard};
 

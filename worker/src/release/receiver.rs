@@ -17,8 +17,10 @@
 //! frees pages (R-ABORT-4). Acks of another generation, of a rank that was not asked, or duplicates
 //! are ignored (R-ABORT-7, TC-ABT-07/11).
 //!
-//! [`GateMode::UnsafeBypass`] frees pages at once on failure. It exists only as the negative control of
-//! the abort stress test (`tandem-bench abort-stress --unsafe`), which must then find corrupt pages.
+//! `GateMode::UnsafeBypass` frees pages at once on failure. It exists only as the negative control of
+//! the abort stress test (`tandem-bench abort-stress --unsafe`), which must then find corrupt pages,
+//! and only in builds with the `negative-controls` feature (the tests enable it; release builds do
+//! not have it).
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -64,7 +66,8 @@ pub enum ReleaseProof {
     Transport(TransportProof),
     /// The room had concluded (all KV landed, prefill done) before it failed.
     Concluded,
-    /// The gate was bypassed (negative control only).
+    /// The gate was bypassed (negative control only; feature `negative-controls`).
+    #[cfg(feature = "negative-controls")]
     Bypassed,
 }
 
@@ -89,7 +92,9 @@ pub enum GateVerdict {
 pub enum GateMode {
     /// Contract 3.
     Safe,
-    /// Free on failure without waiting (the pre-fix behaviour of seed 004): negative control only.
+    /// Free on failure without waiting (the pre-fix behaviour of seed 004): negative control only,
+    /// built only with the `negative-controls` feature.
+    #[cfg(feature = "negative-controls")]
     UnsafeBypass,
 }
 
@@ -165,6 +170,10 @@ pub struct ReceiverRoom {
     state: ReceiverState,
     cause: Option<FailureCause>,
     deadline: Option<Instant>,
+    #[cfg_attr(
+        not(feature = "negative-controls"),
+        allow(dead_code, reason = "read only by the negative control")
+    )]
     mode: GateMode,
 }
 
@@ -265,6 +274,7 @@ impl ReceiverRoom {
             ReceiverState::WaitingForInput | ReceiverState::Transferring => {
                 self.cause = Some(cause);
                 let notify: Vec<PrefillRank> = self.required.iter().copied().collect();
+                #[cfg(feature = "negative-controls")]
                 if self.mode == GateMode::UnsafeBypass {
                     let proof = ReleaseProof::Bypassed;
                     self.state = ReceiverState::ReleaseSafe(proof);
@@ -504,6 +514,7 @@ mod tests {
         }
     }
 
+    #[cfg(feature = "negative-controls")]
     #[test]
     fn unsafe_bypass_frees_immediately() {
         let mut r = ReceiverRoom::new(RoomKey::new(1, 1), [PrefillRank(0)], GateMode::UnsafeBypass);

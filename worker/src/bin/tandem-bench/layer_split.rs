@@ -10,11 +10,11 @@
 
 use std::time::{Duration, Instant};
 
-use crate::layer_split::{
+use tandem_worker::layer_split::{
     BroadcastScope, GroupSpec, KvLayout, LayerSplitError, OwnerMap, RankReport, RequestSpec,
     WaitPolicy, run_group,
 };
-use crate::model::{Attention, ModelIdentity};
+use tandem_worker::model::{Attention, ModelIdentity};
 
 /// Arguments.
 #[derive(Debug, Clone, clap::Args)]

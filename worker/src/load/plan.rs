@@ -1,6 +1,6 @@
 //! The load-before-read plan: which stream operations a backend enqueues for a load job and which
 //! waits compute enqueues before it reads a layer. Pure: no threads, no devices. Both backends — the
-//! host one ([`super::load_order`]) and the CUDA one (`load_stream_cuda`, feature `cuda`) — execute
+//! host one ([`super::order`]) and the CUDA one (`stream_cuda`, feature `cuda`) — execute
 //! exactly these operations, so the rules live here once (DESIGN contract 5; reference/dataplane.md
 //! R-HIC-1..4):
 //!
@@ -19,11 +19,11 @@
 //!    once the final record has completed; sglang PR #31427).
 //!
 //! [`check_load_plan`] and [`check_layer_reads`] verify a plan against these rules; the unsafe
-//! policies ([`FencePolicy::UnsafeSkipFence`], [`ReadPolicy::UnsafeSkipPool`]) exist only as negative
-//! controls, and the checks reject the plans they produce.
+//! policies (`FencePolicy::UnsafeSkipFence`, `ReadPolicy::UnsafeSkipPool`) exist only as negative
+//! controls (feature `negative-controls`), and the checks reject the plans they produce.
 
-use super::page_key::PageKey;
-use crate::pool::PoolRole;
+use crate::memory::pool::PoolRole;
+use crate::tier::page_key::PageKey;
 
 /// One page of a load: host (L2) slot → device (L1) page, named by its key for the host lock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +53,7 @@ pub enum FencePolicy {
     /// Wait (the rule, R-HIC-3).
     WaitForward,
     /// Negative control: write at once (the sglang PR #36738 bug).
+    #[cfg(feature = "negative-controls")]
     UnsafeSkipFence,
 }
 
@@ -63,7 +64,20 @@ pub enum ReadPolicy {
     WaitEveryPool,
     /// Negative control: skip the wait on one pool (the seed 004 BugFix #2 bug when it is the
     /// indexer pool).
+    #[cfg(feature = "negative-controls")]
     UnsafeSkipPool(PoolRole),
+}
+
+impl ReadPolicy {
+    /// Whether a consumer under this policy waits on `pool`'s events before reading.
+    #[cfg_attr(not(feature = "negative-controls"), allow(unused_variables))]
+    pub fn waits_on(self, pool: PoolRole) -> bool {
+        match self {
+            ReadPolicy::WaitEveryPool => true,
+            #[cfg(feature = "negative-controls")]
+            ReadPolicy::UnsafeSkipPool(skipped) => skipped != pool,
+        }
+    }
 }
 
 /// One operation a backend enqueues on its load stream, in plan order.
@@ -126,7 +140,7 @@ impl LoadPlan {
 
 /// The plan of `job` as generation `generation`, submitted when the forward stream was at `fence`:
 /// `[WaitFence] (Copy, Record) per layer per pool, ReleaseHostPages` (module rules 1, 2, 4). With
-/// [`FencePolicy::UnsafeSkipFence`] the fence is left out (negative control).
+/// `FencePolicy::UnsafeSkipFence` the fence is left out (negative control).
 pub fn plan_load(job: &LoadJob, generation: u64, fence: u64, policy: FencePolicy) -> LoadPlan {
     let mut ops = Vec::with_capacity(2 + 2 * job.layers as usize * job.pools.len());
     if policy == FencePolicy::WaitForward {
@@ -166,7 +180,7 @@ pub enum ReadOp {
 }
 
 /// The waits compute enqueues before reading `layer` of the pools in `reads`, loaded by
-/// `generation`: one per pool read (module rule 2). [`ReadPolicy::UnsafeSkipPool`] drops that pool's
+/// `generation`: one per pool read (module rule 2). `ReadPolicy::UnsafeSkipPool` drops that pool's
 /// wait (negative control).
 pub fn plan_layer_reads(
     layer: u32,
@@ -176,7 +190,7 @@ pub fn plan_layer_reads(
 ) -> Vec<ReadOp> {
     reads
         .iter()
-        .filter(|pool| policy != ReadPolicy::UnsafeSkipPool(**pool))
+        .filter(|pool| policy.waits_on(**pool))
         .map(|pool| ReadOp::WaitEvent {
             pool: *pool,
             layer,

@@ -1,11 +1,23 @@
 //! Replaying a request trace against an L3 store, in process or over the wire: the prefix hit ratio
 //! the store gives (restart tests and benchmarks compare it before and after a restart).
 
-use super::hit_accounting::HitAccounting;
-use super::l3_store::{L3Error, L3Store};
 use super::manifest::{ObjectKey, ShardCoords};
-use super::trace::{TRACE_BLOCK_TOKENS, TraceRequest};
-use crate::pool::PoolRole;
+use super::store::{L3Error, L3Store};
+use crate::memory::pool::PoolRole;
+use crate::tier::PageKey;
+use crate::tier::hit_accounting::HitAccounting;
+
+/// A request a replay runs: its prompt length and the page keys of its prompt. The Mooncake trace's
+/// `TraceRequest` is one (`crate::cache`); keeping the trace format out of this module keeps `l3`
+/// free of it.
+pub trait ReplayRequest {
+    /// Prompt tokens.
+    fn input_tokens(&self) -> u64;
+    /// Tokens per page of [`ReplayRequest::page_keys`] (the last page may be partial).
+    fn page_tokens(&self) -> u64;
+    /// The prompt's page keys, first page first.
+    fn page_keys(&self) -> Vec<PageKey>;
+}
 
 /// What a replay needs from a store.
 pub trait L3Backend {
@@ -45,7 +57,7 @@ pub enum ReplayMode {
 }
 
 /// The object keys of a request: one target-pool object per page, written by `shard`.
-pub fn request_objects(req: &TraceRequest, shard: ShardCoords) -> Vec<ObjectKey> {
+pub fn request_objects(req: &impl ReplayRequest, shard: ShardCoords) -> Vec<ObjectKey> {
     req.page_keys()
         .into_iter()
         .map(|page| ObjectKey {
@@ -61,9 +73,9 @@ pub fn request_objects(req: &TraceRequest, shard: ShardCoords) -> Vec<ObjectKey>
 ///
 /// # Errors
 /// The first backend error.
-pub fn replay_l3<B: L3Backend>(
+pub fn replay_l3<B: L3Backend, R: ReplayRequest>(
     store: &B,
-    requests: &[TraceRequest],
+    requests: &[R],
     shard: ShardCoords,
     mode: ReplayMode,
     object_bytes: impl Fn(&ObjectKey) -> Vec<u8>,
@@ -72,10 +84,10 @@ pub fn replay_l3<B: L3Backend>(
     for req in requests {
         let keys = request_objects(req, shard);
         let hit = store.leading_present(&keys)?;
-        let matched = super::prefix_index::PrefixMatch {
-            tiers: vec![super::prefix_index::Tier::L3Store; hit],
+        let matched = crate::tier::prefix_index::PrefixMatch {
+            tiers: vec![crate::tier::prefix_index::Tier::L3Store; hit],
         };
-        acc.record(req.input_length, TRACE_BLOCK_TOKENS, &matched);
+        acc.record(req.input_tokens(), req.page_tokens(), &matched);
         if mode == ReplayMode::Fill {
             for key in &keys[hit..] {
                 store.put(*key, &object_bytes(key))?;

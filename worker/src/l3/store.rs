@@ -43,7 +43,7 @@ use super::manifest::{
     MANIFEST_FORMAT, ObjectKey, ObjectManifest, ShardCoords, StoreIdentity, checksum, sync_dir,
     write_atomically,
 };
-use crate::pool::PoolRole;
+use crate::memory::pool::PoolRole;
 
 const OBJECTS: &str = "objects";
 const MANIFESTS: &str = "manifests";

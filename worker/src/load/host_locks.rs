@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
-use super::page_key::PageKey;
+use crate::tier::page_key::PageKey;
 
 /// An unlock of a page that is not locked: a bookkeeping bug of the caller, reported, never ignored.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -71,8 +71,8 @@ impl HostPageLocks {
     }
 
     /// Chooses up to `n` eviction victims from `candidates` (least recently used first), skipping
-    /// locked pages. Eviction with [`EvictionPolicy::UnsafeIgnoreLocks`] is the negative control of
-    /// the lock rule and takes the first `n` whatever their locks.
+    /// locked pages. Eviction with `EvictionPolicy::UnsafeIgnoreLocks` (feature `negative-controls`)
+    /// is the negative control of the lock rule and takes the first `n` whatever their locks.
     pub fn pick_victims(
         &self,
         candidates: impl IntoIterator<Item = PageKey>,
@@ -82,7 +82,7 @@ impl HostPageLocks {
         let counts = self.counts();
         candidates
             .into_iter()
-            .filter(|k| policy == EvictionPolicy::UnsafeIgnoreLocks || !counts.contains_key(k))
+            .filter(|k| policy.ignores_locks() || !counts.contains_key(k))
             .take(n)
             .collect()
     }
@@ -94,7 +94,19 @@ pub enum EvictionPolicy {
     /// Skip locked pages (the rule).
     SkipLocked,
     /// Negative control: evict locked pages too (the sglang #30321 bug).
+    #[cfg(feature = "negative-controls")]
     UnsafeIgnoreLocks,
+}
+
+impl EvictionPolicy {
+    /// Whether locked pages may be evicted (only under the negative control).
+    fn ignores_locks(self) -> bool {
+        match self {
+            EvictionPolicy::SkipLocked => false,
+            #[cfg(feature = "negative-controls")]
+            EvictionPolicy::UnsafeIgnoreLocks => true,
+        }
+    }
 }
 
 #[cfg(test)]
