@@ -7,7 +7,8 @@
 //! - `TANDEM_SIM_TPOT_MS`: decode time per output token, default 2 ms.
 //! - `TANDEM_SIM_PREFILL_US_PER_TOKEN`: prefill compute time per prompt token not served from a
 //!   cache tier, default 20 µs.
-//! - `TANDEM_SIM_SPEC_FAULT` (**test-only** fault injection; unset in production):
+//! - `TANDEM_SIM_SPEC_FAULT` (**test-only** fault injection, read only in builds with the
+//!   `negative-controls` feature; others refuse to start with it set):
 //!   `low_accept` or `high_accept`, optionally `:N`. With speculative decoding configured, the
 //!   simulated draft of this decode worker is then anomalous — almost every draft token rejected
 //!   (`low_accept`, the garbled-output signature of seed 004) or every one accepted (`high_accept`,
@@ -142,11 +143,21 @@ impl SimKnobs {
         let fault = "TANDEM_SIM_SPEC_FAULT";
         let spec_fault = match get(fault).filter(|v| !v.trim().is_empty()) {
             None => None,
+            #[cfg(feature = "negative-controls")]
             Some(value) => Some(SpecFault::parse(&value).ok_or(KnobError {
                 name: fault,
                 value,
                 expected: "low_accept or high_accept, optionally followed by :N",
             })?),
+            #[cfg(not(feature = "negative-controls"))]
+            Some(value) => {
+                return Err(KnobError {
+                    name: fault,
+                    value,
+                    expected: "unset (a test-only fault injection; this build has no \
+                               negative-controls feature)",
+                });
+            }
         };
         Ok(Self {
             spec_fault,

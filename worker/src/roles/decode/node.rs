@@ -24,17 +24,17 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::engine::verify_chunk;
-use crate::room::quarantine::Quarantine;
-use crate::room::receiver::{
+use crate::release::quarantine::Quarantine;
+use crate::release::receiver::{
     AckOutcome, FailureCause, GateMode, GateVerdict, ReceiverRoom, ReceiverState,
 };
-use crate::room::{DecodeRank, PrefillRank, RoomKey};
+use crate::release::{DecodeRank, PrefillRank, RoomKey};
 use crate::transfer::tcp::{GenerationCheck, TcpReceiver};
 use crate::transfer::{HostRegion, RegionId};
 
-use super::pb::transfer_client::TransferClient;
-use super::pb::{self, peer_message::Body};
-use super::{KvLayout, WORKER_ID_HEADER, room_of};
+use crate::control::pb::transfer_client::TransferClient;
+use crate::control::pb::{self, peer_message::Body};
+use crate::control::{KvLayout, REVISION_HEADER, WORKER_ID_HEADER, room_of};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -64,7 +64,8 @@ pub struct DecodeConfig {
     /// KV with [`crate::transfer::select::receiver_fence_is_proof`]: true for TCP only; under RDMA
     /// (no receiver-side check of one-sided writes) the gate must rely on acks or QP teardown.
     pub fence_is_proof: bool,
-    /// Release gate mode ([`GateMode::UnsafeBypass`] only as a negative control).
+    /// Release gate mode (`GateMode::UnsafeBypass` only as a negative control, feature
+    /// `negative-controls`).
     pub gate: GateMode,
 }
 
@@ -350,7 +351,7 @@ impl DecodeNode {
             Err(s) => {
                 if let Some(theirs) = s
                     .metadata()
-                    .get(super::prefill::REVISION_HEADER)
+                    .get(REVISION_HEADER)
                     .and_then(|v| v.to_str().ok())
                 {
                     return Err(mismatch(theirs.to_string()));

@@ -10,7 +10,7 @@
 //! - `GET /v1/models`: the served model.
 //! - Errors: `{"error":{"message","type","code"}}` with 400 (malformed), 503 (not ready, draining,
 //!   no prefill peer of this revision, KV deadline passed), 429 (at capacity), 500 (internal).
-//! - Spec guard (DESIGN contract 8, see [`super::decode`]): the last event / object carries
+//! - Spec guard (DESIGN contract 8, see [`super::engine`]): the last event / object carries
 //!   `tandem.spec_guard` `{"enabled","aborts","retries","anomalies":[…]}` and
 //!   `tandem.spec_accept_rate`. When every attempt within `specGuard.retryBudget` was judged
 //!   anomalous: 503 with code `spec_guard_anomaly`, `error.reason` (`low_accept_length` or
@@ -35,8 +35,8 @@ use serde_json::{Value, json};
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::decode::{DecodeEngine, Decoding, GuardReport, Prefilled, RequestError};
-use crate::control::decode::KvLease;
+use super::engine::{DecodeEngine, Decoding, GuardReport, Prefilled, RequestError};
+use super::node::KvLease;
 use crate::spec_guard::Anomaly;
 
 const WORDS: [&str; 16] = [

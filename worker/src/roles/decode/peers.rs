@@ -12,9 +12,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use super::counters::Counters;
-use super::resolve::Resolver;
-use crate::control::decode::{DecodeError, DecodeNode, PrefillLink};
+use super::node::{DecodeError, DecodeNode, PrefillLink};
+use crate::health::counters::Counters;
+use crate::roles::resolve::Resolver;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())

@@ -13,23 +13,65 @@
 //!
 //! The data port (`ports.data`) is where a decode worker's KV receiver listens; the prefill side
 //! only dials it, so a prefill binds no data port.
+//!
+//! - [`node`]: the `Transfer` service and the sender side of every room (contract 3);
+//! - [`prefix_cache`]: the L2 index and the L3 store around the simulated engine (contract 7);
+//! - here: the CLI ([`Args`], [`run`]) and the server that wires them ([`PrefillServer`]).
+
+pub mod node;
+pub mod prefix_cache;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::counters::mirror;
-use super::health::{ServeState, router, spawn_http};
-use super::prefix_cache::{L3_PORT, L3Target, PrefixCache};
 use super::resolve::Resolver;
 use super::sim::SimKnobs;
-use super::{ServeError, ordinal_from_env, pod_ip};
-use crate::cache::manifest::ShardCoords;
+use super::{RoleError, ServeError, load_worker_config, ordinal_from_env, pod_ip, signals};
 use crate::config::WorkerConfig;
-use crate::control::prefill::{PrefillConfig, PrefillNode, PrefillService};
+use crate::health::counters::mirror;
+use crate::health::http::{ServeState, router, spawn_http};
+use crate::l3::manifest::ShardCoords;
 use crate::transfer::Transport;
 use crate::transfer::tcp::{TcpConfig, TcpTransport};
+use node::{PrefillConfig, PrefillNode, PrefillService};
+use prefix_cache::{L3_PORT, L3Target, PrefixCache};
+
+/// `tandem-worker prefill` arguments.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The resolved worker config (`/etc/tandem/worker.json` in a pod; read through
+    /// `$TANDEM_ROOT`). Ports, revision, model, memory and cache tier come from it; the simulation
+    /// knobs from `TANDEM_SIM_*` (see `roles::sim`); bind address and worker id from `$POD_IP` and
+    /// `$POD_NAME`.
+    #[arg(long, env = "TANDEM_WORKER_CONFIG")]
+    pub config: std::path::PathBuf,
+}
+
+/// Runs the pool's prefill server until SIGTERM/SIGINT, then drains and exits 0. Prints
+/// `listening on ADDR` (the gRPC control address) once serving.
+///
+/// # Errors
+/// [`RoleError::Failed`] when the config or a knob is invalid, the runtime or the signal handlers
+/// cannot start, or a port cannot be bound.
+pub fn run(args: Args) -> Result<(), RoleError> {
+    let cfg = load_worker_config(&args.config)?;
+    let knobs = SimKnobs::from_env().map_err(|e| RoleError::Failed(e.to_string()))?;
+    super::runtime()?.block_on(async move {
+        let stop = signals::terminated()
+            .map_err(|e| RoleError::Failed(format!("signal handlers: {e}")))?;
+        let server = PrefillServer::start(&cfg, knobs, PrefillOptions::from_env())
+            .await
+            .map_err(|e| RoleError::Failed(e.to_string()))?;
+        println!("listening on {}", server.control_addr);
+        let signal = stop.await;
+        tracing::info!(signal, "stopping prefill");
+        let clean = server.shutdown().await;
+        tracing::info!(clean, "prefill exited");
+        Ok(())
+    })
+}
 
 /// Process-level options (the config decides the rest).
 #[derive(Debug, Clone)]

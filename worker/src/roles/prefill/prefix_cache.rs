@@ -20,20 +20,20 @@ use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::counters::Counters;
-use super::resolve::Resolver;
-use crate::cache::hit_accounting::page_token_len;
-use crate::cache::l3_client::L3Client;
-use crate::cache::manifest::{ObjectKey, ShardCoords};
-use crate::cache::placement::{self, Placement};
+use super::node::{ComputePlan, RoomPlanner};
 use crate::cache::trace::TRACE_BLOCK_TOKENS;
-use crate::cache::{PageKey, PrefixIndex, Residency, Tier};
 use crate::config::WritePolicy;
 use crate::control::KvLayout;
 use crate::control::pb;
-use crate::control::prefill::{ComputePlan, RoomPlanner};
 use crate::engine::{ChunkSpec, fill_chunk};
-use crate::pool::PoolRole;
+use crate::health::counters::Counters;
+use crate::l3::client::L3Client;
+use crate::l3::manifest::{ObjectKey, ShardCoords};
+use crate::l3::placement::{self, Placement};
+use crate::memory::pool::PoolRole;
+use crate::roles::resolve::Resolver;
+use crate::tier::hit_accounting::page_token_len;
+use crate::tier::{PageKey, PrefixIndex, Residency, Tier};
 
 /// The L3 protocol port of store replicas (INTERFACES §2).
 pub const L3_PORT: u16 = 7420;
@@ -156,7 +156,7 @@ impl PrefixCache {
         target: &L3Target,
         page: PageKey,
         what: &str,
-        call: impl Fn(&L3Client) -> Result<T, crate::cache::l3_client::L3ClientError>,
+        call: impl Fn(&L3Client) -> Result<T, crate::l3::client::L3ClientError>,
     ) -> Option<T> {
         for attempt in 0..2 {
             let client = self.client_for(target, page)?;

@@ -20,14 +20,14 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::engine::fill_chunk;
-use crate::room::sender::{AbortAck, AckKind, SenderEffect, SenderRooms, SenderState};
-use crate::room::{DecodeRank, PrefillRank, RoomKey};
+use crate::release::sender::{AbortAck, AckKind, SenderEffect, SenderRooms, SenderState};
+use crate::release::{DecodeRank, PrefillRank, RoomKey};
 use crate::transfer::tcp::TcpTransport;
 use crate::transfer::{RegionId, TransferHandle, TransferStatus, Transport, WriteBatch, WriteOp};
 
-use super::pb::transfer_server::Transfer;
-use super::pb::{self, peer_message::Body};
-use super::{KvLayout, WORKER_ID_HEADER, room_of};
+use crate::control::pb::transfer_server::Transfer;
+use crate::control::pb::{self, peer_message::Body};
+use crate::control::{KvLayout, REVISION_HEADER, WORKER_ID_HEADER, room_of};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -88,9 +88,6 @@ pub trait RoomPlanner: Send + Sync {
     /// Every page of the room was computed and handed to the transport (write policy hook).
     fn computed(&self, request: &pb::RequestSpec, layout: KvLayout, plan: &ComputePlan);
 }
-
-/// gRPC metadata key carrying the refusing side's revision on a revision-mismatch refusal.
-pub const REVISION_HEADER: &str = "tandem-revision";
 
 /// The prefill side of every room on this worker.
 pub struct PrefillNode {
