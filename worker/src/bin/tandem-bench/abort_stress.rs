@@ -11,7 +11,8 @@
 //! Safe mode runs the real protocol: decode aborts through [`ReceiverRoom::fail`], prefill answers
 //! through [`SenderRooms::abort`], pages return to the free list only on the gate's `Free` verdict.
 //! `--unsafe` bypasses the gate (pages freed at abort, as before the fix): the negative control,
-//! which must find corrupt pages. The last output line is `corrupt_pages=<n>`.
+//! which must find corrupt pages; only in builds with the `negative-controls` feature. The last
+//! output line is `corrupt_pages=<n>`.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,15 +25,15 @@ use bytes::Bytes;
 use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
 
-use crate::engine::{ChunkSpec, fill_chunk, verify_chunk};
-use crate::room::quarantine::Quarantine;
-use crate::room::receiver::{
+use tandem_worker::engine::{ChunkSpec, fill_chunk, verify_chunk};
+use tandem_worker::release::quarantine::Quarantine;
+use tandem_worker::release::receiver::{
     AckOutcome, FailureCause, GateMode, GateVerdict, ReceiverRoom, ReceiverState,
 };
-use crate::room::sender::{AbortAck, SenderEffect, SenderRooms, SenderState};
-use crate::room::{DecodeRank, PrefillRank, RoomKey};
-use crate::transfer::sim::SimTransport;
-use crate::transfer::{
+use tandem_worker::release::sender::{AbortAck, SenderEffect, SenderRooms, SenderState};
+use tandem_worker::release::{DecodeRank, PrefillRank, RoomKey};
+use tandem_worker::transfer::sim::SimTransport;
+use tandem_worker::transfer::{
     BatchLimits, HostRegion, ReceiveRegion, RegionId, TransferHandle, TransferStatus, Transport,
     WriteBatch, WriteOp,
 };
@@ -43,8 +44,10 @@ pub struct AbortStressArgs {
     /// Requests to run.
     #[arg(long, default_value_t = 10_000)]
     pub requests: u64,
-    /// Bypass the release gate (negative control: must find corrupt pages).
-    #[arg(long = "unsafe")]
+    /// Bypass the release gate (negative control: must find corrupt pages). The flag exists only
+    /// in builds with the `negative-controls` feature.
+    #[cfg_attr(feature = "negative-controls", arg(long = "unsafe"))]
+    #[cfg_attr(not(feature = "negative-controls"), arg(skip))]
     pub unsafe_gate: bool,
     /// Pages in the decode region.
     #[arg(long, default_value_t = 96)]
@@ -68,6 +71,10 @@ pub struct AbortStressArgs {
 
 impl AbortStressArgs {
     /// Defaults with `requests` and `unsafe_gate` set.
+    #[allow(
+        dead_code,
+        reason = "used by tests/release_abort_stress.rs, which compiles this module"
+    )]
     pub fn with(requests: u64, unsafe_gate: bool) -> AbortStressArgs {
         AbortStressArgs {
             requests,
@@ -170,6 +177,20 @@ const PREFILL_RANKS: u32 = 2;
 const WORKERS_PER_RANK: usize = 2;
 const DECODE_RANK: DecodeRank = DecodeRank(0);
 const PEER: &str = "decode-0";
+
+/// The release gate of a run: the real one, or (negative control, feature `negative-controls`)
+/// the bypass.
+fn gate_mode(unsafe_gate: bool) -> Result<GateMode, AbortStressError> {
+    if !unsafe_gate {
+        return Ok(GateMode::Safe);
+    }
+    #[cfg(feature = "negative-controls")]
+    return Ok(GateMode::UnsafeBypass);
+    #[cfg(not(feature = "negative-controls"))]
+    Err(AbortStressError::Invalid(
+        "the gate bypass exists only in builds with the negative-controls feature".into(),
+    ))
+}
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -276,11 +297,7 @@ pub fn run(args: &AbortStressArgs) -> Result<AbortStressReport, AbortStressError
     }
     drop(to_decode_tx);
 
-    let mode = if args.unsafe_gate {
-        GateMode::UnsafeBypass
-    } else {
-        GateMode::Safe
-    };
+    let mode = gate_mode(args.unsafe_gate)?;
     let report = decode_loop(args, mode, &region, &ranks, &to_decode_rx);
 
     stop.store(true, Ordering::SeqCst);

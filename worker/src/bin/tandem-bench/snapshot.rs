@@ -1,12 +1,14 @@
 //! `tandem-bench snapshot`: decode→prefill snapshot sync with the prefill KV pool 100% occupied
 //! (DESIGN §7: ≥ 99% succeed; seed 002: 0% before, ≥ 30% asked). Runs the same deterministic
-//! workload ([`crate::snapshot::workload`]) twice in one process: into the dedicated snapshot buffer,
+//! workload ([`tandem_worker::snapshot::workload`]) twice in one process: into the dedicated snapshot buffer,
 //! and into the KV pool itself (the seed's old design, the baseline). Prints both success ratios;
-//! the last line is `snapshot_success_ratio=<x> baseline=<y>`.
+//! the last line is `snapshot_success_ratio=<x> baseline=<y>`. The baseline is a negative control
+//! (`snapshot::shared_pool`): only builds with the `negative-controls` feature run it; others print
+//! `baseline=unavailable`.
 
 use std::time::Instant;
 
-use crate::snapshot::workload::{
+use tandem_worker::snapshot::workload::{
     self, Backing, WorkloadConfig, WorkloadError, WorkloadReport, WorkloadTransport,
 };
 
@@ -47,8 +49,9 @@ pub struct SnapshotArgs {
 pub struct SnapshotReport {
     /// The dedicated buffer.
     pub dedicated: WorkloadReport,
-    /// The KV pool itself (baseline, seed 002's old design).
-    pub baseline: WorkloadReport,
+    /// The KV pool itself (baseline, seed 002's old design); `None` without the
+    /// `negative-controls` feature.
+    pub baseline: Option<WorkloadReport>,
     /// Seconds of each run.
     pub seconds: [f64; 2],
 }
@@ -74,16 +77,22 @@ impl SnapshotReport {
                 r.max_pool_free_at_arrival,
             )
         };
-        vec![
+        let mut lines = vec![
             "snapshot benchmark: decode->prefill sync, prefill KV pool 100% occupied".to_owned(),
             row("dedicated buffer", &self.dedicated, self.seconds[0]),
-            row("baseline (KV pool)", &self.baseline, self.seconds[1]),
-            format!(
-                "snapshot_success_ratio={:.4} baseline={:.4}",
-                self.dedicated.success_ratio(),
-                self.baseline.success_ratio()
-            ),
-        ]
+        ];
+        let baseline = match &self.baseline {
+            Some(b) => {
+                lines.push(row("baseline (KV pool)", b, self.seconds[1]));
+                format!("{:.4}", b.success_ratio())
+            }
+            None => "unavailable".to_owned(),
+        };
+        lines.push(format!(
+            "snapshot_success_ratio={:.4} baseline={baseline}",
+            self.dedicated.success_ratio()
+        ));
+        lines
     }
 }
 
@@ -108,7 +117,10 @@ pub fn run(args: &SnapshotArgs) -> Result<SnapshotReport, WorkloadError> {
     let t0 = Instant::now();
     let dedicated = workload::run(Backing::Dedicated, &cfg)?;
     let t1 = Instant::now();
-    let baseline = workload::run(Backing::SharedKvPool, &cfg)?;
+    #[cfg(feature = "negative-controls")]
+    let baseline = Some(workload::run(Backing::SharedKvPool, &cfg)?);
+    #[cfg(not(feature = "negative-controls"))]
+    let baseline = None;
     let t2 = Instant::now();
     Ok(SnapshotReport {
         dedicated,
