@@ -67,6 +67,11 @@ cargo test --workspace
 step "CRDs in charts/tandem/crds match the types"
 cargo run --quiet -p tandem-crds --bin crdgen -- --check
 
+# The tests build the worker with `negative-controls` (its dev-dependency on itself); the library
+# and binaries as shipped do not have it: check that feature set on its own.
+step "the worker as shipped: library and binaries without negative controls, warnings denied"
+cargo clippy -p tandem-worker --lib --bins -- -D warnings
+
 step "feature builds: cuda (dynamic loading, no toolkit needed), rdma (ibverbs), warnings denied"
 cargo clippy -p tandem-worker --features cuda --all-targets -- -D warnings
 cargo clippy -p tandem-worker --features rdma --all-targets -- -D warnings
@@ -74,7 +79,7 @@ cargo clippy -p tandem-worker --features rdma --all-targets -- -D warnings
 # Without a device the CUDA backend must refuse with DeviceUnavailable (tested); its GPU checks are
 # #[ignore]d here and run on a GPU machine with `-- --include-ignored`.
 step "cuda feature: host-side tests of the load plan, the event ledger and the no-device path"
-cargo test -p tandem-worker --features cuda --lib cache::
+cargo test -p tandem-worker --features cuda --lib load::
 cargo test -p tandem-worker --features cuda --test cache_load_order_cuda
 
 step "rdma feature: host-side tests of the RDMA transport (no NIC here: open refuses, typed)"

@@ -1,39 +1,28 @@
-//! `tandem-worker`: the data-plane binary (DESIGN §3). One subcommand per role; each role lives in
-//! `src/roles/<role>.rs` and exposes `Args` (clap) and `run(Args) -> Result<(), RoleError>`.
+//! `tandem-worker`: the data-plane binary (DESIGN §3). One subcommand per role; each role is a module
+//! of the library, `tandem_worker::roles::<role>`, with `Args` (clap) and
+//! `run(Args) -> Result<(), RoleError>`.
 //!
-//! In a pod every role runs as a long-running server from the operator's rendered config:
+//! Every role starts from the config file the operator renders — the only start path:
 //! `tandem-worker prefill|decode|store-client --config /etc/tandem/worker.json` and
-//! `tandem-worker cache --config /etc/tandem/tier.json` (paths resolved through `$TANDEM_ROOT`;
-//! `tandem_worker::serve` has the servers). Without `--config` the flag-driven demo modes run.
+//! `tandem-worker cache --config /etc/tandem/tier.json` (paths resolved through `$TANDEM_ROOT`).
+//! `tandem-worker <role> --help` lists each role's few process-level options.
 //!
-//! Adding a role: declare its module in `mod roles` and point its variant at `roles::<role>::Args`
-//! and `roles::<role>::run` in [`Role`] and [`main`].
+//! Adding a role: a module in `roles` (src/roles/mod.rs), then a variant of [`Role`] and its arm in
+//! [`main`].
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-
-mod roles {
-    //! One module per role.
-    pub mod cache;
-    pub mod decode;
-    pub mod prefill;
-    pub mod store_client;
-}
-
-/// Errors a role returns to `main`; printed, and the process exits non-zero.
-#[derive(Debug, thiserror::Error)]
-pub enum RoleError {
-    /// The role failed.
-    #[error("{0}")]
-    Failed(String),
-}
+use tandem_worker::roles;
 
 #[derive(Debug, Parser)]
 #[command(
     name = "tandem-worker",
     version,
-    about = "Tandem PD-disaggregated serving data plane"
+    about = "Tandem PD-disaggregated serving data plane",
+    long_about = "Tandem PD-disaggregated serving data plane. Every role starts from its config \
+                  file (`--config`), as the operator renders it for a pod; paths are read \
+                  through $TANDEM_ROOT when it is set."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -42,9 +31,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Role {
-    /// Prefill instance.
+    /// Prefill instance: the gRPC `Transfer` service and the simulated engine.
     Prefill(roles::prefill::Args),
-    /// Decode instance.
+    /// Decode instance: the KV receiver, the prefill peer set and the front door.
     Decode(roles::decode::Args),
     /// Standalone store client: owns the shared-memory segments workers register (DESIGN §2).
     StoreClient(roles::store_client::Args),

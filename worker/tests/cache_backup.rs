@@ -8,12 +8,12 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::time::Duration;
 
 use cache_support::{config, identity, object_bytes};
-use tandem_worker::cache::l3_backup::{BackupMarking, backup_sequence};
-use tandem_worker::cache::l3_replay::L3Backend;
-use tandem_worker::cache::l3_store::{L3Error, L3Store};
-use tandem_worker::cache::manifest::{ObjectKey, ShardCoords};
-use tandem_worker::cache::{PageKey, PrefixIndex, Tier};
-use tandem_worker::pool::PoolRole;
+use tandem_worker::l3::backup::{BackupMarking, backup_sequence};
+use tandem_worker::l3::manifest::{ObjectKey, ShardCoords};
+use tandem_worker::l3::replay::L3Backend;
+use tandem_worker::l3::store::{L3Error, L3Store};
+use tandem_worker::memory::pool::PoolRole;
+use tandem_worker::tier::{PageKey, PrefixIndex, Tier};
 
 /// The store, with every put slowed so that lookups run while puts are in flight.
 struct SlowPuts(Arc<L3Store>);

@@ -7,11 +7,11 @@ use std::fs;
 use std::sync::Arc;
 
 use cache_support::{config, identity, load_trace, object_bytes};
-use tandem_worker::cache::PageKey;
-use tandem_worker::cache::l3_replay::{ReplayMode, replay_l3};
-use tandem_worker::cache::l3_store::{L3Error, L3Store, PutOutcome, WarmState};
-use tandem_worker::cache::manifest::{ObjectKey, ShardCoords, StoreIdentity};
-use tandem_worker::pool::PoolRole;
+use tandem_worker::l3::manifest::{ObjectKey, ShardCoords, StoreIdentity};
+use tandem_worker::l3::replay::{ReplayMode, replay_l3};
+use tandem_worker::l3::store::{L3Error, L3Store, PutOutcome, WarmState};
+use tandem_worker::memory::pool::PoolRole;
+use tandem_worker::tier::PageKey;
 
 fn key(id: u64, identity: &StoreIdentity) -> ObjectKey {
     ObjectKey {
@@ -21,7 +21,7 @@ fn key(id: u64, identity: &StoreIdentity) -> ObjectKey {
     }
 }
 
-fn open_warm(cfg: tandem_worker::cache::l3_store::L3Config) -> Arc<L3Store> {
+fn open_warm(cfg: tandem_worker::l3::store::L3Config) -> Arc<L3Store> {
     let (store, loadback) = L3Store::open(cfg).expect("open");
     loadback.join();
     assert_eq!(store.health().state, WarmState::CacheWarm);

@@ -5,23 +5,23 @@
 //! against a deterministic function of (page key, pool, layer, offset). Device pages start with another
 //! request's bytes, so a read before its load finished is a detected mismatch. Every rule has a
 //! negative control that must produce mismatches. The host executor runs the plans of
-//! `cache::load_plan`, the same the CUDA backend runs (its device check: `cache_load_order_cuda.rs`).
+//! `load::plan`, the same the CUDA backend runs (its device check: `cache_load_order_cuda.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use tandem_worker::cache::PageKey;
-use tandem_worker::cache::event_ledger::EventLedger;
-use tandem_worker::cache::host_locks::{EvictionPolicy, HostPageLocks};
-use tandem_worker::cache::load_error::LoadError;
-use tandem_worker::cache::load_order::{
+use tandem_worker::load::error::LoadError;
+use tandem_worker::load::event_ledger::EventLedger;
+use tandem_worker::load::host_locks::{EvictionPolicy, HostPageLocks};
+use tandem_worker::load::order::{
     ForwardStream, LoadContext, LoadExecutor, LoadOptions, PagePools, wait_layer,
 };
-use tandem_worker::cache::load_plan::{
+use tandem_worker::load::plan::{
     FencePolicy, LoadJob, PageCopy, ReadPolicy, check_layer_reads, check_load_plan,
     plan_layer_reads, plan_load,
 };
-use tandem_worker::pool::PoolRole;
+use tandem_worker::memory::pool::PoolRole;
+use tandem_worker::tier::PageKey;
 
 const LAYERS: u32 = 4;
 const PAGES: u32 = 8;

@@ -24,16 +24,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tandem_worker::cache::PageKey;
-use tandem_worker::cache::event_ledger::EventLedger;
-use tandem_worker::cache::host_locks::HostPageLocks;
-use tandem_worker::cache::load_error::LoadError;
-use tandem_worker::cache::load_plan::{FencePolicy, LoadJob, PageCopy, ReadPolicy};
-use tandem_worker::cache::load_stream_cuda::{
+use tandem_worker::load::error::LoadError;
+use tandem_worker::load::event_ledger::EventLedger;
+use tandem_worker::load::host_locks::HostPageLocks;
+use tandem_worker::load::plan::{FencePolicy, LoadJob, PageCopy, ReadPolicy};
+use tandem_worker::load::stream_cuda::{
     CudaLoadContext, CudaLoadOptions, CudaLoadStream, DevicePagePools, PinnedPagePools,
     hold_stream_for, open_context,
 };
-use tandem_worker::pool::{KvGeometry, PoolLayout, PoolRole};
+use tandem_worker::memory::pool::{KvGeometry, PoolLayout, PoolRole};
+use tandem_worker::tier::PageKey;
 
 const LAYERS: u32 = 4;
 const PAGES: u32 = 8;

@@ -4,62 +4,69 @@
 //! under a changed model identity serves misses without crashing; SIGTERM exits cleanly.
 
 mod cache_support;
+mod serve_support;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use cache_support::{identity, load_trace, object_bytes};
-use tandem_worker::cache::l3_client::L3Client;
-use tandem_worker::cache::l3_replay::{ReplayMode, replay_l3};
-use tandem_worker::cache::l3_store::{L3Health, WarmState};
-use tandem_worker::cache::manifest::{ShardCoords, StoreIdentity};
+use serve_support::{Proc, World};
+use tandem_worker::config::{
+    CACHE_TIER_CONFIG_API_VERSION, CACHE_TIER_CONFIG_FILE, CacheEviction, CachePorts,
+    CacheTierConfig, DEFAULT_CACHE_DATA_DIR, WritePolicy,
+};
+use tandem_worker::l3::client::L3Client;
+use tandem_worker::l3::manifest::{ShardCoords, StoreIdentity};
+use tandem_worker::l3::replay::{ReplayMode, replay_l3};
+use tandem_worker::l3::store::{L3Health, WarmState};
 
 struct Replica {
-    child: Child,
+    proc: Proc,
     addr: SocketAddr,
 }
 
-impl Drop for Replica {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+/// The tier config of a replica storing objects of `identity` (its data directory is the
+/// default one under the host's `$TANDEM_ROOT`, so every start on one host sees the same data).
+fn tier(identity: &StoreIdentity) -> CacheTierConfig {
+    CacheTierConfig {
+        api_version: CACHE_TIER_CONFIG_API_VERSION.into(),
+        namespace: "serving".into(),
+        tier: "l3".into(),
+        revision: "t1".into(),
+        model: identity.model.clone(),
+        indexer: None,
+        page_tokens: identity.page_tokens,
+        layout: identity.layout,
+        max_tensor: identity.tp_size,
+        max_context: identity.cp_size,
+        memory_bytes: 1 << 30,
+        disk_bytes: 16 << 30,
+        persistent: true,
+        data_dir: DEFAULT_CACHE_DATA_DIR.into(),
+        // Free ports, printed on stdout (`listening on ADDR`).
+        ports: CachePorts { l3: 0, health: 0 },
+        eviction: CacheEviction::default(),
+        write_policy: WritePolicy::WriteThrough,
+        registration_failure: None,
     }
 }
 
-fn start(data: &Path, identity: &StoreIdentity) -> Replica {
-    let id_file = data.with_extension("identity.json");
-    std::fs::write(&id_file, serde_json::to_vec(identity).expect("json")).expect("identity file");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem-worker"))
-        .args([
-            "cache",
-            "--listen",
-            "127.0.0.1:0",
-            "--progress-interval-s",
-            "1",
-        ])
-        .arg("--data-dir")
-        .arg(data)
-        .arg("--identity")
-        .arg(&id_file)
-        .arg("--unsafe-no-fsync")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn tandem-worker cache");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("read stdout");
-    let addr = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .parse()
-        .expect("address");
-    Replica { child, addr }
+/// Starts `tandem-worker cache --config` on host 1 of `w` (fsync off: a test-only flag).
+fn start(w: &World, identity: &StoreIdentity) -> Replica {
+    let cfg = tier(identity);
+    assert_eq!(&cfg.identity(), identity);
+    let (proc, addr) = w.start_role(
+        1,
+        "cache",
+        CACHE_TIER_CONFIG_FILE,
+        &serde_json::to_vec(&cfg).expect("json"),
+        &[],
+        &["--progress-interval-s", "1", "--unsafe-no-fsync"],
+    );
+    Replica {
+        proc,
+        addr: addr.parse().expect("address"),
+    }
 }
 
 fn client(r: &Replica) -> L3Client {
@@ -82,12 +89,11 @@ fn wait_warm(c: &L3Client) -> L3Health {
 fn killed_replica_restarts_with_its_hit_ratio_and_survives_an_identity_change() {
     let Some(requests) = load_trace() else { return };
     let (fill, probe) = (&requests[..400], &requests[400..600]);
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let data = tmp.path().join("l3");
+    let w = World::new(53);
     let id = identity("m");
     let shard = ShardCoords::whole(&id);
 
-    let first = start(&data, &id);
+    let first = start(&w, &id);
     let c = client(&first);
     wait_warm(&c);
     replay_l3(&c, fill, shard, ReplayMode::Fill, object_bytes).expect("fill");
@@ -102,7 +108,7 @@ fn killed_replica_restarts_with_its_hit_ratio_and_survives_an_identity_change() 
     drop(c);
     drop(first); // SIGKILL: no shutdown path runs
 
-    let second = start(&data, &id);
+    let second = start(&w, &id);
     let c = client(&second);
     let h = wait_warm(&c);
     assert_eq!((h.objects, h.loadback.published), (objects, objects));
@@ -117,10 +123,8 @@ fn killed_replica_restarts_with_its_hit_ratio_and_survives_an_identity_change() 
     drop(c);
     // SIGTERM: a clean stop with exit status 0.
     let mut second = second;
-    let pid = i32::try_from(second.child.id()).expect("pid");
-    // SAFETY: kill(2) with a pid we spawned and still own (not yet waited for).
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
-    let status = second.child.wait().expect("wait");
+    second.proc.signal(libc::SIGTERM);
+    let status = second.proc.0.wait().expect("wait");
     assert!(status.success(), "SIGTERM exit: {status:?}");
 
     let changed = StoreIdentity {
@@ -130,7 +134,7 @@ fn killed_replica_restarts_with_its_hit_ratio_and_survives_an_identity_change() 
         },
         ..id
     };
-    let third = start(&data, &changed);
+    let third = start(&w, &changed);
     let c = client(&third);
     let h = wait_warm(&c);
     assert_eq!(h.loadback.identity_mismatch, objects);

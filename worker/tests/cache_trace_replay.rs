@@ -10,7 +10,7 @@ use std::num::NonZeroUsize;
 use std::path::PathBuf;
 
 use tandem_worker::cache::trace::{TracePageKeys, TraceRequest, read_trace, replay};
-use tandem_worker::cache::{PrefixIndex, Tier};
+use tandem_worker::tier::{PrefixIndex, Tier};
 
 fn trace_path() -> PathBuf {
     if let Some(p) = std::env::var_os("TANDEM_MOONCAKE_TRACE") {
@@ -84,14 +84,14 @@ fn pending_l3_writes_are_not_counted_as_hits_during_a_replay() {
     let head = &requests[..2_000];
     // Same replay, but every write stays pending: no lookup may hit.
     let mut idx = l3_only(None);
-    let mut acc = tandem_worker::cache::HitAccounting::default();
+    let mut acc = tandem_worker::tier::HitAccounting::default();
     for r in head {
         let keys = r.page_keys();
         acc.record(u64::from(r.input_length), 512, &idx.lookup(&keys));
         idx.insert(
             Tier::L3Store,
             &keys,
-            tandem_worker::cache::Residency::Pending,
+            tandem_worker::tier::Residency::Pending,
         );
     }
     assert_eq!(acc.total_hit_tokens(), 0);

@@ -5,6 +5,11 @@
 
 use std::time::Duration;
 
+// The benchmark is a module of the `tandem-bench` binary (not of the library's API); compiled here.
+#[allow(dead_code)]
+#[path = "../src/bin/tandem-bench/layer_split.rs"]
+mod layer_split_bench;
+
 use tandem_worker::config::LayerSplit;
 use tandem_worker::layer_split::group::run_group_with_maps;
 use tandem_worker::layer_split::receive::{Arrival, LayerReceiver};
@@ -285,7 +290,7 @@ fn waiting_on_a_layer_never_sent_is_an_error() {
 
 #[test]
 fn bench_reports_identical_outputs_and_both_ratios() {
-    use tandem_worker::bench::layer_split::{LayerSplitArgs, run};
+    use layer_split_bench::{LayerSplitArgs, run};
     let args = LayerSplitArgs {
         layers: 7,
         cp: vec![2, 4],

@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use proptest::prelude::*;
 use tandem_worker::memory::Allocator;
 use tandem_worker::memory::mmap::MmapBackend;
+use tandem_worker::memory::pool::{KvPool, PageId, PoolLayout, PoolRole, PoolSpec};
 use tandem_worker::model::{Attention, ModelIdentity};
-use tandem_worker::pool::{KvPool, PageId, PoolLayout, PoolRole, PoolSpec};
 
 const PAGES: u32 = 16;
 

@@ -4,24 +4,29 @@
 //! The store client creates POSIX shm segments (so they are visible in /dev/shm and a leak is
 //! observable), passes their fds over its Unix socket, and must leave nothing in /dev/shm after SIGTERM.
 //! The negative control runs it with `--leak-segments-for-test` and checks the leak is detected.
+//! The store client starts from the pool's worker config, as the sidecar of a pod does.
+
+mod serve_support;
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus};
+use std::process::ExitStatus;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use serve_support::{Proc, World, config};
+use tandem_worker::config::{CONFIG_FILE, CacheConfig, WorkerRole, WritePolicy};
 use tandem_worker::health::Health;
 use tandem_worker::memory::capacity::CapacityPlan;
 use tandem_worker::memory::mmap::MmapBackend;
+use tandem_worker::memory::pool::{PageId, PoolLayout, PoolRole, PoolSpec};
 use tandem_worker::memory::segment::dev_shm_entries;
 use tandem_worker::memory::{Allocator, AllocatorDomain};
 use tandem_worker::model::{Attention, ModelIdentity};
-use tandem_worker::pool::{PageId, PoolLayout, PoolRole, PoolSpec};
 use tandem_worker::registration::metrics::RegistrationMetrics;
 use tandem_worker::registration::{AttachOutcome, Phase, Registrar, RegistrarConfig};
-use tandem_worker::store_client::StoreClient;
 use tandem_worker::store_client::standalone::StandaloneClient;
+use tandem_worker::store_client::{ClientMode, StoreClient};
 use tandem_worker::teardown::{Teardown, TeardownPhase};
 
 fn spec(role: PoolRole) -> PoolSpec {
@@ -44,60 +49,66 @@ fn spec(role: PoolRole) -> PoolSpec {
 }
 
 struct StoreClientProcess {
-    child: Child,
+    proc: Proc,
     socket: PathBuf,
     prefix: String,
-    _dir: tempfile::TempDir,
+    _world: World,
 }
 
 impl StoreClientProcess {
-    fn spawn(tag: &str, leak: bool) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("sc.sock");
-        let prefix = format!("tandem-it-{tag}-{}", std::process::id());
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem-worker"));
-        cmd.args([
-            "store-client",
-            "--backend",
-            "posix-shm",
-            "--budget-bytes",
-            "16777216",
-        ])
-        .arg("--socket")
-        .arg(&socket)
-        .arg("--name-prefix")
-        .arg(&prefix);
+    /// Starts `tandem-worker store-client --config` (a 16 MiB segment budget) with POSIX shm
+    /// segments; `leak` adds the test-only `--leak-segments-for-test`. Its segments are named
+    /// `tandem-sc-<pid>-<id>`.
+    fn spawn(net: u8, leak: bool) -> Self {
+        let world = World::new(net);
+        let mut cfg = config(WorkerRole::Prefill, "r1", world.ports);
+        cfg.memory.allocator = AllocatorDomain::SharedMemory;
+        cfg.memory.client_mode = Some(ClientMode::Standalone);
+        cfg.cache = Some(CacheConfig {
+            tier: "l3".into(),
+            service: "l3-store.serving.svc".into(),
+            replicas: 1,
+            page_tokens: 512,
+            write_policy: WritePolicy::WriteThrough,
+        });
+        // A 16 MiB segment budget: the pools' sum, as the operator resolves it.
+        cfg.memory.target_pool_bytes = 16 << 20;
+        cfg.memory.segment_bytes = 16 << 20;
+        let mut args = vec!["--backend", "posix-shm"];
         if leak {
-            cmd.arg("--leak-segments-for-test");
+            args.push("--leak-segments-for-test");
         }
-        let child = cmd.spawn().expect("spawn store-client");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !socket.exists() {
-            assert!(
-                Instant::now() < deadline,
-                "store-client did not create its socket"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let (proc, listening) = world.start_role(
+            2,
+            "store-client",
+            CONFIG_FILE,
+            &serde_json::to_vec(&cfg).unwrap(),
+            &[],
+            &args,
+        );
+        let socket = world.root(2).join("dev/shm/tandem-store-client.sock");
+        assert_eq!(Path::new(&listening), socket);
+        // Segment `<prefix>-<id>`: the trailing dash keeps pid 12 from matching pid 123's segments.
+        let prefix = format!("tandem-sc-{}-", proc.0.id());
         Self {
-            child,
+            proc,
             socket,
             prefix,
-            _dir: dir,
+            _world: world,
         }
     }
 
     fn sigterm_and_wait(&mut self) -> ExitStatus {
-        let pid = self.child.id() as libc::pid_t;
+        let pid = self.proc.0.id() as libc::pid_t;
         // SAFETY: plain kill(2) on our own child.
         assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
+            if let Some(status) = self.proc.0.try_wait().unwrap() {
                 return status;
             }
             if Instant::now() > deadline {
-                let _ = self.child.kill();
+                let _ = self.proc.0.kill();
                 panic!("store-client ignored SIGTERM");
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -107,9 +118,9 @@ impl StoreClientProcess {
 
 impl Drop for StoreClientProcess {
     fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+        if self.proc.0.try_wait().ok().flatten().is_none() {
+            let _ = self.proc.0.kill();
+            let _ = self.proc.0.wait();
         }
         for name in dev_shm_entries(&self.prefix) {
             let _ = rustix::shm::unlink(format!("/{name}").as_str());
@@ -128,9 +139,9 @@ fn registrar(client: Arc<StandaloneClient>) -> Arc<Registrar> {
 
 #[test]
 fn seed_000_across_two_processes_and_teardown_leaves_nothing_in_dev_shm() {
-    let mut sc = StoreClientProcess::spawn("seed", false);
+    let mut sc = StoreClientProcess::spawn(71, false);
     let client = Arc::new(StandaloneClient::connect(&sc.socket, "it-worker").unwrap());
-    assert_eq!(client.server_pid(), sc.child.id());
+    assert_eq!(client.server_pid(), sc.proc.0.id());
     let plan =
         CapacityPlan::new(1 << 20, &[spec(PoolRole::Target), spec(PoolRole::Draft)]).unwrap();
     client.reserve(plan.required()).unwrap();
@@ -218,7 +229,7 @@ fn seed_000_across_two_processes_and_teardown_leaves_nothing_in_dev_shm() {
 
 #[test]
 fn sigterm_with_a_connected_worker_still_removes_every_segment() {
-    let mut sc = StoreClientProcess::spawn("term", false);
+    let mut sc = StoreClientProcess::spawn(72, false);
     let client = StandaloneClient::connect(&sc.socket, "it-worker").unwrap();
     client.reserve(64 << 10).unwrap();
     client.reserve(64 << 10).unwrap();
@@ -239,7 +250,7 @@ fn sigterm_with_a_connected_worker_still_removes_every_segment() {
 
 #[test]
 fn negative_control_a_store_client_that_skips_unlink_is_detected() {
-    let mut sc = StoreClientProcess::spawn("leak", true);
+    let mut sc = StoreClientProcess::spawn(73, true);
     let client = StandaloneClient::connect(&sc.socket, "it-worker").unwrap();
     client.reserve(64 << 10).unwrap();
     let status = sc.sigterm_and_wait();

@@ -1,7 +1,12 @@
 //! The abort stress in both modes, small N (CI): the safe gate must read zero corrupt pages, the
 //! gate-bypassed negative control must find some (seed 004 BugFix #1; DESIGN contract 3).
 
-use tandem_worker::bench::abort_stress::{AbortStressArgs, run};
+// The stress is a module of the `tandem-bench` binary (not of the library's API); compiled here too.
+#[allow(dead_code)]
+#[path = "../src/bin/tandem-bench/abort_stress.rs"]
+mod abort_stress;
+
+use abort_stress::{AbortStressArgs, run};
 
 #[test]
 fn safe_mode_reads_no_corrupt_page() {

@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde_json::Value;
 use serve_support::*;
 use tandem_worker::config::*;
-use tandem_worker::pool::PoolLayout;
+use tandem_worker::memory::pool::PoolLayout;
 use tandem_worker::store_client::ClientMode;
 
 const L3_SERVICE: &str = "l3-store.serving.svc.cluster.local";

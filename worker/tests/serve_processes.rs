@@ -266,7 +266,14 @@ async fn kill_the_prefill_mid_request(net: u8, retry_budget: &str) -> (u16, Valu
         )
         .await
     });
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // The slow prefill has the room (it looked the prompt up): kill it while it computes.
+    let slow_health = w.addr(2, w.ports.health);
+    until(Duration::from_secs(10), || async {
+        get_json(slow_health, "/report").await.1["counters"]["prefix_lookup_tokens"]
+            .as_u64()
+            .is_some_and(|t| t >= 2048)
+    })
+    .await;
     assert!(
         !req.is_finished(),
         "the slow prefill must still be computing"
@@ -333,7 +340,14 @@ async fn sigterm_turns_readiness_off_finishes_in_flight_work_and_exits_zero() {
         )
         .await
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The KV arrived (observed in /report): the request is streaming its tokens now.
+    until(Duration::from_secs(10), || async {
+        get_json(health, "/report").await.1["counters"]["kv_bytes_received"]
+            .as_u64()
+            .is_some_and(|b| b > 0)
+    })
+    .await;
+    assert!(!req.is_finished(), "the response is still streaming");
     d.signal(libc::SIGTERM);
     until(Duration::from_secs(2), || async {
         status(health, "/readyz").await == Some(503)

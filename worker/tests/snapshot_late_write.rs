@@ -11,18 +11,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tandem_worker::cache::page_key::PageKey;
-use tandem_worker::cache::prefix_index::{PrefixIndex, Tier};
 use tandem_worker::engine::content::{ChunkSpec, fill_chunk, verify_chunk};
 use tandem_worker::memory::Allocator;
 use tandem_worker::memory::mmap::MmapBackend;
+use tandem_worker::memory::pool::{KvPool, PoolLayout, PoolRole, PoolSpec};
 use tandem_worker::model::{Attention, ModelIdentity};
-use tandem_worker::pool::{KvPool, PoolLayout, PoolRole, PoolSpec};
-use tandem_worker::room::receiver::TransportProof;
+use tandem_worker::release::receiver::TransportProof;
 use tandem_worker::snapshot::{
     AbortOutcome, FinalizeOutcome, PrepareOutcome, ReceiverGate, SlotGeometry, SnapshotGrant,
     SnapshotRegion, SnapshotRequest, SnapshotStore, StoreConfig,
 };
+use tandem_worker::tier::page_key::PageKey;
+use tandem_worker::tier::prefix_index::{PrefixIndex, Tier};
 use tandem_worker::transfer::tcp::{GenerationCheck, TcpConfig, TcpReceiver, TcpTransport};
 use tandem_worker::transfer::{
     BatchLimits, FailureKind, RegionId, TransferStatus, Transport, WriteBatch, WriteOp,

@@ -6,20 +6,20 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tandem_worker::cache::page_key::PageKey;
-use tandem_worker::cache::prefix_index::{PrefixIndex, Residency, Tier};
 use tandem_worker::engine::content::{ChunkSpec, fill_chunk, verify_chunk};
 use tandem_worker::memory::Allocator;
 use tandem_worker::memory::mmap::MmapBackend;
+use tandem_worker::memory::pool::{KvPool, PageId, PoolLayout, PoolRole, PoolSpec};
 use tandem_worker::model::{Attention, ModelIdentity};
-use tandem_worker::pool::{KvPool, PageId, PoolLayout, PoolRole, PoolSpec};
-use tandem_worker::room::RoomKey;
-use tandem_worker::room::receiver::TransportProof;
+use tandem_worker::release::RoomKey;
+use tandem_worker::release::receiver::TransportProof;
 use tandem_worker::snapshot::{
     AbortOutcome, FinalizeOutcome, OneSidedGate, PrepareOutcome, SlotGeometry, SnapshotError,
     SnapshotGate, SnapshotGrant, SnapshotId, SnapshotRegion, SnapshotRequest, SnapshotState,
     SnapshotStore, StoreConfig,
 };
+use tandem_worker::tier::page_key::PageKey;
+use tandem_worker::tier::prefix_index::{PrefixIndex, Residency, Tier};
 use tandem_worker::transfer::{ReceiveRegion, RegionId};
 
 const PAGE_TOKENS: u32 = 4;

@@ -5,11 +5,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_worker::control::KvLayout;
-use tandem_worker::control::decode::{DecodeConfig, DecodeNode, TransferOutcome, room_base};
 use tandem_worker::control::pb::transfer_client::TransferClient;
 use tandem_worker::control::pb::{Abort, RequestSpec, RoomRef, RoomState, SubmitChunkRequest};
-use tandem_worker::control::prefill::{PrefillConfig, PrefillNode, PrefillService};
-use tandem_worker::room::receiver::GateMode;
+use tandem_worker::release::receiver::GateMode;
+use tandem_worker::roles::decode::node::{DecodeConfig, DecodeNode, TransferOutcome, room_base};
+use tandem_worker::roles::prefill::node::{PrefillConfig, PrefillNode, PrefillService};
 use tandem_worker::transfer::tcp::{TcpConfig, TcpTransport};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::TcpListenerStream;

@@ -12,10 +12,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_worker::control::KvLayout;
-use tandem_worker::control::decode::{DecodeConfig, DecodeNode, TransferOutcome};
 use tandem_worker::control::pb::RequestSpec;
-use tandem_worker::control::prefill::{PrefillConfig, PrefillNode, PrefillService};
-use tandem_worker::room::receiver::{FailureCause, GateMode};
+use tandem_worker::release::RoomKey;
+use tandem_worker::release::receiver::{FailureCause, GateMode, ReceiverState};
+use tandem_worker::roles::decode::node::{DecodeConfig, DecodeNode, TransferOutcome, room_base};
+use tandem_worker::roles::prefill::node::{PrefillConfig, PrefillNode, PrefillService};
 use tandem_worker::transfer::tcp::{TcpConfig, TcpTransport};
 use tokio::runtime::Runtime;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -118,6 +119,25 @@ async fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
     }
 }
 
+/// Waits (at most 5 s) until KV is landing in the first room of `d` (a fresh decode's first
+/// transfer, still running): the moment to kill its prefill mid-transfer.
+async fn wait_kv_landing<T>(d: &DecodeNode, transfer: &tokio::task::JoinHandle<T>) {
+    let room = RoomKey::new(room_base("decode-0"), 1);
+    let t0 = Instant::now();
+    while d.room_state(room) != Some(ReceiverState::Transferring) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "no KV landed: {:?}",
+            d.room_state(room)
+        );
+        assert!(
+            !transfer.is_finished(),
+            "the transfer ended before the kill"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transfer_completes_and_verifies() {
     let d = decode(true, Duration::from_secs(2));
@@ -142,7 +162,6 @@ async fn transfer_completes_and_verifies() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completed_room_stays_held_while_decoding_until_its_lease_ends() {
-    use tandem_worker::room::receiver::ReceiverState;
     let d = decode(true, Duration::from_secs(2));
     let mut p = Prefill::start(Duration::from_millis(1));
     let link = d.connect(&p.addr, Duration::from_secs(2)).await.unwrap();
@@ -214,7 +233,7 @@ async fn peer_killed_mid_transfer_fails_room_frees_on_proof_and_restarted_peer_w
         d2.transfer(&l2, request(21, 32), Duration::from_secs(30))
             .await
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    wait_kv_landing(&d, &transfer).await;
     assert!(d.pages().held > 0, "transfer in progress");
     p.kill();
     let out = transfer.await.unwrap().unwrap();
@@ -272,7 +291,7 @@ async fn peer_killed_without_transport_proof_quarantines_with_alarm() {
         d2.transfer(&link, request(31, 32), Duration::from_secs(30))
             .await
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    wait_kv_landing(&d, &transfer).await;
     p.kill();
     let out = transfer.await.unwrap().unwrap();
     assert!(

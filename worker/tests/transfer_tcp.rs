@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tandem_worker::room::RoomKey;
+use tandem_worker::release::RoomKey;
 use tandem_worker::transfer::tcp::{GenerationCheck, TcpConfig, TcpReceiver, TcpTransport};
 use tandem_worker::transfer::{
     BatchLimits, FailureKind, HostRegion, ReceiveRegion, RegionId, TransferStatus, Transport,
@@ -244,8 +244,8 @@ fn cancel_before_send_drops_queued_writes() {
 fn writes_land_in_a_kv_pool_and_never_in_a_free_page() {
     use tandem_worker::memory::Allocator;
     use tandem_worker::memory::mmap::MmapBackend;
+    use tandem_worker::memory::pool::{KvPool, PoolLayout, PoolRole, PoolSpec};
     use tandem_worker::model::{Attention, ModelIdentity};
-    use tandem_worker::pool::{KvPool, PoolLayout, PoolRole, PoolSpec};
     use tandem_worker::transfer::pool_region::PoolRegion;
 
     let model = ModelIdentity {
@@ -275,7 +275,7 @@ fn writes_land_in_a_kv_pool_and_never_in_a_free_page() {
     rx.open_room(key);
     let page = pool.allocate(1).unwrap()[0];
     let chunk = pool.chunk_region(page, 1).unwrap();
-    let free_page = tandem_worker::pool::PageId((page.0 + 1) % 8);
+    let free_page = tandem_worker::memory::pool::PageId((page.0 + 1) % 8);
     let free_chunk = pool.chunk_region(free_page, 0).unwrap();
     let tx = TcpTransport::new(TcpConfig::default());
     let ops = vec![

@@ -2,16 +2,14 @@
 //! compiled by protox, no `protoc`: the messages in `tandem-interfaces`, the client and server by
 //! this crate's `build.rs`).
 //!
-//! - [`prefill`]: the prefill worker's `Transfer` service — opens sender rooms, runs the simulated
-//!   engine, posts KV writes over the data transport, and answers aborts through the sender room table
-//!   (one ack per room, generation and decode rank, only when nothing can land any more).
-//! - [`decode`]: the decode worker's side — owns the KV region and its TCP receiver, opens rooms on a
-//!   prefill peer, waits for the KV with a deadline, and frees pages only through the release gate.
+//! The peer protocol only: the generated messages ([`pb`]), their conversions to the data plane's
+//! own types (rooms, the KV page layout, the RDMA endpoint in [`rdma`]) and the metadata keys. The
+//! two sides that speak it are roles: the prefill worker's `Transfer` service is
+//! `crate::roles::prefill::node`, the decode worker's side `crate::roles::decode::node`.
 //!
 //! Every room-scoped message carries `(room id, generation)` ([`pb::RoomRef`]).
 
-pub mod decode;
-pub mod prefill;
+pub mod rdma;
 
 /// The peer protocol (worker/interfaces/README.md §6): the message types of `tandem-interfaces`
 /// and the tonic client and server `build.rs` generates over them.
@@ -21,7 +19,7 @@ pub mod pb {
     tonic::include_proto!("tandem.transfer.v1");
 }
 
-use crate::room::RoomKey;
+use crate::release::RoomKey;
 
 impl From<RoomKey> for pb::RoomRef {
     fn from(k: RoomKey) -> Self {
@@ -99,3 +97,6 @@ impl From<pb::KvLayout> for KvLayout {
 
 /// gRPC metadata key naming the calling worker on the signal stream.
 pub const WORKER_ID_HEADER: &str = "tandem-worker-id";
+
+/// gRPC metadata key carrying the refusing side's revision on a revision-mismatch refusal.
+pub const REVISION_HEADER: &str = "tandem-revision";

@@ -1,6 +1,6 @@
 //! Errors of the LayerSplit mechanism (DESIGN contract 6).
 
-use crate::pool::PoolError;
+use crate::memory::pool::PoolError;
 
 use super::wire::WireError;
 

@@ -8,7 +8,7 @@
 //!    peer (non-blocking: the broadcast is in flight while the next line runs);
 //! 2. runs the indexer of layer `i` (the computation the broadcast hides behind);
 //! 3. if it does not own `i`: waits on the layer's event ([`LayerReceiver::wait`]) — skipped in the
-//!    [`WaitPolicy::UnsafeSkipWait`] control;
+//!    `WaitPolicy::UnsafeSkipWait` control (feature `negative-controls`);
 //! 4. attends over the request's chunks of layer `i` (local pool, or the receive scratch).
 //!
 //! [`KvLayout::Replicated`] is the baseline: every rank stores every layer and nothing is sent.
@@ -18,8 +18,8 @@ use std::time::Duration;
 use crate::engine::content::{ChunkSpec, fill_chunk};
 use crate::memory::Allocator;
 use crate::memory::mmap::MmapBackend;
+use crate::memory::pool::PageId;
 use crate::model::ModelIdentity;
-use crate::pool::PageId;
 
 use super::attention::{attend, fold, indexer};
 use super::error::LayerSplitError;
@@ -59,6 +59,8 @@ pub enum WaitPolicy {
     /// NEGATIVE CONTROL: attend over the receive scratch without waiting on the layer's event. No
     /// frame is then ever delivered into the scratch, so attention reads whatever it held before
     /// (zeros, or an earlier layer) — what a kernel launched ahead of the broadcast would read.
+    /// Feature `negative-controls`.
+    #[cfg(feature = "negative-controls")]
     UnsafeSkipWait,
 }
 

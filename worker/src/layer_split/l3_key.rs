@@ -10,7 +10,7 @@
 use std::fmt;
 use std::ops::Range;
 
-use crate::cache::page_key::PageKey;
+use crate::tier::page_key::PageKey;
 
 use super::ownership::OwnerMap;
 

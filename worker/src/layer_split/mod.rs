@@ -19,7 +19,7 @@
 //! [`rank_store::RankKvStore`] instead of the full target pool, runs
 //! [`receive::LayerReceiver::handshake`] with its CP peers over a TCP [`transport::RankLink`] on the
 //! data port before admitting, and its engine step calls the broadcast/wait pair of [`group`] around
-//! each layer's attention; the L3 backup (`cache::l3_backup`) names objects with
+//! each layer's attention; the L3 backup (`l3::backup`) names objects with
 //! [`l3_key::LayerRangeKey`]. The operator already writes the owner map into the worker config
 //! (DESIGN §2); it needs no change.
 //!

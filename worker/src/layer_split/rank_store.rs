@@ -9,8 +9,8 @@
 //! ids on every rank (checked by the consumers against the broadcast's page list).
 
 use crate::memory::Allocator;
+use crate::memory::pool::{KvPool, PageId, PoolLayout, PoolRole, PoolSpec};
 use crate::model::ModelIdentity;
-use crate::pool::{KvPool, PageId, PoolLayout, PoolRole, PoolSpec};
 
 use super::error::LayerSplitError;
 

@@ -4,7 +4,7 @@
 //! Seed 000's draft pool copied the target's sizing but not its allocator; planning all pools together,
 //! draft and indexer included, makes both the size and the domain of each pool explicit up front.
 
-use crate::pool::{PoolError, PoolRole, PoolSpec};
+use crate::memory::pool::{PoolError, PoolRole, PoolSpec};
 
 use super::{align_up, host_page_size};
 

@@ -9,7 +9,8 @@
 //! - [`allocator`]: the allocator handle, its backends' trait, the buffer handle and statistics;
 //! - [`mmap`], [`pinned`], [`shared`], [`device`]: the backends;
 //! - [`segment`]: shared-memory segments (memfd or POSIX shm) that a store client creates and maps;
-//! - [`capacity`]: sizing every pool before anything is allocated.
+//! - [`capacity`]: sizing every pool before anything is allocated;
+//! - [`pool`]: page-granular KV pools carved from one buffer of an allocator.
 
 pub mod allocator;
 pub mod capacity;
@@ -17,6 +18,7 @@ pub mod device;
 pub mod domain;
 pub mod mmap;
 pub mod pinned;
+pub mod pool;
 pub mod segment;
 pub mod shared;
 

@@ -216,6 +216,8 @@ impl Segment {
     }
 
     /// Test-only negative control: forget the name so dropping the segment leaves it in /dev/shm.
+    /// Feature `negative-controls`.
+    #[cfg(feature = "negative-controls")]
     #[doc(hidden)]
     pub fn leak_name_for_test(&self) {
         self.unlinked.store(true, Ordering::Release);

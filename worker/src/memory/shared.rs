@@ -90,7 +90,9 @@ impl SegmentSet {
         n
     }
 
-    /// Test-only negative control: make every segment forget to unlink its name.
+    /// Test-only negative control: make every segment forget to unlink its name. Feature
+    /// `negative-controls`.
+    #[cfg(feature = "negative-controls")]
     #[doc(hidden)]
     pub fn leak_names_for_test(&self) {
         for a in self.lock().iter() {

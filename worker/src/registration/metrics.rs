@@ -51,7 +51,7 @@ impl RegistrationMetrics {
     }
 
     /// The label for `role`.
-    pub fn label(role: crate::pool::PoolRole) -> RoleLabel {
+    pub fn label(role: crate::memory::pool::PoolRole) -> RoleLabel {
         RoleLabel {
             role: role.as_str().to_owned(),
         }

@@ -13,8 +13,8 @@
 //! Invariant: nothing is visible to other components before COMMITTED. The only shared state is the
 //! [`PoolMap`]: a committed entry carries the pool, its registrations and — because consumers look pools
 //! up there — the callbacks' target, all inserted by one map insert. The seed's failure was the opposite
-//! order (`registered_pools[DRAFT] = pool` before `register_buffer`); [`TxnOrder::UnsafeLegacy`] keeps that
-//! order as a negative control for the tests.
+//! order (`registered_pools[DRAFT] = pool` before `register_buffer`); `TxnOrder::UnsafeLegacy` keeps that
+//! order as a negative control for the tests (feature `negative-controls`).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -22,8 +22,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use serde::{Deserialize, Serialize};
 
 use crate::health::Health;
+use crate::memory::pool::{KvPool, PoolError, PoolRole, PoolSpec};
 use crate::memory::{Allocator, MemoryError};
-use crate::pool::{KvPool, PoolError, PoolRole, PoolSpec};
 use crate::store_client::{BufferRef, ClientMode, StoreClient};
 
 use super::metrics::RegistrationMetrics;
@@ -80,6 +80,7 @@ pub enum TxnOrder {
     #[default]
     Transactional,
     /// Test-only negative control reproducing seed 000: publish first, no preflight, no rollback.
+    #[cfg(feature = "negative-controls")]
     UnsafeLegacy,
 }
 
@@ -301,6 +302,7 @@ impl Registrar {
         let bytes = pool.buffer().len();
         let ranges = self.split(&pool);
 
+        #[cfg(feature = "negative-controls")]
         if self.config.order == TxnOrder::UnsafeLegacy {
             return self.attach_legacy(pool, ranges).map_err(|(phase, cause)| {
                 Box::new(failure(phase, cause, UndoReport::default(), bytes))
@@ -357,6 +359,7 @@ impl Registrar {
     }
 
     /// Seed 000's order, for the negative control only: publish, then register, never roll back.
+    #[cfg(feature = "negative-controls")]
     fn attach_legacy(
         &self,
         pool: KvPool,

@@ -1,6 +1,6 @@
 //! The `cache` role: one CacheTier store replica (DESIGN §2 `CacheTier`, contract 7). It opens the L3
 //! store on its data directory (a PVC in the cluster), serves the framed TCP protocol of
-//! `tandem_worker::cache::l3_wire` at once, and loads back what is on disk in the background, logging
+//! [`crate::l3::wire`] at once, and loads back what is on disk in the background, logging
 //! progress and reporting `Warming` → `CacheWarm` in its health. SIGTERM or SIGINT stops serving,
 //! stops loadback, joins every thread and exits 0 (DESIGN contract 9); every put is already durable,
 //! so there is nothing to flush.
@@ -9,52 +9,31 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use tandem_worker::cache::l3_server::L3Server;
-use tandem_worker::cache::l3_store::{L3Config, L3Store};
-use tandem_worker::cache::manifest::StoreIdentity;
+use crate::l3::server::L3Server;
+use crate::l3::store::{L3Config, L3Store};
 
-use tandem_worker::config::{CacheTierConfig, LoadConfig, resolve_path};
-use tandem_worker::serve::counters::mirror;
-use tandem_worker::serve::health::{ServeState, router, spawn_http};
+use crate::config::{CacheTierConfig, LoadConfig, resolve_path};
+use crate::health::counters::mirror;
+use crate::health::http::{ServeState, router, spawn_http};
 
-use crate::RoleError;
+use super::RoleError;
 
 /// `tandem-worker cache` arguments.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Serve as a replica of the tier: the tier config (`/etc/tandem/tier.json`, read through
-    /// `$TANDEM_ROOT`, as are its paths). Identity, budgets, data dir and ports come from it, and
-    /// the health port (`/healthz`, `/readyz`, `/metrics`, `/report` with `warm`) is served.
+    /// The tier config (`/etc/tandem/tier.json` in a pod; read through `$TANDEM_ROOT`, as are
+    /// its paths). Identity, budgets, data dir and ports come from it, and the health port
+    /// (`/healthz`, `/readyz`, `/metrics`, `/report` with `warm`) is served; the bind address is
+    /// `$POD_IP`. A port of 0 picks a free one; the L3 address is printed on stdout as
+    /// `listening on ADDR`.
     #[arg(long, env = "TANDEM_CACHE_CONFIG")]
-    pub config: Option<PathBuf>,
-    /// Data directory of the store (created if missing).
-    #[arg(
-        long,
-        env = "TANDEM_CACHE_DATA_DIR",
-        required_unless_present = "config"
-    )]
-    pub data_dir: Option<PathBuf>,
-    /// Address to serve on; port 0 picks one (printed on stdout as `listening on ADDR`).
-    #[arg(long, env = "TANDEM_CACHE_LISTEN", default_value = "0.0.0.0:7420")]
-    pub listen: SocketAddr,
-    /// JSON file with the store identity (model identity and geometry, layout, page tokens, TP and
-    /// CP sizes), as the operator renders it into the tier's config.
-    #[arg(
-        long,
-        env = "TANDEM_CACHE_IDENTITY",
-        required_unless_present = "config"
-    )]
-    pub identity: Option<PathBuf>,
-    /// Bytes of objects kept in memory.
-    #[arg(long, default_value_t = 1 << 30)]
-    pub memory_bytes: u64,
-    /// Bytes of objects kept on disk.
-    #[arg(long, default_value_t = 16 << 30)]
-    pub disk_bytes: u64,
+    pub config: PathBuf,
     /// Seconds between loadback progress lines.
     #[arg(long, default_value_t = 5)]
     pub progress_interval_s: u64,
-    /// Test-only: skip fsync on put (atomic but not durable against power loss).
+    /// Test-only: skip fsync on put (atomic but not durable against power loss). Only in builds
+    /// with the `negative-controls` feature.
+    #[cfg(feature = "negative-controls")]
     #[arg(long, hide = true)]
     pub unsafe_no_fsync: bool,
 }
@@ -70,40 +49,15 @@ fn failed(what: &str) -> impl FnOnce(String) -> RoleError + '_ {
 /// be opened, the address cannot be bound, or signal handlers cannot be installed. Bad objects on
 /// disk are never errors (they are counted misses).
 pub fn run(args: Args) -> Result<(), RoleError> {
-    let (identity, data_dir, listen, memory, disk, health) = match &args.config {
-        Some(path) => {
-            let cfg = CacheTierConfig::load(&resolve_path(path))
-                .map_err(|e| e.to_string())
-                .map_err(failed("tier config"))?;
-            let (memory, disk) = cfg.effective_budgets();
-            let ip = tandem_worker::serve::pod_ip();
-            (
-                cfg.identity(),
-                resolve_path(&cfg.data_dir),
-                SocketAddr::new(ip, cfg.ports.l3),
-                memory,
-                disk,
-                Some((SocketAddr::new(ip, cfg.ports.health), cfg.tier)),
-            )
-        }
-        None => {
-            let path = args.identity.clone().unwrap_or_default();
-            let text = std::fs::read(&path)
-                .map_err(|e| e.to_string())
-                .map_err(failed("reading the identity file"))?;
-            let identity: StoreIdentity = serde_json::from_slice(&text)
-                .map_err(|e| e.to_string())
-                .map_err(failed("parsing the identity file"))?;
-            (
-                identity,
-                args.data_dir.clone().unwrap_or_default(),
-                args.listen,
-                args.memory_bytes,
-                args.disk_bytes,
-                None,
-            )
-        }
-    };
+    let cfg = CacheTierConfig::load(&resolve_path(&args.config))
+        .map_err(|e| e.to_string())
+        .map_err(failed("tier config"))?;
+    let (memory, disk) = cfg.effective_budgets();
+    let ip = crate::roles::pod_ip();
+    let identity = cfg.identity();
+    let data_dir = resolve_path(&cfg.data_dir);
+    let listen = SocketAddr::new(ip, cfg.ports.l3);
+    let health = (SocketAddr::new(ip, cfg.ports.health), cfg.tier.clone());
     identity
         .model
         .validate()
@@ -126,9 +80,13 @@ pub fn run(args: Args) -> Result<(), RoleError> {
         .map_err(|e| e.to_string())
         .map_err(failed("signal handlers"))?;
 
+    #[cfg(feature = "negative-controls")]
+    let fsync = !args.unsafe_no_fsync;
+    #[cfg(not(feature = "negative-controls"))]
+    let fsync = true;
     let config = L3Config {
         progress_interval: Duration::from_secs(args.progress_interval_s.max(1)),
-        fsync: !args.unsafe_no_fsync,
+        fsync,
         ..L3Config::new(data_dir, identity, memory, disk)
     };
     let (store, loadback) = L3Store::open(config)
@@ -140,20 +98,17 @@ pub fn run(args: Args) -> Result<(), RoleError> {
     tracing::info!(addr = %server.local_addr(), "cache replica serving; loadback running");
     println!("listening on {}", server.local_addr());
 
-    let http = match health {
-        Some((addr, tier)) => Some(runtime.block_on(serve_health(addr, &tier, &store))?),
-        None => None,
-    };
+    let (addr, tier) = health;
+    let http = runtime.block_on(serve_health(addr, &tier, &store))?;
     runtime.block_on(async {
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM: stopping cache replica"),
             _ = int.recv() => tracing::info!("SIGINT: stopping cache replica"),
         }
     });
-    if let Some((state, task)) = http {
-        state.begin_drain();
-        task.abort();
-    }
+    let (state, task) = http;
+    state.begin_drain();
+    task.abort();
     server.stop();
     store.stop_loadback();
     loadback.join();

@@ -1,20 +1,20 @@
 //! The `store-client` role: a standalone store client that creates and owns the shared-memory
 //! segments of its workers (DESIGN §2 `clientMode: Standalone`; server in
-//! `tandem_worker::store_client::server`). SIGTERM or SIGINT stops it and destroys every segment, so
+//! [`crate::store_client::server`]). SIGTERM or SIGINT stops it and destroys every segment, so
 //! nothing of ours is left in /dev/shm (DESIGN contract 9).
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
-use tandem_worker::memory::segment::SegmentBackend;
-use tandem_worker::store_client::server::{ServerConfig, StoreClientServer};
+use crate::memory::segment::SegmentBackend;
+use crate::store_client::server::{ServerConfig, StoreClientServer};
 
 use std::net::SocketAddr;
 
-use tandem_worker::config::{LoadConfig, WorkerConfig, resolve_path};
-use tandem_worker::serve::health::{ServeState, router, spawn_http};
+use crate::config::resolve_path;
+use crate::health::http::{ServeState, router, spawn_http};
 
-use crate::RoleError;
+use super::RoleError;
 
 /// Segment backing, as a CLI value.
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -28,30 +28,19 @@ pub enum BackendArg {
 /// `tandem-worker store-client` arguments.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Run as the pool's sidecar: the resolved worker config (`/etc/tandem/worker.json`, read
-    /// through `$TANDEM_ROOT`). The budget is `memory.segmentBytes`, the socket is
-    /// [`SIDECAR_SOCKET`] on the pod's shared `/dev/shm` volume, and health is served on
-    /// `ports.health + 1` (the worker container holds `ports.health`).
+    /// The pool's resolved worker config (`/etc/tandem/worker.json`, read through
+    /// `$TANDEM_ROOT`). The budget is `memory.segmentBytes`, the socket is
+    /// `/dev/shm/tandem-store-client.sock` on the pod's shared `/dev/shm` volume, and health is
+    /// served on `ports.health + 1` (the worker container holds `ports.health`). Segment names
+    /// start with `tandem-sc-<pid>`.
     #[arg(long, env = "TANDEM_WORKER_CONFIG")]
-    pub config: Option<PathBuf>,
-    /// Unix socket to listen on.
-    #[arg(
-        long,
-        env = "TANDEM_STORE_CLIENT_SOCKET",
-        required_unless_present = "config"
-    )]
-    pub socket: Option<PathBuf>,
-    /// Total bytes of segments this process may create.
-    #[arg(long, default_value_t = 64 << 30)]
-    pub budget_bytes: usize,
-    /// Segment backing.
+    pub config: PathBuf,
+    /// Segment backing (the config does not choose it).
     #[arg(long, value_enum, default_value_t = BackendArg::Memfd)]
     pub backend: BackendArg,
-    /// Segment name prefix (must start with `tandem-`, so leak checks find it); defaults to
-    /// `tandem-sc-<pid>`.
-    #[arg(long)]
-    pub name_prefix: Option<String>,
-    /// Test-only negative control: leave POSIX shm names behind at shutdown.
+    /// Test-only negative control: leave POSIX shm names behind at shutdown. Only in builds with
+    /// the `negative-controls` feature.
+    #[cfg(feature = "negative-controls")]
     #[arg(long, hide = true)]
     pub leak_segments_for_test: bool,
 }
@@ -65,39 +54,19 @@ pub const SIDECAR_SOCKET: &str = "/dev/shm/tandem-store-client.sock";
 /// # Errors
 /// [`RoleError::Failed`] when the socket cannot be bound or the signal handlers cannot be installed.
 pub fn run(args: Args) -> Result<(), RoleError> {
-    let (socket, budget, health) = match &args.config {
-        Some(path) => {
-            let cfg = WorkerConfig::load(&resolve_path(path))
-                .map_err(|e| RoleError::Failed(e.to_string()))?;
-            let budget = usize::try_from(cfg.memory.segment_bytes).unwrap_or(usize::MAX);
-            let health = SocketAddr::new(
-                tandem_worker::serve::pod_ip(),
-                cfg.ports.health.saturating_add(1),
-            );
-            (
-                resolve_path(std::path::Path::new(SIDECAR_SOCKET)),
-                budget,
-                Some((health, cfg.pool, cfg.revision)),
-            )
-        }
-        None => (
-            args.socket.clone().unwrap_or_default(),
-            args.budget_bytes,
-            None,
-        ),
+    let cfg = super::load_worker_config(&args.config)?;
+    let budget = usize::try_from(cfg.memory.segment_bytes).unwrap_or(usize::MAX);
+    let health = SocketAddr::new(crate::roles::pod_ip(), cfg.ports.health.saturating_add(1));
+    let socket = resolve_path(std::path::Path::new(SIDECAR_SOCKET));
+    let backend = match args.backend {
+        BackendArg::Memfd => SegmentBackend::Memfd,
+        BackendArg::PosixShm => SegmentBackend::PosixShm,
     };
-    let mut config = ServerConfig::new(
-        socket,
-        match args.backend {
-            BackendArg::Memfd => SegmentBackend::Memfd,
-            BackendArg::PosixShm => SegmentBackend::PosixShm,
-        },
-        budget,
-    );
-    if let Some(prefix) = args.name_prefix {
-        config.name_prefix = prefix;
-    }
-    config.leak_segments_for_test = args.leak_segments_for_test;
+    let config = ServerConfig {
+        #[cfg(feature = "negative-controls")]
+        leak_segments_for_test: args.leak_segments_for_test,
+        ..ServerConfig::new(socket, backend, budget)
+    };
     let server = StoreClientServer::bind(config).map_err(|e| RoleError::Failed(e.to_string()))?;
     let stop = server.stop_flag();
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -114,22 +83,12 @@ pub fn run(args: Args) -> Result<(), RoleError> {
     });
     let (mut term, mut int) =
         signals.map_err(|e| RoleError::Failed(format!("signal handlers: {e}")))?;
-    let state = health.map(|(addr, pool, revision)| {
-        let state = ServeState::new("store-client", &pool, &revision, "starting");
-        (addr, state)
-    });
-    let http = match &state {
-        Some((addr, st)) => {
-            let (local, task) = runtime
-                .block_on(spawn_http(*addr, router(st.clone())))
-                .map_err(|e| RoleError::Failed(format!("binding the health port: {e}")))?;
-            tracing::info!(%local, "store client health serving");
-            st.set_ready(Ok(()));
-            Some(task)
-        }
-        None => None,
-    };
-    let drain_state = state.map(|(_, st)| st);
+    let state = ServeState::new("store-client", &cfg.pool, &cfg.revision, "starting");
+    let (local, http) = runtime
+        .block_on(spawn_http(health, router(state.clone())))
+        .map_err(|e| RoleError::Failed(format!("binding the health port: {e}")))?;
+    tracing::info!(%local, "store client health serving");
+    state.set_ready(Ok(()));
     let waiter = std::thread::spawn(move || {
         runtime.block_on(async {
             tokio::select! {
@@ -137,18 +96,12 @@ pub fn run(args: Args) -> Result<(), RoleError> {
                 _ = int.recv() => tracing::info!("SIGINT: stopping store client"),
             }
         });
-        if let Some(st) = &drain_state {
-            st.begin_drain();
-        }
-        if let Some(task) = http {
-            task.abort();
-        }
+        state.begin_drain();
+        http.abort();
         stop.store(true, Ordering::Release);
     });
     tracing::info!(socket = %server.socket_path().display(), "store client ready");
-    if args.config.is_some() {
-        println!("listening on {}", server.socket_path().display());
-    }
+    println!("listening on {}", server.socket_path().display());
     // `serve` returns Ok only after the waiter set the stop flag, so joining it cannot block.
     let report = server
         .serve()

@@ -3,11 +3,11 @@
 //! [`super::PrepareOutcome`] and [`super::FinalizeOutcome`] so that a caller cannot mistake them for
 //! bugs. Errors are for malformed calls and for faults of the memory underneath.
 
+use crate::memory::pool::PoolError;
 use crate::memory::{DomainMismatch, MemoryError};
-use crate::pool::PoolError;
 use crate::transfer::RegionError;
 
-use super::store::{SnapshotId, SnapshotState};
+use super::id::{SnapshotId, SnapshotState};
 
 /// Errors of snapshot operations. None of them changes the snapshot it names.
 #[derive(Debug, thiserror::Error)]

@@ -15,8 +15,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::room::RoomKey;
-use crate::room::receiver::TransportProof;
+use crate::release::RoomKey;
+use crate::release::receiver::TransportProof;
 use crate::transfer::tcp::TcpReceiver;
 
 /// Opens and fences snapshot rooms at the receiver.

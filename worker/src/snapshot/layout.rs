@@ -6,7 +6,7 @@
 //! A snapshot of `n` pages reserves `n` slots, which need not be adjacent. The buffer is
 //! `slots × slot_bytes` bytes; the remainder of the configured size (less than one slot) is unused.
 
-use crate::pool::KvGeometry;
+use crate::memory::pool::KvGeometry;
 
 use super::error::SnapshotError;
 
@@ -78,7 +78,7 @@ impl SlotGeometry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::PoolLayout;
+    use crate::memory::pool::PoolLayout;
 
     fn pool_geometry() -> KvGeometry {
         KvGeometry {

@@ -8,6 +8,7 @@
 //! moment the prefill scheduler chooses, and a full pool then is an explicit, retryable outcome.
 //!
 //! - [`layout`]: slot geometry (one slot = one KV page over all layers) — pure;
+//! - [`id`]: snapshot ids and states, which the other parts name (no part depends on [`store`]);
 //! - [`slab`]: the slot free list and owners — pure;
 //! - [`region`]: the buffer's memory as a [`crate::transfer::ReceiveRegion`], refusing writes into
 //!   free slots;
@@ -16,7 +17,8 @@
 //! - [`store`]: the per-snapshot state machine (prepare → transfer → seal → finalize | abort), LRU
 //!   eviction of stale snapshots;
 //! - [`counters`]: the store's counters;
-//! - [`shared_pool`]: NEGATIVE CONTROL, the seed's old design (snapshot space from the KV pool);
+//! - `shared_pool`: NEGATIVE CONTROL, the seed's old design (snapshot space from the KV pool);
+//!   only with the `negative-controls` feature;
 //! - [`workload`]: the deterministic occupied-pool workload used by the test and `tandem-bench
 //!   snapshot`.
 //!
@@ -33,8 +35,10 @@
 pub mod counters;
 pub mod error;
 pub mod gate;
+pub mod id;
 pub mod layout;
 pub mod region;
+#[cfg(feature = "negative-controls")]
 pub mod shared_pool;
 pub mod slab;
 pub mod store;
@@ -43,10 +47,12 @@ pub mod workload;
 pub use counters::SnapshotCounters;
 pub use error::SnapshotError;
 pub use gate::{OneSidedGate, ReceiverGate, SnapshotGate};
+pub use id::{SnapshotId, SnapshotState};
 pub use layout::{SlotGeometry, SlotIndex};
 pub use region::SnapshotRegion;
+#[cfg(feature = "negative-controls")]
 pub use shared_pool::{SharedPoolSnapshots, SharedPrepareOutcome};
 pub use store::{
-    AbortOutcome, BufFull, FinalizeOutcome, Finalized, PrepareOutcome, SnapshotGrant, SnapshotId,
-    SnapshotRequest, SnapshotState, SnapshotStore, StoreConfig,
+    AbortOutcome, BufFull, FinalizeOutcome, Finalized, PrepareOutcome, SnapshotGrant,
+    SnapshotRequest, SnapshotStore, StoreConfig,
 };

@@ -26,9 +26,9 @@ use crate::transfer::region::check_bounds;
 use crate::transfer::{ReceiveRegion, RegionError};
 
 use super::error::SnapshotError;
+use super::id::SnapshotId;
 use super::layout::{SlotGeometry, SlotIndex};
 use super::slab::{NotOwner, SlotSlab};
-use super::store::SnapshotId;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)

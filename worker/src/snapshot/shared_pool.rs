@@ -14,15 +14,16 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::cache::page_key::PageKey;
-use crate::cache::prefix_index::{PrefixIndex, Residency, Tier};
-use crate::pool::{KvPool, PageError, PageId, PoolError};
-use crate::room::RoomKey;
+use crate::memory::pool::{KvPool, PageError, PageId, PoolError};
+use crate::release::RoomKey;
+use crate::tier::page_key::PageKey;
+use crate::tier::prefix_index::{PrefixIndex, Residency, Tier};
 use crate::transfer::RegionId;
 
 use super::error::SnapshotError;
 use super::gate::SnapshotGate;
-use super::store::{Finalized, SnapshotGrant, SnapshotId, SnapshotRequest};
+use super::id::SnapshotId;
+use super::store::{Finalized, SnapshotGrant, SnapshotRequest};
 
 /// Answer of [`SharedPoolSnapshots::prepare`].
 #[derive(Debug, Clone, PartialEq, Eq)]

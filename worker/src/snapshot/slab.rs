@@ -6,8 +6,8 @@
 //! one handed out again — the order that makes a late write into a reused slot most likely, which is
 //! why the tests use it to prove such writes cannot land.
 
+use super::id::SnapshotId;
 use super::layout::SlotIndex;
-use super::store::SnapshotId;
 
 /// Slot free list plus the snapshot owning each slot.
 #[derive(Debug, Clone)]

@@ -33,43 +33,22 @@
 //! Pure logic apart from memory copies: time is passed in (`now`), receiver I/O sits behind the gate.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::cache::page_key::PageKey;
-use crate::cache::prefix_index::{PrefixIndex, Residency, Tier};
-use crate::pool::{KvPool, PageError, PageId, PoolError};
-use crate::room::RoomKey;
-use crate::room::receiver::TransportProof;
+use crate::memory::pool::{KvPool, PageError, PageId, PoolError};
+use crate::release::RoomKey;
+use crate::release::receiver::TransportProof;
+use crate::tier::page_key::PageKey;
+use crate::tier::prefix_index::{PrefixIndex, Residency, Tier};
 use crate::transfer::{ReceiveRegion, RegionId};
 
 use super::counters::SnapshotCounters;
 use super::error::SnapshotError;
 use super::gate::SnapshotGate;
+use super::id::{SnapshotId, SnapshotState};
 use super::layout::SlotIndex;
 use super::region::SnapshotRegion;
-
-/// Identifies one snapshot within a store; also the generation of its room key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SnapshotId(pub u64);
-
-impl fmt::Display for SnapshotId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "#{}", self.0)
-    }
-}
-
-/// Where a live snapshot is in the protocol.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SnapshotState {
-    /// Slots reserved and the room open: the decode side may be writing.
-    Reserved,
-    /// The writer reported the transfer complete; waiting for finalize.
-    Sealed,
-    /// Aborted or evicted without proof that writes stopped; slots held until [`SnapshotStore::drained`].
-    Draining,
-}
 
 /// A decode session's request to sync its KV into this prefill worker.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -27,13 +27,14 @@ use bytes::Bytes;
 use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
 
-use crate::cache::page_key::PageKey;
-use crate::cache::prefix_index::{PrefixIndex, Tier};
 use crate::engine::content::{ChunkSpec, fill_chunk, verify_chunk};
 use crate::memory::Allocator;
 use crate::memory::mmap::MmapBackend;
+use crate::memory::pool::{KvPool, PageId, PoolError, PoolLayout, PoolRole, PoolSpec};
 use crate::model::{Attention, ModelIdentity};
-use crate::pool::{KvPool, PageId, PoolError, PoolLayout, PoolRole, PoolSpec};
+use crate::tier::page_key::PageKey;
+use crate::tier::prefix_index::{PrefixIndex, Tier};
+#[cfg(feature = "negative-controls")]
 use crate::transfer::pool_region::PoolRegion;
 use crate::transfer::sim::SimTransport;
 use crate::transfer::tcp::{GenerationCheck, TcpConfig, TcpReceiver, TcpTransport};
@@ -44,17 +45,20 @@ use crate::transfer::{
 
 use super::error::SnapshotError;
 use super::gate::{OneSidedGate, ReceiverGate, SnapshotGate};
+use super::id::SnapshotId;
 use super::layout::SlotGeometry;
 use super::region::SnapshotRegion;
+#[cfg(feature = "negative-controls")]
 use super::shared_pool::{SharedPoolSnapshots, SharedPrepareOutcome};
 use super::store::{
-    AbortOutcome, FinalizeOutcome, Finalized, PrepareOutcome, SnapshotId, SnapshotRequest,
-    SnapshotStore, StoreConfig,
+    AbortOutcome, FinalizeOutcome, Finalized, PrepareOutcome, SnapshotRequest, SnapshotStore,
+    StoreConfig,
 };
 
 /// Region id of the snapshot buffer at the receiver.
 pub const SNAPSHOT_REGION: RegionId = RegionId(1);
 /// Region id of the KV pool at the receiver (used only by the negative control).
+#[cfg(feature = "negative-controls")]
 pub const KV_POOL_REGION: RegionId = RegionId(2);
 
 /// Where snapshot bytes land.
@@ -62,7 +66,9 @@ pub const KV_POOL_REGION: RegionId = RegionId(2);
 pub enum Backing {
     /// The dedicated snapshot buffer ([`SnapshotStore`]).
     Dedicated,
-    /// Pages of the prefill KV pool ([`SharedPoolSnapshots`], the negative control).
+    /// Pages of the prefill KV pool (`SharedPoolSnapshots`, the negative control; feature
+    /// `negative-controls`).
+    #[cfg(feature = "negative-controls")]
     SharedKvPool,
 }
 
@@ -187,6 +193,7 @@ pub enum WorkloadError {
 
 enum Receiver {
     Dedicated(SnapshotStore),
+    #[cfg(feature = "negative-controls")]
     Shared(SharedPoolSnapshots),
 }
 
@@ -232,10 +239,14 @@ fn rig(backing: Backing, cfg: &WorkloadConfig) -> Result<(Rig, Receiver), Worklo
         &Allocator::new("snapshot buffer", MmapBackend::new()),
         geometry,
     )?);
-    let pool_region = PoolRegion::for_tcp(pool.clone()).map_err(SnapshotError::from)?;
     let mut regions: HashMap<RegionId, Arc<dyn ReceiveRegion>> = HashMap::new();
     regions.insert(SNAPSHOT_REGION, region.clone());
-    regions.insert(KV_POOL_REGION, Arc::new(pool_region));
+    // The negative control receives into the KV pool itself.
+    #[cfg(feature = "negative-controls")]
+    regions.insert(
+        KV_POOL_REGION,
+        Arc::new(PoolRegion::for_tcp(pool.clone()).map_err(SnapshotError::from)?),
+    );
     let limits = BatchLimits::default();
     let (transport, peer, gate, tcp): (Box<dyn Transport>, String, Arc<dyn SnapshotGate>, _) =
         match cfg.transport {
@@ -272,6 +283,7 @@ fn rig(backing: Backing, cfg: &WorkloadConfig) -> Result<(Rig, Receiver), Worklo
                 tier: Tier::L2Host,
             },
         )),
+        #[cfg(feature = "negative-controls")]
         Backing::SharedKvPool => Receiver::Shared(SharedPoolSnapshots::new(
             pool.clone(),
             KV_POOL_REGION,
@@ -327,6 +339,7 @@ struct Sync {
 /// # Errors
 /// [`WorkloadError`] for an invalid config or a fault of the memory, pool or transport underneath;
 /// protocol outcomes (full buffer, full pool) are counted in the report.
+#[cfg_attr(not(feature = "negative-controls"), allow(irrefutable_let_patterns))]
 pub fn run(backing: Backing, cfg: &WorkloadConfig) -> Result<WorkloadReport, WorkloadError> {
     if cfg.pages_min == 0 || cfg.pages_min > cfg.pages_max || cfg.prefill_request_pages == 0 {
         return Err(WorkloadError::Invalid(
@@ -410,6 +423,7 @@ pub fn run(backing: Backing, cfg: &WorkloadConfig) -> Result<WorkloadReport, Wor
                         }
                     }
                 },
+                #[cfg(feature = "negative-controls")]
                 Receiver::Shared(shared) => match shared.prepare(req)? {
                     SharedPrepareOutcome::AllocFailed { .. } => report.prepare_alloc_failed += 1,
                     SharedPrepareOutcome::Granted(grant) => {
@@ -505,7 +519,7 @@ enum Pushed {
 /// Decode side: writes every chunk of `sync` where `grant` says, waits for the transport.
 fn push(
     rig: &Rig,
-    key: &crate::room::RoomKey,
+    key: &crate::release::RoomKey,
     grant: &super::store::SnapshotGrant,
     sync: &Sync,
     cfg: &WorkloadConfig,

@@ -32,7 +32,9 @@ pub struct ServerConfig {
     pub name_prefix: String,
     /// Total bytes of segments this process may create.
     pub budget_bytes: usize,
-    /// Test-only negative control: on shutdown leave POSIX shm names behind.
+    /// Test-only negative control: on shutdown leave POSIX shm names behind. Feature
+    /// `negative-controls`.
+    #[cfg(feature = "negative-controls")]
     pub leak_segments_for_test: bool,
 }
 
@@ -44,6 +46,7 @@ impl ServerConfig {
             backend,
             name_prefix: format!("{SEGMENT_NAME_PREFIX}sc-{}", std::process::id()),
             budget_bytes,
+            #[cfg(feature = "negative-controls")]
             leak_segments_for_test: false,
         }
     }
@@ -231,6 +234,7 @@ impl StoreClientServer {
         report.segments_released = released_by_connections + state.segments.len();
         state.registrations.clear();
         for (_, owned) in std::mem::take(&mut state.segments) {
+            #[cfg(feature = "negative-controls")]
             if self.shared.config.leak_segments_for_test {
                 owned.segment.leak_name_for_test();
             }
@@ -309,6 +313,7 @@ fn serve_connection(shared: &Shared, conn_id: u64, conn: OwnedFd) -> usize {
     for id in mine {
         if let Some(owned) = state.segments.remove(&id) {
             state.used_bytes -= owned.segment.len();
+            #[cfg(feature = "negative-controls")]
             if shared.config.leak_segments_for_test {
                 owned.segment.leak_name_for_test();
             }
@@ -435,6 +440,7 @@ fn handle(shared: &Shared, conn: u64, request: Request) -> (Response, Option<u64
             }
             if let Some(owned) = state.segments.remove(&segment) {
                 state.used_bytes -= owned.segment.len();
+                #[cfg(feature = "negative-controls")]
                 if shared.config.leak_segments_for_test {
                     owned.segment.leak_name_for_test();
                 }

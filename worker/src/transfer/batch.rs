@@ -106,7 +106,7 @@ impl WriteBatch {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::room::RoomKey;
+    use crate::release::RoomKey;
     use crate::transfer::RegionId;
     use bytes::Bytes;
 

@@ -1,5 +1,8 @@
 //! The handle table shared by the transports: per-handle write accounting, terminal detection,
-//! deadline waits and the completion callback.
+//! deadline waits and the completion callback. Every [`Transport`](super::Transport) exposes its
+//! table through [`Transport::handles`](super::Transport::handles), and the trait's default
+//! `poll`, `cancel`, `wait`, `release` and `drain` run on it; a transport only accounts its writes
+//! (crate-internal `create` / `op_done`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,8 +42,10 @@ struct Entry {
     notify: Option<CompletionSink>,
 }
 
+/// Every live handle of one transport: its status, the writes still to account for, and the
+/// completion callback. Thread-safe; waits block on a condition variable, never spin.
 #[derive(Default)]
-pub(crate) struct HandleTable {
+pub struct HandleTable {
     entries: Mutex<HashMap<u64, Entry>>,
     changed: Condvar,
     next: AtomicU64,
@@ -123,14 +128,24 @@ impl HandleTable {
         }
     }
 
-    pub(crate) fn poll(&self, h: TransferHandle) -> Result<TransferStatus, TransferError> {
+    /// The current status of `h`, without blocking.
+    ///
+    /// # Errors
+    /// [`TransferError::UnknownHandle`] when `h` was never issued or was released.
+    pub fn poll(&self, h: TransferHandle) -> Result<TransferStatus, TransferError> {
         self.lock()
             .get(&h.0)
             .map(|e| e.status.clone())
             .ok_or(TransferError::UnknownHandle(h))
     }
 
-    pub(crate) fn cancel(&self, h: TransferHandle) -> Result<TransferStatus, TransferError> {
+    /// Requests cancellation of `h`: a non-terminal handle turns `Cancelling` (writes not yet on
+    /// the wire are dropped by the transport; posted ones are still accounted). Returns the status
+    /// after the request.
+    ///
+    /// # Errors
+    /// [`TransferError::UnknownHandle`].
+    pub fn cancel(&self, h: TransferHandle) -> Result<TransferStatus, TransferError> {
         let mut map = self.lock();
         let e = map.get_mut(&h.0).ok_or(TransferError::UnknownHandle(h))?;
         if !e.status.is_terminal() {
@@ -140,7 +155,12 @@ impl HandleTable {
         Ok(e.status.clone())
     }
 
-    pub(crate) fn wait(
+    /// Blocks until `h` is terminal or `deadline` passes; returns the status then (non-terminal
+    /// at a passed deadline — a timeout is never a failure).
+    ///
+    /// # Errors
+    /// [`TransferError::UnknownHandle`].
+    pub fn wait(
         &self,
         h: TransferHandle,
         deadline: Instant,
@@ -163,7 +183,12 @@ impl HandleTable {
         }
     }
 
-    pub(crate) fn release(&self, h: TransferHandle) -> Result<TransferStatus, TransferError> {
+    /// Forgets a terminal handle and returns its final status.
+    ///
+    /// # Errors
+    /// [`TransferError::UnknownHandle`]; [`TransferError::NotTerminal`] (the handle is kept) while
+    /// writes of it may still land.
+    pub fn release(&self, h: TransferHandle) -> Result<TransferStatus, TransferError> {
         let mut map = self.lock();
         let status = map
             .get(&h.0)
@@ -176,7 +201,8 @@ impl HandleTable {
         Ok(status)
     }
 
-    pub(crate) fn drain(&self, deadline: Instant) -> DrainReport {
+    /// Waits until every handle is terminal or `deadline` passes; reports those still in flight.
+    pub fn drain(&self, deadline: Instant) -> DrainReport {
         let mut map = self.lock();
         loop {
             let in_flight: Vec<TransferHandle> = map

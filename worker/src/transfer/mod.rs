@@ -32,7 +32,7 @@
 //! [`pool_region`] exposes a KV pool as a receive region.
 
 pub mod batch;
-mod handles;
+pub mod handles;
 pub mod pool_region;
 pub mod rdma;
 pub mod region;
@@ -47,9 +47,10 @@ use std::time::Instant;
 use bytes::Bytes;
 
 pub use batch::{BatchLimits, WriteBatch};
+pub use handles::HandleTable;
 pub use region::{HostRegion, ReceiveRegion, RegionError, RegionId};
 
-use crate::room::RoomKey;
+use crate::release::RoomKey;
 
 /// Which transport moved the bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -201,22 +202,50 @@ pub trait Transport: Send + Sync {
         on_terminal: Option<CompletionSink>,
     ) -> Result<TransferHandle, TransferError>;
 
+    /// The table this transport accounts its handles in. The default [`Transport::poll`],
+    /// [`Transport::cancel`], [`Transport::wait`], [`Transport::release`] and [`Transport::drain`]
+    /// run on it; a transport overrides one only to do more (RDMA's `cancel` also drops the
+    /// handle's queued posts).
+    fn handles(&self) -> &HandleTable;
+
     /// Current status, without blocking.
-    fn poll(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError>;
+    ///
+    /// # Errors
+    /// [`TransferError::UnknownHandle`].
+    fn poll(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError> {
+        self.handles().poll(handle)
+    }
 
     /// Requests cancellation; returns the status after the request.
-    fn cancel(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError>;
+    ///
+    /// # Errors
+    /// [`TransferError::UnknownHandle`].
+    fn cancel(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError> {
+        self.handles().cancel(handle)
+    }
 
     /// Blocks until the handle is terminal or `deadline` passes; returns the status then.
+    ///
+    /// # Errors
+    /// [`TransferError::UnknownHandle`].
     fn wait(
         &self,
         handle: TransferHandle,
         deadline: Instant,
-    ) -> Result<TransferStatus, TransferError>;
+    ) -> Result<TransferStatus, TransferError> {
+        self.handles().wait(handle, deadline)
+    }
 
     /// Forgets a terminal handle. Refused (and the handle kept) while it is not terminal.
-    fn release(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError>;
+    ///
+    /// # Errors
+    /// [`TransferError::UnknownHandle`], [`TransferError::NotTerminal`].
+    fn release(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError> {
+        self.handles().release(handle)
+    }
 
     /// Waits until every handle is terminal or `deadline` passes.
-    fn drain(&self, deadline: Instant) -> DrainReport;
+    fn drain(&self, deadline: Instant) -> DrainReport {
+        self.handles().drain(deadline)
+    }
 }

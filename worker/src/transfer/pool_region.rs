@@ -10,8 +10,8 @@
 use std::io::Read;
 use std::sync::Arc;
 
+use crate::memory::pool::{KvPool, PageId, PoolLayout};
 use crate::memory::{AllocatorDomain, DomainMismatch, require_domain};
-use crate::pool::{KvPool, PageId, PoolLayout};
 
 use super::region::{ReceiveRegion, RegionError, check_bounds};
 
@@ -125,8 +125,8 @@ mod tests {
     use super::*;
     use crate::memory::Allocator;
     use crate::memory::mmap::MmapBackend;
+    use crate::memory::pool::{PoolRole, PoolSpec};
     use crate::model::{Attention, ModelIdentity};
-    use crate::pool::{PoolRole, PoolSpec};
 
     fn pool(layout: PoolLayout) -> Arc<KvPool> {
         let spec = PoolSpec {

@@ -18,13 +18,13 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::room::receiver::TransportProof;
+use crate::release::receiver::TransportProof;
 
 use super::handles::{HandleTable, OpOutcome};
 use super::region::{ReceiveRegion, RegionId};
 use super::{
-    BatchLimits, CompletionSink, DrainReport, TransferError, TransferHandle, TransferStatus,
-    Transport, TransportKind, WriteBatch, WriteOp,
+    BatchLimits, CompletionSink, TransferError, TransferHandle, Transport, TransportKind,
+    WriteBatch, WriteOp,
 };
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -222,6 +222,12 @@ impl Transport for SimTransport {
         TransportKind::Simulated
     }
 
+    // `cancel` is the trait's default: every write is posted at submit, so cancel cannot recall
+    // them; it only records the request.
+    fn handles(&self) -> &HandleTable {
+        &self.shared.handles
+    }
+
     fn submit(
         &self,
         peer: &str,
@@ -259,38 +265,13 @@ impl Transport for SimTransport {
         self.shared.wake.notify_all();
         Ok(handle)
     }
-
-    fn poll(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError> {
-        self.shared.handles.poll(handle)
-    }
-
-    fn cancel(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError> {
-        // Every write is posted at submit: cancel cannot recall them, it only records the request.
-        self.shared.handles.cancel(handle)
-    }
-
-    fn wait(
-        &self,
-        handle: TransferHandle,
-        deadline: Instant,
-    ) -> Result<TransferStatus, TransferError> {
-        self.shared.handles.wait(handle, deadline)
-    }
-
-    fn release(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError> {
-        self.shared.handles.release(handle)
-    }
-
-    fn drain(&self, deadline: Instant) -> DrainReport {
-        self.shared.handles.drain(deadline)
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::room::RoomKey;
-    use crate::transfer::{FailureKind, HostRegion};
+    use crate::release::RoomKey;
+    use crate::transfer::{FailureKind, HostRegion, TransferStatus};
     use bytes::Bytes;
 
     fn setup(latency_ms: u64, fail: Option<FailNth>) -> (SimTransport, Arc<HostRegion>) {

@@ -21,15 +21,15 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::room::receiver::TransportProof;
-use crate::room::{Generation, RoomId, RoomKey};
+use crate::release::receiver::TransportProof;
+use crate::release::{Generation, RoomId, RoomKey};
 
 use super::handles::{HandleTable, OpOutcome};
 use super::region::{ReceiveRegion, RegionError, RegionId, check_bounds};
 use super::wire::{REPLY_BYTES, Reply, WRITE_HEADER_BYTES, WireError, WriteHeader, WriteStatus};
 use super::{
-    BatchLimits, CompletionSink, DrainReport, TransferError, TransferHandle, TransferStatus,
-    Transport, TransportKind, WriteBatch, WriteOp,
+    BatchLimits, CompletionSink, TransferError, TransferHandle, Transport, TransportKind,
+    WriteBatch, WriteOp,
 };
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -56,12 +56,14 @@ pub struct ReceiverStats {
 }
 
 /// Whether the receiver checks room generations. `Unchecked` is the negative control of the late-write
-/// test only: it applies every in-bounds write, as a one-sided RDMA write would.
+/// test only (feature `negative-controls`): it applies every in-bounds write, as a one-sided RDMA
+/// write would.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GenerationCheck {
     /// Drop writes whose room is not open at their generation (R-XFER-6).
     Enforced,
     /// Apply regardless (negative control).
+    #[cfg(feature = "negative-controls")]
     Unchecked,
 }
 
@@ -333,6 +335,7 @@ fn apply(
     }
     let fence = lock(&shared.rooms).get(&h.key.room).cloned();
     let admitted = match (&fence, shared.check) {
+        #[cfg(feature = "negative-controls")]
         (_, GenerationCheck::Unchecked) => true,
         (None, GenerationCheck::Enforced) => false,
         (Some(f), GenerationCheck::Enforced) => {
@@ -626,6 +629,10 @@ impl Transport for TcpTransport {
         TransportKind::Tcp
     }
 
+    fn handles(&self) -> &HandleTable {
+        &self.handles
+    }
+
     fn submit(
         &self,
         peer: &str,
@@ -661,29 +668,5 @@ impl Transport for TcpTransport {
             }
         }
         Ok(handle)
-    }
-
-    fn poll(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError> {
-        self.handles.poll(handle)
-    }
-
-    fn cancel(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError> {
-        self.handles.cancel(handle)
-    }
-
-    fn wait(
-        &self,
-        handle: TransferHandle,
-        deadline: Instant,
-    ) -> Result<TransferStatus, TransferError> {
-        self.handles.wait(handle, deadline)
-    }
-
-    fn release(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError> {
-        self.handles.release(handle)
-    }
-
-    fn drain(&self, deadline: Instant) -> DrainReport {
-        self.handles.drain(deadline)
     }
 }

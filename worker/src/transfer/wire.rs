@@ -10,7 +10,7 @@
 //!
 //! Parsing never panics: a bad magic or version is a [`WireError`] and the connection is closed.
 
-use crate::room::RoomKey;
+use crate::release::RoomKey;
 
 use super::RegionId;
 

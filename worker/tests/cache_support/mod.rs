@@ -6,11 +6,11 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use tandem_worker::cache::l3_store::L3Config;
-use tandem_worker::cache::manifest::{ObjectKey, StoreIdentity};
 use tandem_worker::cache::trace::{TraceRequest, read_trace};
+use tandem_worker::l3::manifest::{ObjectKey, StoreIdentity};
+use tandem_worker::l3::store::L3Config;
+use tandem_worker::memory::pool::PoolLayout;
 use tandem_worker::model::{Attention, ModelIdentity};
-use tandem_worker::pool::PoolLayout;
 
 pub fn identity(name: &str) -> StoreIdentity {
     StoreIdentity {

@@ -218,12 +218,31 @@ impl World {
         json: &[u8],
         env: &[(&str, &str)],
     ) -> Proc {
+        self.start_role(host, role, file, json, env, &[]).0
+    }
+
+    /// Starts `tandem-worker <role> --config /etc/tandem/<file> <args>` the way a pod does: `json`
+    /// written to `<root>/etc/tandem/<file>` under this host's `$TANDEM_ROOT`, `$POD_IP` and
+    /// `$POD_NAME` set. Waits (at most 60 s) for the first stdout line `listening on ADDR` and
+    /// returns the process and `ADDR`.
+    pub fn start_role(
+        &self,
+        host: u8,
+        role: &str,
+        file: &str,
+        json: &[u8],
+        env: &[(&str, &str)],
+        args: &[&str],
+    ) -> (Proc, String) {
         let root = self.root(host);
         let etc = root.join("etc/tandem");
         std::fs::create_dir_all(&etc).unwrap();
+        // The store client's socket lives on the pod's /dev/shm volume.
+        std::fs::create_dir_all(root.join("dev/shm")).unwrap();
         std::fs::write(etc.join(file), json).unwrap();
         let mut cmd = Command::new(BIN);
         cmd.args([role, "--config", &format!("/etc/tandem/{file}")])
+            .args(args)
             .env("TANDEM_ROOT", &root)
             .env("TANDEM_HOSTS_FILE", self.hosts())
             .env("POD_IP", self.ip(host))
@@ -238,15 +257,23 @@ impl World {
             cmd.env(k, v);
         }
         let mut child = cmd.spawn().unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert!(
-            line.starts_with("listening on"),
-            "{role} did not start: {line:?}"
-        );
-        Proc(child)
+        let stdout = child.stdout.take().unwrap();
+        let proc = Proc(child);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("{role} printed nothing within 60 s"));
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("{role} did not start: {line:?}"))
+            .to_owned();
+        (proc, addr)
     }
 
     pub fn addr(&self, host: u8, port: u16) -> SocketAddr {

@@ -19,7 +19,8 @@
 //! when all of its writes are (the transports' handle table). So a handle never turns `Failed` on
 //! the first error while requests of it are still outstanding — declaring it early is seed 004's race:
 //! decode frees the pages, and the request still on the wire writes into the next room's KV.
-//! [`TrackerMode::EagerFailure`] is that bug, kept as the negative control.
+//! `TrackerMode::EagerFailure` is that bug, kept as the negative control (feature
+//! `negative-controls`).
 //!
 //! Cancel drops the handle's queued posts (never handed to the device); posted requests cannot be
 //! recalled, so the handle reads `Cancelling` until their completions arrive.
@@ -114,7 +115,9 @@ pub enum TrackerMode {
     /// Only when every request of it is accounted (the contract).
     Safe,
     /// NEGATIVE CONTROL ONLY: on the first error completion, every write of that handle still in
-    /// flight is declared failed at once — while its requests may still land.
+    /// flight is declared failed at once — while its requests may still land. Feature
+    /// `negative-controls`.
+    #[cfg(feature = "negative-controls")]
     EagerFailure,
 }
 
@@ -181,6 +184,10 @@ struct OpProgress {
 
 /// The send queue of one RC queue pair (see the module docs).
 pub struct QpLedger {
+    #[cfg_attr(
+        not(feature = "negative-controls"),
+        allow(dead_code, reason = "read only by the negative control")
+    )]
     mode: TrackerMode,
     max_outstanding: usize,
     next_wr_id: u64,
@@ -356,6 +363,7 @@ impl QpLedger {
                     self.state = QpState::Error;
                     self.first_error = Some(status);
                     self.drop_queued(None, &mut out);
+                    #[cfg(feature = "negative-controls")]
                     if self.mode == TrackerMode::EagerFailure {
                         self.declare_failed_now(o.handle, &mut out);
                     }
@@ -401,6 +409,7 @@ impl QpLedger {
     }
 
     /// The negative control: every write of `handle` still in progress is reported lost now.
+    #[cfg(feature = "negative-controls")]
     fn declare_failed_now(&mut self, handle: TransferHandle, out: &mut Accounted) {
         let mut pending: Vec<usize> = self
             .ops

@@ -36,7 +36,7 @@
 //! Not wired yet: the worker roles still build the TCP transport, and the control plane does not
 //! fill `PeerInfo.rdma`. Plugging in: decode registers its KV pool with
 //! `RdmaTransport::register(pool, Some(region))`, sends `local_endpoint(prefill)` in its hello
-//! (`control/decode.rs`, `DecodeNode::connect`); prefill's `peer_hello` (`control/prefill.rs`)
+//! (`roles/decode/node.rs`, `DecodeNode::connect`); prefill's `peer_hello` (`roles/prefill/node.rs`)
 //! connects to it and answers with its own endpoint, which decode connects to; prefill's
 //! `submit_pages` sources writes with [`source::pinned_chunk`] from a registered pool instead of
 //! heap copies; decode's release gate runs with `fence_is_proof = false`.

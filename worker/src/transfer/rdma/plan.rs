@@ -406,7 +406,7 @@ pub fn plan_writes(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::room::RoomKey;
+    use crate::release::RoomKey;
 
     const KIB: u64 = 1024;
 

@@ -23,11 +23,11 @@ use std::time::{Duration, Instant};
 
 use super::completions::{Accounted, QpLedger, QpState, TrackerMode, WcStatus, WrSpec};
 use super::plan::{LocalMr, LocalMrTable, PostLimits, RemoteRegionTable, TableError, plan_writes};
-use crate::room::receiver::TransportProof;
+use crate::release::receiver::TransportProof;
 use crate::transfer::handles::{HandleTable, OpOutcome};
 use crate::transfer::{
-    BatchLimits, CompletionSink, DrainReport, TransferError, TransferHandle, TransferStatus,
-    Transport, TransportKind, WriteBatch,
+    BatchLimits, CompletionSink, TransferError, TransferHandle, TransferStatus, Transport,
+    TransportKind, WriteBatch,
 };
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -280,6 +280,10 @@ impl Transport for RdmaSender {
         TransportKind::Rdma
     }
 
+    fn handles(&self) -> &HandleTable {
+        &self.inner.handles
+    }
+
     fn submit(
         &self,
         peer: &str,
@@ -341,10 +345,6 @@ impl Transport for RdmaSender {
         Ok(handle)
     }
 
-    fn poll(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError> {
-        self.inner.handles.poll(handle)
-    }
-
     fn cancel(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError> {
         let status = self.inner.handles.cancel(handle)?;
         if status.is_terminal() {
@@ -357,28 +357,12 @@ impl Transport for RdmaSender {
         }
         self.inner.handles.poll(handle)
     }
-
-    fn wait(
-        &self,
-        handle: TransferHandle,
-        deadline: Instant,
-    ) -> Result<TransferStatus, TransferError> {
-        self.inner.handles.wait(handle, deadline)
-    }
-
-    fn release(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError> {
-        self.inner.handles.release(handle)
-    }
-
-    fn drain(&self, deadline: Instant) -> DrainReport {
-        self.inner.handles.drain(deadline)
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::room::RoomKey;
+    use crate::release::RoomKey;
     use crate::transfer::rdma::endpoint::RemoteMr;
     use crate::transfer::{FailureKind, RegionId, WriteOp};
     use bytes::Bytes;

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use crate::pool::{KvPool, PageId, PoolError};
+use crate::memory::pool::{KvPool, PageId, PoolError};
 
 /// Owner of a pinned chunk view: unpins the page on drop.
 struct PinnedChunk {
@@ -85,8 +85,8 @@ pub(super) mod tests {
     use super::*;
     use crate::memory::Allocator;
     use crate::memory::mmap::MmapBackend;
+    use crate::memory::pool::{PoolLayout, PoolRole, PoolSpec};
     use crate::model::{Attention, ModelIdentity};
-    use crate::pool::{PoolLayout, PoolRole, PoolSpec};
 
     /// A host pool of `pages` pages, 2 layers, 64 B chunks.
     pub(in crate::transfer::rdma) fn pool(pages: u32) -> Arc<KvPool> {

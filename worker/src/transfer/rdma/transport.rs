@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::RdmaError;
 use super::completions::{WcStatus, WrSpec};
@@ -22,9 +22,9 @@ use super::endpoint::{RdmaEndpoint, RemoteMr};
 use super::plan::{LocalMr, PostLimits, RemoteRegionTable};
 use super::sender::{PostFailure, QueuePairOps, RdmaSender, SenderConfig};
 use super::verbs::{Context, Cq, Mr, Pd, Qp};
-use crate::room::receiver::TransportProof;
+use crate::release::receiver::TransportProof;
 use crate::transfer::{
-    BatchLimits, CompletionSink, DrainReport, RegionId, TransferError, TransferHandle,
+    BatchLimits, CompletionSink, HandleTable, RegionId, TransferError, TransferHandle,
     TransferStatus, Transport, TransportKind, WriteBatch,
 };
 
@@ -293,6 +293,10 @@ impl Transport for RdmaTransport {
         TransportKind::Rdma
     }
 
+    fn handles(&self) -> &HandleTable {
+        self.sender.handles()
+    }
+
     fn submit(
         &self,
         peer: &str,
@@ -302,37 +306,18 @@ impl Transport for RdmaTransport {
         self.sender.submit(peer, batch, on_terminal)
     }
 
-    fn poll(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError> {
-        self.sender.poll(handle)
-    }
-
     fn cancel(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError> {
         self.sender.cancel(handle)
-    }
-
-    fn wait(
-        &self,
-        handle: TransferHandle,
-        deadline: Instant,
-    ) -> Result<TransferStatus, TransferError> {
-        self.sender.wait(handle, deadline)
-    }
-
-    fn release(&self, handle: TransferHandle) -> Result<TransferStatus, TransferError> {
-        self.sender.release(handle)
-    }
-
-    fn drain(&self, deadline: Instant) -> DrainReport {
-        self.sender.drain(deadline)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::room::RoomKey;
+    use crate::release::RoomKey;
     use crate::transfer::rdma::source::{pinned_chunk, tests::pool};
     use crate::transfer::{FailureKind, WriteOp};
+    use std::time::Instant;
 
     /// dataplane.md TC-XFER-06 on a machine with an RDMA NIC: register → connect a queue pair to
     /// itself → RDMA WRITE a pool chunk → read it back; an out-of-range write is refused before

@@ -21,7 +21,7 @@ use ibverbs_sys as ffi;
 use super::RdmaError;
 use super::completions::{WcStatus, WrSpec};
 use super::endpoint::RdmaEndpoint;
-use crate::pool::KvPool;
+use crate::memory::pool::KvPool;
 
 /// Memory the device may read (as a write source) or the peer may write (as a receive region).
 ///

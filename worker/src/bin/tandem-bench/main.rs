@@ -1,0 +1,84 @@
+//! `tandem-bench`: the data plane's benchmarks (DESIGN §7). Each subcommand measures against a baseline
+//! in the same run and prints ratios; none is a timed unit test.
+//!
+//! The benchmarks are modules of this binary, not of the library: `tandem_worker` has no `bench` in
+//! its API. Two integration tests compile a module of it (`tests/release_abort_stress.rs`,
+//! `tests/layer_split_contract.rs`, through `#[path]`).
+//!
+//! Adding a benchmark: put `Args`, `run` and a report with `lines()` in
+//! `src/bin/tandem-bench/<name>.rs`, declare it below, then add a variant to [`Bench`] and its arm
+//! in [`main`].
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod abort_stress;
+mod layer_split;
+mod loadback;
+mod pool;
+mod registration;
+mod snapshot;
+mod transfer;
+
+#[derive(Debug, Parser)]
+#[command(name = "tandem-bench", about = "Tandem data-plane benchmarks")]
+struct Cli {
+    #[command(subcommand)]
+    bench: Bench,
+}
+
+#[derive(Debug, Subcommand)]
+enum Bench {
+    /// Register/deregister N buffers and roll back an N-range transaction, vs the raw store client.
+    Registration(registration::RegistrationArgs),
+    /// KV pool page alloc/free rate vs a bare free list.
+    Pool(pool::PoolArgs),
+    /// TCP transport throughput vs a plain socket copy.
+    Transfer(transfer::TransferArgs),
+    /// Abort stress: corrupt pages read with the release gate (and with it bypassed, `--unsafe`, in
+    /// builds with the `negative-controls` feature).
+    AbortStress(abort_stress::AbortStressArgs),
+    /// LayerSplit per-rank KV bytes and broadcast bytes vs replicated / whole-buffer; identical outputs.
+    LayerSplit(layer_split::LayerSplitArgs),
+    /// L3 restart-to-warm time and loadback bytes/s vs the disk's sequential read rate.
+    Loadback(loadback::LoadbackArgs),
+    /// Snapshot sync with the prefill KV pool full: dedicated buffer vs the pool itself (seed 002).
+    Snapshot(snapshot::SnapshotArgs),
+}
+
+fn main() -> ExitCode {
+    let lines: Result<Vec<String>, String> = match Cli::parse().bench {
+        Bench::Registration(a) => registration::run(&a)
+            .map(|r| r.lines())
+            .map_err(|e| e.to_string()),
+        Bench::Pool(a) => pool::run(&a).map(|r| r.lines()).map_err(|e| e.to_string()),
+        Bench::Transfer(a) => transfer::run(&a)
+            .map(|rs| rs.iter().map(|r| r.line()).collect())
+            .map_err(|e| e.to_string()),
+        Bench::AbortStress(a) => abort_stress::run(&a)
+            .map(|r| r.lines(a.unsafe_gate))
+            .map_err(|e| e.to_string()),
+        Bench::LayerSplit(a) => layer_split::run(&a)
+            .map(|r| r.lines())
+            .map_err(|e| e.to_string()),
+        Bench::Loadback(a) => loadback::run(&a)
+            .map(|r| r.lines())
+            .map_err(|e| e.to_string()),
+        Bench::Snapshot(a) => snapshot::run(&a)
+            .map(|r| r.lines())
+            .map_err(|e| e.to_string()),
+    };
+    match lines {
+        Ok(lines) => {
+            for l in lines {
+                println!("{l}");
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tandem-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

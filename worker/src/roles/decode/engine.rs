@@ -1,0 +1,526 @@
+//! The decode worker's request engine: what the front door calls (DESIGN §3 decode side).
+//!
+//! Per request ([`DecodeEngine::prefill`]): pick a peer round-robin, open a room for the prompt's
+//! pages, receive and verify the KV within the KV deadline (past it the room aborts through the
+//! release protocol — seed 004), and, when the peer fails mid-request, retry on another peer within
+//! the retry budget. Pages return to the pool only through the release gate of [`DecodeNode`]; a
+//! request's pages stay held (a [`KvLease`]) until its last token is generated or its decode is
+//! aborted. Token generation is simulated at `TANDEM_SIM_TPOT_MS` per step
+//! ([`DecodeEngine::decode_plan`]); with `speculative` set, each step is a verification step of
+//! `draftTokens` draft tokens whose leading tokens are accepted with probability 0.8 each, so a
+//! step emits `1..=draftTokens+1` tokens.
+//!
+//! The speculative-decoding anomaly guard (DESIGN contract 8, seed 004; [`crate::spec_guard`]):
+//! with `speculative` and `specGuard` set, every verification step of an attempt is fed to a
+//! [`SpecGuard`] before its tokens are emitted. An anomaly (mean accept length below
+//! `minAcceptLength`, or accept rate above `maxAcceptRate`, after `afterTokens` tokens) means the
+//! draft/target KV state is corrupt and the output garbage: the attempt's pages are released through
+//! the release gate (contract 3, cause `SpecGuard`), `spec_guard_aborts` and
+//! `tandem_spec_guard_anomalies_total{reason}` count it, and the request is retried (fresh KV from
+//! another prefill peer when there is one, fresh decode) within `specGuard.retryBudget`
+//! (`spec_guard_retries`). Beyond the budget the client gets 503 `spec_guard_anomaly`. A streamed
+//! response cannot take back the tokens it already sent: it ends with an error event of the same
+//! code and no `[DONE]`, and the client retries elsewhere. `TANDEM_SIM_SPEC_FAULT` (test-only, see
+//! [`crate::roles::sim`]) makes the simulated draft anomalous.
+//!
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use super::node::{DecodeError, DecodeNode, KvLease, TransferOutcome};
+use super::peers::PeerSet;
+use crate::config;
+use crate::control::pb;
+use crate::health::http::ServeState;
+use crate::release::receiver::FailureCause;
+use crate::roles::sim::{SimKnobs, SpecFaultMode};
+use crate::spec_guard::{Anomaly, SpecGuard, Thresholds, Verdict};
+
+/// Why a request was not served (mapped to HTTP by the front door).
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// Not admitting (starting or draining): 503.
+    #[error("not ready: {0}")]
+    NotReady(String),
+    /// No prefill peer of this revision is left to try: 503.
+    #[error("{0}")]
+    NoPeer(String),
+    /// Too many requests in flight or no free KV pages: 429.
+    #[error("at capacity: {0}")]
+    AtCapacity(String),
+    /// The KV did not arrive before the deadline; the room was aborted: 503.
+    #[error("KV not received within {0:?}; room aborted")]
+    Timeout(Duration),
+    /// Every prefill peer tried failed mid-transfer (killed, heartbeat lost, restarted by a
+    /// rollout) and the retry budget is spent: 503 — transient, the client retries elsewhere.
+    /// The rooms went through the release gate; no page was reused early.
+    #[error("{0}")]
+    PrefillLost(String),
+    /// Anything else: 500.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// A request's KV, received and verified.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prefilled {
+    /// Prompt tokens the prefill served from each tier.
+    pub hits: pb::PrefixHits,
+    /// KV bytes received.
+    pub kv_bytes: u64,
+    /// Chunks that failed verification (0 unless something is badly wrong).
+    pub corrupt_chunks: u64,
+    /// Address of the prefill peer that served it.
+    pub peer: String,
+    /// Peers tried before it.
+    pub retries: u32,
+}
+
+/// One step of the simulated decode (one TPOT).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeStep {
+    /// Tokens emitted.
+    pub tokens: u32,
+    /// Draft tokens proposed (0 without speculation).
+    pub proposed: u32,
+    /// Draft tokens accepted (`tokens - 1` with speculation, 0 without).
+    pub accepted: u32,
+}
+
+/// The simulated decode of one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodePlan {
+    /// The steps; their tokens sum to the requested tokens.
+    pub steps: Vec<DecodeStep>,
+    /// Mean tokens per step with speculation, 0.0 without.
+    pub accept_length: f64,
+}
+
+/// One attempt's decode: the plan's steps, each judged by the spec guard (when there is one)
+/// before its tokens are emitted.
+#[derive(Debug)]
+pub struct Decoding {
+    steps: std::vec::IntoIter<DecodeStep>,
+    guard: Option<SpecGuard>,
+    tokens: u64,
+    emitted_steps: u64,
+    proposed: u64,
+    accepted: u64,
+}
+
+impl Decoding {
+    /// The steps of `plan`, judged by `guard`.
+    pub fn new(plan: DecodePlan, guard: Option<SpecGuard>) -> Self {
+        Self {
+            steps: plan.steps.into_iter(),
+            guard,
+            tokens: 0,
+            emitted_steps: 0,
+            proposed: 0,
+            accepted: 0,
+        }
+    }
+
+    /// The next step's tokens to emit: `Ok(None)` when the plan is done.
+    ///
+    /// # Errors
+    /// The guard's [`Anomaly`]: the step's tokens must not be emitted and the attempt ends.
+    pub fn next_step(&mut self) -> Result<Option<u32>, Anomaly> {
+        let Some(step) = self.steps.next() else {
+            return Ok(None);
+        };
+        if step.proposed > 0
+            && let Some(g) = self.guard.as_mut()
+        {
+            match g.observe(step.proposed, step.accepted) {
+                Ok(Verdict::Anomaly(a)) => return Err(a),
+                Ok(_) => {}
+                Err(e) => tracing::error!(error = %e, "malformed simulated verification step"),
+            }
+        }
+        self.tokens += u64::from(step.tokens);
+        self.emitted_steps += 1;
+        self.proposed += u64::from(step.proposed);
+        self.accepted += u64::from(step.accepted);
+        Ok(Some(step.tokens))
+    }
+
+    /// Mean tokens per speculative step emitted so far; 0.0 without speculation.
+    pub fn accept_length(&self) -> f64 {
+        if self.proposed == 0 {
+            0.0
+        } else {
+            self.tokens as f64 / self.emitted_steps as f64
+        }
+    }
+
+    /// Accepted / proposed draft tokens so far; 0.0 without speculation.
+    pub fn accept_rate(&self) -> f64 {
+        if self.proposed == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.proposed as f64
+        }
+    }
+}
+
+/// What the spec guard did for one request: the `tandem.spec_guard` field of the final response
+/// or of the error.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GuardReport {
+    /// Whether the guard judged this request (speculative decoding and `specGuard` configured).
+    pub enabled: bool,
+    /// Each aborted attempt's anomaly and the prefill peer whose KV it decoded.
+    pub anomalies: Vec<(Anomaly, String)>,
+    /// Attempts retried after an anomaly.
+    pub retries: u32,
+}
+
+impl GuardReport {
+    /// The JSON form: `{"enabled","aborts","retries","anomalies":[{"reason","accept_length",
+    /// "accept_rate","tokens","prefill_worker"}]}`.
+    pub fn json(&self) -> serde_json::Value {
+        let anomalies: Vec<serde_json::Value> = self
+            .anomalies
+            .iter()
+            .map(|(a, peer)| {
+                serde_json::json!({
+                    "reason": a.reason.code(), "accept_length": a.accept_length,
+                    "accept_rate": a.accept_rate, "tokens": a.tokens, "prefill_worker": peer,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "enabled": self.enabled, "aborts": self.anomalies.len(), "retries": self.retries,
+            "anomalies": anomalies,
+        })
+    }
+}
+
+/// What the front door needs of the decode worker.
+pub struct DecodeEngine {
+    /// Serving state.
+    pub state: Arc<ServeState>,
+    /// Model name served (`GET /v1/models`).
+    pub model: String,
+    /// Pool revision.
+    pub revision: String,
+    /// Worker id.
+    pub worker_id: String,
+    /// Simulation knobs.
+    pub knobs: SimKnobs,
+    pub(super) node: Arc<DecodeNode>,
+    pub(super) peers: Arc<PeerSet>,
+    pub(super) inflight: Arc<Semaphore>,
+    pub(super) max_inflight: usize,
+    pub(super) draft_tokens: Option<u32>,
+    pub(super) spec_guard: Option<config::SpecGuard>,
+    pub(super) kv_deadline: Duration,
+    pub(super) retry_budget: u32,
+    pub(super) next_request: AtomicU64,
+}
+
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Per-mille chance that the target accepts a draft token: 800 healthy (accept length
+/// ≈ 3.4 and accept rate ≈ 0.59 with 4 draft tokens), 50 under an injected `low_accept` fault
+/// (accept length ≈ 1.05), 1000 under `high_accept` (accept rate 1).
+fn accept_per_mille(fault: Option<SpecFaultMode>) -> u64 {
+    match fault {
+        None => 800,
+        Some(SpecFaultMode::LowAccept) => 50,
+        Some(SpecFaultMode::HighAccept) => 1000,
+    }
+}
+
+/// Steps of a simulated decode of `tokens` tokens: one token per step without speculation, else
+/// verification steps of `draft_tokens` draft tokens whose leading tokens are each accepted with
+/// a fixed chance (skewed by an injected `fault`), emitting the accepted tokens plus one;
+/// deterministic in `seed`, the last step cut to the tokens left.
+pub fn decode_plan(
+    tokens: u32,
+    draft_tokens: Option<u32>,
+    seed: u64,
+    fault: Option<SpecFaultMode>,
+) -> DecodePlan {
+    let Some(draft) = draft_tokens.map(|d| d.max(1)) else {
+        let one = DecodeStep {
+            tokens: 1,
+            proposed: 0,
+            accepted: 0,
+        };
+        return DecodePlan {
+            steps: vec![one; tokens as usize],
+            accept_length: 0.0,
+        };
+    };
+    let chance = accept_per_mille(fault);
+    let mut state = seed;
+    let mut left = tokens;
+    let mut steps = Vec::new();
+    while left > 0 {
+        let mut accepted = 0;
+        while accepted < draft && splitmix(&mut state) % 1000 < chance {
+            accepted += 1;
+        }
+        let emitted = (accepted + 1).min(left);
+        steps.push(DecodeStep {
+            tokens: emitted,
+            proposed: draft,
+            accepted: emitted - 1,
+        });
+        left -= emitted;
+    }
+    let accept_length = if steps.is_empty() {
+        0.0
+    } else {
+        f64::from(tokens) / steps.len() as f64
+    };
+    DecodePlan {
+        steps,
+        accept_length,
+    }
+}
+
+impl DecodeEngine {
+    /// Admits one request: a permit while admitting and under `max_inflight`.
+    ///
+    /// # Errors
+    /// [`RequestError::NotReady`] or [`RequestError::AtCapacity`].
+    pub fn admit(&self) -> Result<OwnedSemaphorePermit, RequestError> {
+        if !self.state.admitting() {
+            self.state.counters.requests_refused.inc();
+            let why = match self.state.phase() {
+                crate::health::http::Phase::Starting(r) => r,
+                _ => "draining".to_owned(),
+            };
+            return Err(RequestError::NotReady(why));
+        }
+        self.inflight.clone().try_acquire_owned().map_err(|_| {
+            self.state.counters.requests_refused.inc();
+            RequestError::AtCapacity(format!("{} requests in flight", self.max_inflight))
+        })
+    }
+
+    /// A fresh request id (unique per worker).
+    pub fn next_request_id(&self) -> u64 {
+        self.next_request.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The simulated decode of attempt `attempt` (0 = the first) of a request.
+    pub fn decode_plan(&self, request_id: u64, attempt: u32, tokens: u32) -> DecodePlan {
+        let fault = self
+            .knobs
+            .spec_fault
+            .filter(|f| f.applies_to(attempt))
+            .map(|f| f.mode);
+        let seed = request_id ^ (u64::from(attempt) << 48);
+        decode_plan(tokens, self.draft_tokens, seed, fault)
+    }
+
+    /// Whether the spec guard judges requests (speculative decoding and `specGuard` configured).
+    pub fn spec_guard_enabled(&self) -> bool {
+        self.spec_guard.is_some()
+    }
+
+    /// Retries after a spec-guard abort (`specGuard.retryBudget`; 0 without a guard).
+    pub fn spec_retry_budget(&self) -> u32 {
+        self.spec_guard.as_ref().map_or(0, |g| g.retry_budget)
+    }
+
+    /// One attempt's decode of `tokens` tokens, judged by a fresh guard when enabled.
+    pub fn decoding(&self, request_id: u64, attempt: u32, tokens: u32) -> Decoding {
+        let guard = self
+            .spec_guard
+            .as_ref()
+            .map(|g| SpecGuard::new(Thresholds::from(g)));
+        Decoding::new(self.decode_plan(request_id, attempt, tokens), guard)
+    }
+
+    /// Aborts an attempt the spec guard judged anomalous: the pages go back through the release
+    /// gate (cause `SpecGuard`), and the abort is counted by reason and logged.
+    pub fn spec_abort(&self, request_id: u64, lease: KvLease, anomaly: &Anomaly, peer: &str) {
+        tracing::warn!(
+            request_id,
+            room = %lease.key(),
+            reason = anomaly.reason.code(),
+            accept_length = anomaly.accept_length,
+            accept_rate = anomaly.accept_rate,
+            tokens = anomaly.tokens,
+            prefill_worker = peer,
+            "spec guard: decode aborted"
+        );
+        lease.abort(FailureCause::SpecGuard);
+        self.state.counters.spec_guard_aborts.inc();
+        self.state
+            .by_reason
+            .spec_guard_anomaly(anomaly.reason.code());
+    }
+
+    /// Receives the KV of a prompt from a same-revision prefill peer, preferring peers not in
+    /// `avoid` (those whose KV an aborted attempt decoded), retrying on another peer when one
+    /// fails (within the retry budget). The pages stay held by the returned [`KvLease`] until
+    /// the decode ends.
+    ///
+    /// # Errors
+    /// [`RequestError`]: no peer, capacity (no free pages), timeout (room aborted), or every
+    /// peer tried failed.
+    pub async fn prefill(
+        &self,
+        request_id: u64,
+        input_tokens: u32,
+        output_tokens: u32,
+        kv_block_hashes: Vec<u64>,
+        avoid: &[String],
+    ) -> Result<(Prefilled, KvLease), RequestError> {
+        let spec = pb::RequestSpec {
+            request_id,
+            input_tokens: input_tokens.max(1),
+            output_tokens,
+            hash_ids: kv_block_hashes,
+        };
+        let c = &self.state.counters;
+        let mut tried: Vec<String> = Vec::new();
+        let mut last_error = None;
+        for attempt in 0..=self.retry_budget {
+            let shunned: Vec<String> = tried.iter().chain(avoid).cloned().collect();
+            let Some(link) = self
+                .peers
+                .pick(&shunned)
+                .or_else(|| self.peers.pick(&tried))
+            else {
+                break;
+            };
+            if attempt > 0 {
+                c.requests_retried.inc();
+                tracing::info!(request_id, peer = %link.addr(), attempt, "retrying on another prefill peer");
+            }
+            tried.push(link.addr().to_owned());
+            match self
+                .node
+                .transfer_held(&link, spec.clone(), self.kv_deadline)
+                .await
+            {
+                Ok((
+                    TransferOutcome::Completed {
+                        corrupt_chunks,
+                        hits,
+                        kv_bytes,
+                        ..
+                    },
+                    Some(lease),
+                )) => {
+                    c.kv_bytes_received.inc_by(kv_bytes);
+                    c.corrupt_pages_read.inc_by(corrupt_chunks);
+                    let prefilled = Prefilled {
+                        hits,
+                        kv_bytes,
+                        corrupt_chunks,
+                        peer: link.addr().to_owned(),
+                        retries: attempt,
+                    };
+                    return Ok((prefilled, lease));
+                }
+                Ok((TransferOutcome::Completed { key, .. }, None)) => {
+                    // transfer_held always leases a completed room; never reached.
+                    last_error = Some(format!("room {key} completed without a lease"));
+                }
+                Ok((TransferOutcome::Failed { key, cause }, _)) => {
+                    c.rooms_aborted.inc();
+                    tracing::warn!(request_id, %key, ?cause, peer = %link.addr(), "room failed");
+                    if cause == FailureCause::Timeout {
+                        return Err(RequestError::Timeout(self.kv_deadline));
+                    }
+                    self.peers.forget_if_dead(link.addr());
+                    last_error = Some(format!("prefill peer {} failed: {cause:?}", link.addr()));
+                }
+                Err(DecodeError::NoPages { need, free }) => {
+                    return Err(RequestError::AtCapacity(format!(
+                        "need {need} KV pages, {free} free"
+                    )));
+                }
+                Err(e) => {
+                    self.peers.forget_if_dead(link.addr());
+                    last_error = Some(e.to_string());
+                }
+            }
+        }
+        Err(match last_error {
+            Some(e) => RequestError::PrefillLost(format!("{} peer(s) tried: {e}", tried.len())),
+            None => RequestError::NoPeer(self.peers.not_ready_reason()),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plans_cover_the_tokens() {
+        let p = decode_plan(7, None, 1, None);
+        assert!(p.steps.iter().all(|s| s.tokens == 1 && s.proposed == 0));
+        assert_eq!(p.steps.len(), 7);
+        assert!(p.accept_length.abs() < f64::EPSILON);
+        let s = decode_plan(200, Some(4), 9, None);
+        assert_eq!(s.steps.iter().map(|s| s.tokens).sum::<u32>(), 200);
+        assert!(
+            s.steps
+                .iter()
+                .all(|s| (1..=5).contains(&s.tokens) && s.accepted == s.tokens - 1)
+        );
+        assert!(
+            s.accept_length > 2.5 && s.accept_length < 4.5,
+            "{}",
+            s.accept_length
+        );
+        assert_eq!(decode_plan(200, Some(4), 9, None), s, "deterministic");
+    }
+
+    fn judge(plan: DecodePlan) -> Result<u64, Anomaly> {
+        let mut d = Decoding::new(plan, Some(SpecGuard::new(Thresholds::SEED_004)));
+        let mut tokens = 0;
+        while let Some(n) = d.next_step()? {
+            tokens += u64::from(n);
+        }
+        Ok(tokens)
+    }
+
+    #[test]
+    fn healthy_plans_pass_the_seed_004_guard_and_faulty_ones_trip_it() {
+        use crate::spec_guard::AnomalyReason;
+        for seed in 0..50 {
+            for draft in [1, 2, 4, 8] {
+                let healthy = decode_plan(512, Some(draft), seed, None);
+                assert_eq!(judge(healthy), Ok(512), "seed {seed} draft {draft}");
+                let low = decode_plan(512, Some(draft), seed, Some(SpecFaultMode::LowAccept));
+                let a = judge(low).unwrap_err();
+                assert_eq!(a.reason, AnomalyReason::LowAcceptLength);
+                assert!(a.tokens >= 128 && a.tokens < 140, "{a:?}");
+                let high = decode_plan(512, Some(draft), seed, Some(SpecFaultMode::HighAccept));
+                assert_eq!(
+                    judge(high).unwrap_err().reason,
+                    AnomalyReason::HighAcceptRate
+                );
+            }
+        }
+        // Without a guard the faulty plan streams every token.
+        let low = decode_plan(512, Some(4), 3, Some(SpecFaultMode::LowAccept));
+        let mut d = Decoding::new(low, None);
+        let mut tokens = 0;
+        while let Some(n) = d.next_step().unwrap() {
+            tokens += n;
+        }
+        assert_eq!(tokens, 512);
+        assert!(d.accept_length() < 1.4);
+    }
+}

@@ -1,0 +1,458 @@
+//! The OpenAI-compatible front door of a decode worker (worker/interfaces/README.md §3).
+//!
+//! - `POST /v1/completions`: body `model`, `prompt` (string, array of strings, or array of token
+//!   ids), `max_tokens` (default 16), `stream`, and the Tandem extensions `kv_block_hashes` (prefix
+//!   identity, one hash per 512-token block) and `input_tokens` (prompt length to simulate).
+//!   Unknown OpenAI fields (`temperature`, …) are accepted and ignored; `model` is echoed as the
+//!   served model. Streaming: one `data:` event per generated token (the first marks TTFT; it is
+//!   sent as soon as the KV is in), a last event with `finish_reason: "length"`, `usage` and the
+//!   `tandem` block, then `data: [DONE]`. Not streaming: one JSON object with the same fields.
+//! - `GET /v1/models`: the served model.
+//! - Errors: `{"error":{"message","type","code"}}` with 400 (malformed), 503 (not ready, draining,
+//!   no prefill peer of this revision, KV deadline passed), 429 (at capacity), 500 (internal).
+//! - Spec guard (DESIGN contract 8, see [`super::engine`]): the last event / object carries
+//!   `tandem.spec_guard` `{"enabled","aborts","retries","anomalies":[…]}` and
+//!   `tandem.spec_accept_rate`. When every attempt within `specGuard.retryBudget` was judged
+//!   anomalous: 503 with code `spec_guard_anomaly`, `error.reason` (`low_accept_length` or
+//!   `high_accept_rate`) and `tandem.spec_guard`; a stream instead ends with that error as its last
+//!   event and no `[DONE]` (the tokens it sent cannot be taken back).
+//!
+//! Generated text is a deterministic placeholder word per token.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::engine::{DecodeEngine, Decoding, GuardReport, Prefilled, RequestError};
+use super::node::KvLease;
+use crate::spec_guard::Anomaly;
+
+const WORDS: [&str; 16] = [
+    "the", "cache", "page", "layer", "room", "token", "prefix", "decode", "prefill", "tier",
+    "host", "store", "ack", "fence", "stream", "rank",
+];
+
+/// Largest `max_tokens` accepted.
+pub const MAX_TOKENS_LIMIT: u32 = 1 << 16;
+
+/// A prompt: text, a batch of texts (only the first is served), or token ids.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// Text.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u32>),
+    /// Texts (OpenAI batch form).
+    Texts(Vec<String>),
+}
+
+/// The completion request body.
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    /// Model name (echoed; one model per pool).
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Prompt.
+    #[serde(default)]
+    pub prompt: Option<Prompt>,
+    /// Tokens to generate (default 16).
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    /// Server-sent events when true.
+    #[serde(default)]
+    pub stream: bool,
+    /// Prefix identity: one chained hash per 512-token block.
+    #[serde(default)]
+    pub kv_block_hashes: Vec<u64>,
+    /// Prompt length to simulate when the prompt is a placeholder.
+    #[serde(default)]
+    pub input_tokens: Option<u32>,
+}
+
+impl CompletionRequest {
+    /// Prompt tokens: `input_tokens`, else the token ids, else whitespace-separated words (≥ 1).
+    pub fn prompt_tokens(&self) -> u32 {
+        if let Some(n) = self.input_tokens {
+            return n.max(1);
+        }
+        let n = match &self.prompt {
+            Some(Prompt::Tokens(t)) => t.len(),
+            Some(Prompt::Text(s)) => s.split_whitespace().count(),
+            Some(Prompt::Texts(v)) => v.first().map_or(0, |s| s.split_whitespace().count()),
+            None => 0,
+        };
+        u32::try_from(n).unwrap_or(u32::MAX).max(1)
+    }
+}
+
+fn error(status: StatusCode, kind: &str, code: &str, message: impl Into<String>) -> Response {
+    let body = json!({"error": {"message": message.into(), "type": kind, "code": code}});
+    (status, axum::Json(body)).into_response()
+}
+
+/// The 503 of a request whose every attempt the spec guard judged anomalous (`last` is the last).
+fn spec_guard_body(last: &Anomaly, guard: &GuardReport) -> Value {
+    json!({
+        "error": {
+            "message": format!("{last}; {} attempt(s) aborted", guard.anomalies.len()),
+            "type": "service_unavailable",
+            "code": "spec_guard_anomaly",
+            "reason": last.reason.code(),
+        },
+        "tandem": {"spec_guard": guard.json()},
+    })
+}
+
+/// An error response; after a spec-guard abort it carries `tandem.spec_guard` too.
+fn request_error_after(e: &RequestError, guard: &GuardReport) -> Response {
+    let (status, kind, code) = error_parts(e);
+    let mut body = json!({"error": {"message": e.to_string(), "type": kind, "code": code}});
+    if !guard.anomalies.is_empty() {
+        body["tandem"] = json!({"spec_guard": guard.json()});
+    }
+    (status, axum::Json(body)).into_response()
+}
+
+/// Status, error type and code of a [`RequestError`].
+fn error_parts(e: &RequestError) -> (StatusCode, &'static str, &'static str) {
+    let unavailable = |code| (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", code);
+    match e {
+        RequestError::NotReady(_) => unavailable("not_ready"),
+        RequestError::NoPeer(_) => unavailable("no_prefill_peer"),
+        RequestError::Timeout(_) => unavailable("kv_deadline_exceeded"),
+        RequestError::PrefillLost(_) => unavailable("prefill_unavailable"),
+        RequestError::AtCapacity(_) => (
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_exceeded",
+            "at_capacity",
+        ),
+        RequestError::Failed(_) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            "internal",
+        ),
+    }
+}
+
+fn request_error(e: &RequestError) -> Response {
+    let (status, kind, code) = error_parts(e);
+    error(status, kind, code, e.to_string())
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// One token's text: a placeholder word, deterministic in (request, position).
+pub fn token_text(request_id: u64, position: u32) -> String {
+    let i = (request_id.wrapping_add(u64::from(position)) % WORDS.len() as u64) as usize;
+    format!(" {}", WORDS[i])
+}
+
+struct Reply {
+    id: String,
+    created: u64,
+    model: String,
+    revision: String,
+    prompt_tokens: u32,
+    completion_tokens: u32,
+    prefilled: Prefilled,
+    guard: GuardReport,
+}
+
+impl Reply {
+    fn tandem(&self, decoding: &Decoding) -> Value {
+        let h = &self.prefilled.hits;
+        json!({
+            "prefix_hit_tokens": {"l1": h.l1, "l2": h.l2, "l3": h.l3},
+            "kv_bytes": self.prefilled.kv_bytes,
+            "prefill_worker": self.prefilled.peer,
+            // Prefills beyond the first (a failed peer, a spec-guard abort): a retry can hit pages
+            // its own failed attempt stored, so hit-ratio reports keep these requests apart.
+            "prefill_retries": self.prefilled.retries + self.guard.retries,
+            "revision": self.revision,
+            "corrupt_chunks": self.prefilled.corrupt_chunks,
+            "spec_accept_length": decoding.accept_length(),
+            "spec_accept_rate": decoding.accept_rate(),
+            "spec_guard": self.guard.json(),
+        })
+    }
+
+    fn usage(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": u64::from(self.prompt_tokens) + u64::from(self.completion_tokens),
+        })
+    }
+
+    fn chunk(&self, text: &str, finish: Option<&str>) -> Value {
+        json!({
+            "id": self.id, "object": "text_completion", "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+        })
+    }
+
+    fn last(&self, text: &str, decoding: &Decoding) -> Value {
+        let mut v = self.chunk(text, Some("length"));
+        v["usage"] = self.usage();
+        v["tandem"] = self.tandem(decoding);
+        v
+    }
+}
+
+/// Generates one attempt's text (not streamed): the first token, then the steps, one TPOT each.
+///
+/// # Errors
+/// The spec guard's anomaly; nothing of the attempt reaches the client.
+async fn generate(
+    engine: &DecodeEngine,
+    request_id: u64,
+    max_tokens: u32,
+    decoding: &mut Decoding,
+) -> Result<String, Anomaly> {
+    let mut text = String::new();
+    let mut position = 0;
+    if max_tokens > 0 {
+        text.push_str(&token_text(request_id, 0));
+        position = 1;
+    }
+    while let Some(tokens) = decoding.next_step()? {
+        tokio::time::sleep(engine.knobs.tpot).await;
+        for _ in 0..tokens {
+            text.push_str(&token_text(request_id, position));
+            position += 1;
+        }
+    }
+    Ok(text)
+}
+
+async fn completions(State(engine): State<Arc<DecodeEngine>>, body: Bytes) -> Response {
+    let req: CompletionRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "malformed",
+                format!("malformed completion request: {e}"),
+            );
+        }
+    };
+    let max_tokens = req.max_tokens.unwrap_or(16);
+    if max_tokens > MAX_TOKENS_LIMIT {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "malformed",
+            format!("max_tokens {max_tokens} exceeds {MAX_TOKENS_LIMIT}"),
+        );
+    }
+    let permit = match engine.admit() {
+        Ok(p) => p,
+        Err(e) => return request_error(&e),
+    };
+    let request_id = engine.next_request_id();
+    let prompt_tokens = req.prompt_tokens();
+    let mut guard = GuardReport {
+        enabled: engine.spec_guard_enabled(),
+        ..GuardReport::default()
+    };
+    // Prefill peers whose KV an aborted attempt decoded: the retry prefers another.
+    let mut avoid: Vec<String> = Vec::new();
+    let mut attempt = 0u32;
+    loop {
+        let (prefilled, lease) = match engine
+            .prefill(
+                request_id,
+                prompt_tokens,
+                max_tokens,
+                req.kv_block_hashes.clone(),
+                &avoid,
+            )
+            .await
+        {
+            Ok(p) => p,
+            Err(e) => {
+                engine.state.counters.requests_failed.inc();
+                return request_error_after(&e, &guard);
+            }
+        };
+        let mut decoding = engine.decoding(request_id, attempt, max_tokens.saturating_sub(1));
+        let peer = prefilled.peer.clone();
+        let reply = Reply {
+            id: format!("cmpl-{}-{request_id}", engine.worker_id),
+            created: now_secs(),
+            model: engine.model.clone(),
+            revision: engine.revision.clone(),
+            prompt_tokens,
+            completion_tokens: max_tokens,
+            prefilled,
+            guard: guard.clone(),
+        };
+        if req.stream {
+            return stream(engine, reply, decoding, request_id, permit, lease).into_response();
+        }
+        match generate(&engine, request_id, max_tokens, &mut decoding).await {
+            Ok(text) => {
+                lease.finish();
+                drop(permit);
+                engine.state.counters.requests_ok.inc();
+                return axum::Json(reply.last(&text, &decoding)).into_response();
+            }
+            Err(anomaly) => {
+                engine.spec_abort(request_id, lease, &anomaly, &peer);
+                guard.anomalies.push((anomaly, peer.clone()));
+                avoid.push(peer);
+                if attempt >= engine.spec_retry_budget() {
+                    engine.state.counters.requests_failed.inc();
+                    let body = spec_guard_body(&anomaly, &guard);
+                    return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
+                }
+                attempt += 1;
+                guard.retries += 1;
+                engine.state.counters.spec_guard_retries.inc();
+                tracing::info!(request_id, attempt, "spec guard: retrying the request");
+            }
+        }
+    }
+}
+
+fn stream(
+    engine: Arc<DecodeEngine>,
+    reply: Reply,
+    mut decoding: Decoding,
+    request_id: u64,
+    permit: OwnedSemaphorePermit,
+    lease: KvLease,
+) -> Sse<ReceiverStream<Result<Event, Infallible>>> {
+    let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(16);
+    tokio::spawn(async move {
+        let _permit = permit;
+        let send = |v: Value| Ok(Event::default().data(v.to_string()));
+        let mut ok = true;
+        let mut position = 0u32;
+        if reply.completion_tokens > 0 {
+            ok &= tx
+                .send(send(reply.chunk(&token_text(request_id, 0), None)))
+                .await
+                .is_ok();
+            position = 1;
+        }
+        while ok {
+            let tokens = match decoding.next_step() {
+                Ok(Some(t)) => t,
+                Ok(None) => break,
+                Err(anomaly) => {
+                    let peer = reply.prefilled.peer.clone();
+                    engine.spec_abort(request_id, lease, &anomaly, &peer);
+                    let mut guard = reply.guard.clone();
+                    guard.anomalies.push((anomaly, peer));
+                    let _ = tx.send(send(spec_guard_body(&anomaly, &guard))).await;
+                    engine.state.counters.requests_failed.inc();
+                    return;
+                }
+            };
+            tokio::time::sleep(engine.knobs.tpot).await;
+            for _ in 0..tokens {
+                ok &= tx
+                    .send(send(reply.chunk(&token_text(request_id, position), None)))
+                    .await
+                    .is_ok();
+                position += 1;
+            }
+        }
+        // The last token is generated (or the client left): the KV may go.
+        lease.finish();
+        ok = ok
+            && tx.send(send(reply.last("", &decoding))).await.is_ok()
+            && tx.send(Ok(Event::default().data("[DONE]"))).await.is_ok();
+        if ok {
+            engine.state.counters.requests_ok.inc();
+        } else {
+            tracing::info!(request_id, "client went away mid-stream");
+            engine.state.counters.requests_failed.inc();
+        }
+    });
+    Sse::new(ReceiverStream::new(rx))
+}
+
+async fn models(State(engine): State<Arc<DecodeEngine>>) -> Response {
+    axum::Json(json!({
+        "object": "list",
+        "data": [{"id": engine.model, "object": "model", "created": 0, "owned_by": "tandem"}],
+    }))
+    .into_response()
+}
+
+/// The front-door routes over `engine`.
+pub fn router(engine: Arc<DecodeEngine>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .with_state(engine)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_tokens_prefer_the_extension() {
+        let r: CompletionRequest =
+            serde_json::from_str(r#"{"prompt":"a b c","input_tokens":900}"#).unwrap();
+        assert_eq!(r.prompt_tokens(), 900);
+        let r: CompletionRequest = serde_json::from_str(r#"{"prompt":[1,2,3,4]}"#).unwrap();
+        assert_eq!(r.prompt_tokens(), 4);
+        let r: CompletionRequest =
+            serde_json::from_str(r#"{"prompt":"a b c","temperature":0.5}"#).unwrap();
+        assert_eq!(r.prompt_tokens(), 3);
+        assert!(serde_json::from_str::<CompletionRequest>(r#"{"max_tokens":"x"}"#).is_err());
+    }
+
+    #[test]
+    fn spec_guard_errors_name_the_code_the_reason_and_the_attempts() {
+        use crate::spec_guard::AnomalyReason;
+        let a = Anomaly {
+            reason: AnomalyReason::LowAcceptLength,
+            accept_length: 1.05,
+            accept_rate: 0.01,
+            tokens: 128,
+        };
+        let guard = GuardReport {
+            enabled: true,
+            anomalies: vec![(a, "10.0.0.2:7000".into()), (a, "10.0.0.3:7000".into())],
+            retries: 1,
+        };
+        let b = spec_guard_body(&a, &guard);
+        assert_eq!(b["error"]["code"], "spec_guard_anomaly");
+        assert_eq!(b["error"]["type"], "service_unavailable");
+        assert_eq!(b["error"]["reason"], "low_accept_length");
+        let sg = &b["tandem"]["spec_guard"];
+        assert_eq!(
+            (sg["aborts"].as_u64(), sg["retries"].as_u64()),
+            (Some(2), Some(1))
+        );
+        assert_eq!(sg["anomalies"][1]["prefill_worker"], "10.0.0.3:7000");
+        assert_eq!(sg["anomalies"][0]["tokens"], 128);
+        // A retry that then finds no peer keeps its own code and status, plus the guard's record.
+        let r = request_error_after(&RequestError::NoPeer("none".into()), &guard);
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    }
+}

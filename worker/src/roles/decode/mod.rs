@@ -1,0 +1,319 @@
+//! `tandem-worker decode --config`: the decode serving process (worker/interfaces/README.md §2, §3).
+//!
+//! Owns the KV receive region (data port), the same-revision prefill [`PeerSet`], and the front
+//! door; the per-request path (peers, rooms, the KV deadline, retries, simulated decoding and the
+//! speculative-decoding guard of contract 8) is [`engine`].
+//!
+//! `/report` adds `peers`, `refused_peers`, `kv_pages` `{free, held, quarantined}` (pages of the
+//! receive region) and `spec_guard` `{enabled, anomalies_by_reason}` to worker/interfaces/README.md §4.
+//!
+//! Readiness: ready only while at least one same-revision prefill peer is connected; `/report`
+//! says why not otherwise. Drain (SIGTERM): readiness 503 at once, new requests 503, in-flight
+//! requests finish until the grace deadline.
+//!
+//! - [`node`]: the KV region, its TCP receiver, rooms on prefill peers and the release gate
+//!   (contract 3);
+//! - [`peers`]: the same-revision prefill peer set;
+//! - [`engine`]: what the front door calls per request;
+//! - [`front_door`]: the OpenAI-compatible HTTP API;
+//! - here: the CLI ([`Args`], [`run`]) and the server that wires them ([`DecodeServer`]).
+
+pub mod engine;
+pub mod front_door;
+pub mod node;
+pub mod peers;
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, Instant};
+
+use tokio::sync::Semaphore;
+
+use super::resolve::Resolver;
+use super::sim::{SimKnobs, region_pages};
+use super::{RoleError, ServeError, load_worker_config, pod_ip, signals};
+use crate::config::WorkerConfig;
+use crate::health::counters::mirror;
+use crate::health::http::{ServeState, router, spawn_http};
+use crate::release::receiver::GateMode;
+use crate::spec_guard::AnomalyReason;
+use engine::DecodeEngine;
+use node::{DecodeConfig, DecodeNode};
+use peers::{PeerSet, PeerTarget};
+
+/// `tandem-worker decode` arguments.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The resolved worker config (`/etc/tandem/worker.json` in a pod; read through
+    /// `$TANDEM_ROOT`): the front door, the peer set and the health port. The simulation knobs
+    /// come from `TANDEM_SIM_*` (see `roles::sim`), the options of [`DecodeOptions::from_env`]
+    /// from the environment.
+    #[arg(long, env = "TANDEM_WORKER_CONFIG")]
+    pub config: std::path::PathBuf,
+}
+
+/// Runs the pool's decode server until SIGTERM/SIGINT, then drains and exits 0. Prints
+/// `listening on ADDR` (the front door) once serving.
+///
+/// # Errors
+/// [`RoleError::Failed`] when the config or a knob is invalid, the runtime or the signal handlers
+/// cannot start, or a port cannot be bound.
+pub fn run(args: Args) -> Result<(), RoleError> {
+    let cfg = load_worker_config(&args.config)?;
+    let knobs = SimKnobs::from_env().map_err(|e| RoleError::Failed(e.to_string()))?;
+    super::runtime()?.block_on(async move {
+        let stop = signals::terminated()
+            .map_err(|e| RoleError::Failed(format!("signal handlers: {e}")))?;
+        let server = DecodeServer::start(&cfg, knobs, DecodeOptions::from_env())
+            .await
+            .map_err(|e| RoleError::Failed(e.to_string()))?;
+        println!("listening on {}", server.front_addr);
+        let signal = stop.await;
+        tracing::info!(signal, "stopping decode");
+        let clean = server.shutdown().await;
+        tracing::info!(clean, "decode exited");
+        Ok(())
+    })
+}
+
+/// Process-level options (the config decides the rest).
+#[derive(Debug, Clone)]
+pub struct DecodeOptions {
+    /// Address to bind (default `$POD_IP`, else 0.0.0.0).
+    pub bind_ip: IpAddr,
+    /// Worker id (default `$POD_NAME`).
+    pub worker_id: String,
+    /// Deadline for a request's KV; past it the room aborts through the release protocol.
+    pub kv_deadline: Duration,
+    /// Retries on another prefill peer after a peer failure.
+    pub retry_budget: u32,
+    /// Requests admitted at once; beyond, 429.
+    pub max_inflight: usize,
+    /// Peer set refresh interval.
+    pub refresh_every: Duration,
+    /// Heartbeat interval on each prefill link (3 missed = peer dead).
+    pub heartbeat: Duration,
+    /// Grace for in-flight requests at drain.
+    pub drain_grace: Duration,
+    /// Control port of the prefill peers (default: this config's `ports.control`, the pools'
+    /// common port).
+    pub peer_port: Option<u16>,
+}
+
+impl DecodeOptions {
+    /// Options from the pod environment: `$POD_IP`, `$POD_NAME`, and the optional overrides
+    /// `TANDEM_DECODE_RETRY_BUDGET` (default 2) and `TANDEM_DECODE_KV_DEADLINE_MS` (default
+    /// 30000); the rest as documented on the fields.
+    pub fn from_env() -> Self {
+        let num = |k: &str| {
+            std::env::var(k)
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        };
+        Self {
+            bind_ip: pod_ip(),
+            worker_id: std::env::var("POD_NAME").unwrap_or_else(|_| "decode-0".into()),
+            kv_deadline: Duration::from_millis(
+                num("TANDEM_DECODE_KV_DEADLINE_MS").unwrap_or(30_000),
+            ),
+            retry_budget: num("TANDEM_DECODE_RETRY_BUDGET")
+                .and_then(|n| u32::try_from(n).ok())
+                .unwrap_or(2),
+            max_inflight: 256,
+            refresh_every: Duration::from_secs(2),
+            heartbeat: Duration::from_millis(500),
+            drain_grace: Duration::from_secs(25),
+            peer_port: None,
+        }
+    }
+}
+
+/// A running decode server.
+pub struct DecodeServer {
+    /// Serving state.
+    pub state: Arc<ServeState>,
+    /// The engine behind the front door.
+    pub engine: Arc<DecodeEngine>,
+    /// Front door address.
+    pub front_addr: SocketAddr,
+    /// Health address.
+    pub health_addr: SocketAddr,
+    /// KV data address.
+    pub data_addr: String,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    grace: Duration,
+}
+
+impl DecodeServer {
+    /// Starts the receiver, the peer refresh, the front door and the health port.
+    ///
+    /// # Errors
+    /// [`ServeError`] on a missing `peers.prefillService` or `ports.frontDoor`, or a bind failure.
+    pub async fn start(
+        cfg: &WorkerConfig,
+        knobs: SimKnobs,
+        opts: DecodeOptions,
+    ) -> Result<Self, ServeError> {
+        let service = cfg
+            .peers
+            .prefill_service
+            .clone()
+            .ok_or_else(|| ServeError::Config("decode needs peers.prefillService".into()))?;
+        let front_port = cfg
+            .ports
+            .front_door
+            .ok_or_else(|| ServeError::Config("decode needs ports.frontDoor".into()))?;
+        let state = ServeState::new(
+            "decode",
+            &cfg.pool,
+            &cfg.revision,
+            "connecting to prefill peers",
+        );
+        let layout = knobs.layout(cfg);
+        if opts.bind_ip.is_unspecified() {
+            tracing::warn!(
+                "POD_IP is not set: the KV receiver advertises an unspecified address, which only \
+                 a prefill on this host can reach"
+            );
+        }
+        let node = DecodeNode::start(DecodeConfig {
+            worker_id: opts.worker_id.clone(),
+            rank: crate::roles::ordinal_from_env(),
+            pages: region_pages(cfg.memory.target_pool_bytes, layout),
+            layout,
+            data_bind: SocketAddr::new(opts.bind_ip, cfg.ports.data).to_string(),
+            ack_timeout: Duration::from_secs(30),
+            heartbeat: opts.heartbeat,
+            // The node receives KV through its TCP receiver: derive the gate's proof rule from that.
+            fence_is_proof: crate::transfer::select::receiver_fence_is_proof(
+                crate::transfer::TransportKind::Tcp,
+            ),
+            gate: GateMode::Safe,
+        })?;
+        let peers = PeerSet::new(
+            node.clone(),
+            PeerTarget {
+                service: service.clone(),
+                port: opts.peer_port.unwrap_or(cfg.ports.control),
+                revision: cfg.revision.clone(),
+                connect_timeout: Duration::from_secs(2),
+            },
+            Resolver::from_env(),
+            state.counters.clone(),
+        );
+        let spec_guard = match (&cfg.speculative, &cfg.spec_guard) {
+            (Some(_), Some(g)) => Some(g.clone()),
+            (None, Some(_)) => {
+                tracing::warn!("specGuard is set without speculative decoding: nothing to guard");
+                None
+            }
+            (_, None) => None,
+        };
+        if cfg.speculative.is_some() && spec_guard.is_none() {
+            tracing::warn!(
+                "speculative decoding without specGuard: corrupt KV state goes undetected \
+                 (DESIGN contract 8)"
+            );
+        }
+        let engine = Arc::new(DecodeEngine {
+            state: state.clone(),
+            model: cfg.model.name.clone(),
+            revision: cfg.revision.clone(),
+            worker_id: opts.worker_id.clone(),
+            knobs,
+            node: node.clone(),
+            peers: peers.clone(),
+            inflight: Arc::new(Semaphore::new(opts.max_inflight.max(1))),
+            max_inflight: opts.max_inflight.max(1),
+            draft_tokens: cfg.speculative.as_ref().map(|s| s.draft_tokens.max(1)),
+            spec_guard,
+            kv_deadline: opts.kv_deadline,
+            retry_budget: opts.retry_budget,
+            next_request: AtomicU64::new(1),
+        });
+        let n = node.clone();
+        state.on_refresh(move |s| {
+            let c = &s.counters;
+            mirror(&c.abort_acks, n.acks_received());
+            mirror(&c.pages_quarantined, n.pages().quarantined as u64);
+        });
+        let p = peers.clone();
+        let (st, guarded, n) = (state.clone(), engine.spec_guard_enabled(), node.clone());
+        state.set_extra(move || {
+            let mut m = serde_json::Map::new();
+            let pages = n.pages();
+            m.insert(
+                "kv_pages".into(),
+                serde_json::json!({"free": pages.free, "held": pages.held,
+                    "quarantined": pages.quarantined}),
+            );
+            m.insert("peers".into(), serde_json::json!(p.addrs()));
+            m.insert("refused_peers".into(), serde_json::json!(p.refused()));
+            let by_reason: serde_json::Map<String, serde_json::Value> = AnomalyReason::ALL
+                .iter()
+                .map(|r| {
+                    let n = st.by_reason.spec_guard_anomalies_of(r.code());
+                    (r.code().to_owned(), serde_json::json!(n))
+                })
+                .collect();
+            m.insert(
+                "spec_guard".into(),
+                serde_json::json!({"enabled": guarded, "anomalies_by_reason": by_reason}),
+            );
+            m
+        });
+        let (health_addr, http) = spawn_http(
+            SocketAddr::new(opts.bind_ip, cfg.ports.health),
+            router(state.clone()),
+        )
+        .await
+        .map_err(|e| ServeError::Bind("health", e))?;
+        let (front_addr, front) = spawn_http(
+            SocketAddr::new(opts.bind_ip, front_port),
+            front_door::router(engine.clone()),
+        )
+        .await
+        .map_err(|e| ServeError::Bind("front door", e))?;
+        let st = state.clone();
+        let p = peers.clone();
+        let refresh = peers.spawn_refresh(opts.refresh_every, move |live| {
+            st.set_ready(if live > 0 {
+                Ok(())
+            } else {
+                Err(p.not_ready_reason())
+            });
+        });
+        tracing::info!(%front_addr, %health_addr, data = %node.data_addr(), %service, revision = %cfg.revision, ?layout, "decode serving");
+        Ok(Self {
+            state,
+            engine,
+            front_addr,
+            health_addr,
+            data_addr: node.data_addr(),
+            tasks: vec![http, front, refresh],
+            grace: opts.drain_grace,
+        })
+    }
+
+    /// Drains and stops: readiness 503 and new requests refused at once, in-flight requests
+    /// finish until the grace deadline. Returns whether every request finished in time.
+    pub async fn shutdown(self) -> bool {
+        self.state.begin_drain();
+        let e = &self.engine;
+        tracing::info!(
+            in_flight = e.max_inflight - e.inflight.available_permits(),
+            "draining decode"
+        );
+        let deadline = Instant::now() + self.grace;
+        while e.inflight.available_permits() < e.max_inflight && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let finished = e.inflight.available_permits() == e.max_inflight;
+        for t in &self.tasks {
+            t.abort();
+        }
+        tracing::info!(finished, "decode stopped");
+        finished
+    }
+}

@@ -1,0 +1,811 @@
+//! The decode worker's side of KV transfer: the KV region and its TCP receiver, rooms on prefill peers,
+//! and the release gate that decides every page's fate (DESIGN contract 3).
+//!
+//! A transfer allocates pages, opens the room on the receiver (only this generation's writes land),
+//! asks the prefill peer to open it, and waits with a deadline. Whatever ends a room early — the
+//! deadline (seed 004: prefill queueing), a prefill-reported failure, the signal stream breaking or
+//! heartbeats stopping — takes the same path: [`ReceiverRoom::fail`], ABORT to the prefill rank, and
+//! pages kept until every ack arrives or the transport proves nothing can land (the receiver fence,
+//! when enabled). Past the ack deadline without proof the pages are quarantined with an alarm.
+//!
+//! A completed room stays open on the node: its pages are held by a [`KvLease`] while the request
+//! decodes (the KV must stay resident while decoding reads it), and return when the lease finishes,
+//! is dropped, or is aborted through the gate (e.g. by the spec guard, DESIGN contract 8). A prefill
+//! peer dying after its writes concluded does not touch such a room.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::engine::verify_chunk;
+use crate::release::quarantine::Quarantine;
+use crate::release::receiver::{
+    AckOutcome, FailureCause, GateMode, GateVerdict, ReceiverRoom, ReceiverState,
+};
+use crate::release::{DecodeRank, PrefillRank, RoomKey};
+use crate::transfer::tcp::{GenerationCheck, TcpReceiver};
+use crate::transfer::{HostRegion, RegionId};
+
+use crate::control::pb::transfer_client::TransferClient;
+use crate::control::pb::{self, peer_message::Body};
+use crate::control::{KvLayout, REVISION_HEADER, WORKER_ID_HEADER, room_of};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The region id decode registers its KV pages under.
+pub const KV_REGION: RegionId = RegionId(0);
+
+/// Decode worker configuration.
+#[derive(Clone, Debug)]
+pub struct DecodeConfig {
+    /// Worker id (signal-stream identity).
+    pub worker_id: String,
+    /// Decode rank.
+    pub rank: u32,
+    /// Pages in the KV region.
+    pub pages: u32,
+    /// KV layout (must match the prefill peers').
+    pub layout: KvLayout,
+    /// Where the TCP receiver binds (e.g. `127.0.0.1:0`).
+    pub data_bind: String,
+    /// How long a failed room waits for acks or proof before its pages are quarantined.
+    pub ack_timeout: Duration,
+    /// Heartbeat interval on each signal stream; a peer silent for 3 intervals is dead.
+    pub heartbeat: Duration,
+    /// Use the TCP receiver fence as transport proof. Derive it from the transport that delivers the
+    /// KV with [`crate::transfer::select::receiver_fence_is_proof`]: true for TCP only; under RDMA
+    /// (no receiver-side check of one-sided writes) the gate must rely on acks or QP teardown.
+    pub fence_is_proof: bool,
+    /// Release gate mode (`GateMode::UnsafeBypass` only as a negative control, feature
+    /// `negative-controls`).
+    pub gate: GateMode,
+}
+
+/// Errors of the decode side.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// Not enough free pages for the request.
+    #[error("need {need} pages, {free} free")]
+    NoPages {
+        /// Pages needed.
+        need: usize,
+        /// Pages free.
+        free: usize,
+    },
+    /// The prefill peer could not be reached or refused.
+    #[error("prefill peer {peer}: {message}")]
+    Peer {
+        /// Peer address.
+        peer: String,
+        /// What failed.
+        message: String,
+    },
+    /// The prefill peer belongs to another pool revision (DESIGN §5): refused by either side in
+    /// the hello; the peer must be skipped, never paired.
+    #[error("prefill peer {peer} has revision {theirs:?}, this decode has {ours:?}")]
+    RevisionMismatch {
+        /// Peer address.
+        peer: String,
+        /// This decode's revision.
+        ours: String,
+        /// The peer's revision (from its hello, or from its refusal's metadata; empty if unknown).
+        theirs: String,
+    },
+    /// The data receiver could not start.
+    #[error("data receiver: {0}")]
+    Receiver(#[from] std::io::Error),
+}
+
+/// How a transfer ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TransferOutcome {
+    /// All KV arrived and verified: `corrupt_chunks` chunks failed verification (must be 0).
+    Completed {
+        /// The room.
+        key: RoomKey,
+        /// Chunks that failed verification.
+        corrupt_chunks: u64,
+        /// Prompt tokens the prefill served from its cache tiers.
+        hits: pb::PrefixHits,
+        /// KV bytes received (pages × page bytes).
+        kv_bytes: u64,
+    },
+    /// The room failed; its pages follow the gate.
+    Failed {
+        /// The room.
+        key: RoomKey,
+        /// Why.
+        cause: FailureCause,
+    },
+}
+
+struct Entry {
+    room: ReceiverRoom,
+    pages: Vec<u32>,
+    peer: String,
+    done: Option<oneshot::Sender<Result<(), FailureCause>>>,
+    /// The receiver fence failed when the room completed: its pages go to quarantine, never to
+    /// the free list.
+    unfenced: bool,
+}
+
+/// A completed room's pages, held while the request decodes: the KV must stay resident while
+/// decoding reads it. [`KvLease::finish`] (decode ended) or [`KvLease::abort`] (e.g. the spec guard,
+/// DESIGN contract 8) returns them through the release gate of contract 3; dropping the lease
+/// finishes it, so no path forgets the pages.
+#[must_use = "dropping the lease frees the KV pages at once"]
+pub struct KvLease {
+    node: Arc<DecodeNode>,
+    key: RoomKey,
+    ended: bool,
+}
+
+impl KvLease {
+    /// The room whose pages are held.
+    pub fn key(&self) -> RoomKey {
+        self.key
+    }
+
+    /// Decoding ended normally: the pages return to the pool.
+    pub fn finish(mut self) {
+        self.ended = true;
+        self.node.finish(self.key);
+    }
+
+    /// Decoding was aborted for `cause`: the room fails through the release gate (a completed room
+    /// has no write that can still land, so its pages are freed at once).
+    pub fn abort(mut self, cause: FailureCause) {
+        self.ended = true;
+        self.node.fail(self.key, cause);
+    }
+}
+
+impl Drop for KvLease {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.node.finish(self.key);
+        }
+    }
+}
+
+impl std::fmt::Debug for KvLease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvLease").field("key", &self.key).finish()
+    }
+}
+
+#[derive(Default)]
+struct State {
+    free: Vec<u32>,
+    rooms: HashMap<RoomKey, Entry>,
+    quarantine: Quarantine<u32>,
+    links: HashMap<String, Arc<LinkState>>,
+}
+
+struct LinkState {
+    alive: AtomicBool,
+    signal: mpsc::UnboundedSender<pb::PeerMessage>,
+    last_heard: Mutex<Instant>,
+}
+
+/// A connected prefill peer.
+#[derive(Clone)]
+pub struct PrefillLink {
+    addr: String,
+    rank: PrefillRank,
+    client: TransferClient<Channel>,
+    state: Arc<LinkState>,
+}
+
+impl PrefillLink {
+    /// The peer's control address.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Whether the signal stream is up and heartbeats are answered.
+    pub fn alive(&self) -> bool {
+        self.state.alive.load(Ordering::SeqCst)
+    }
+}
+
+/// Page counts of the decode region.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PageCounts {
+    /// Free pages.
+    pub free: usize,
+    /// Pages held by live or release-pending rooms.
+    pub held: usize,
+    /// Pages quarantined.
+    pub quarantined: usize,
+    /// Quarantine alarms raised.
+    pub alarms: u64,
+}
+
+/// The decode worker's transfer side.
+pub struct DecodeNode {
+    cfg: DecodeConfig,
+    receiver: TcpReceiver,
+    region: Arc<HostRegion>,
+    state: Mutex<State>,
+    next_room: AtomicU64,
+    acks_received: AtomicU64,
+}
+
+impl DecodeNode {
+    /// Allocates the KV region, registers it and starts the TCP receiver.
+    pub fn start(cfg: DecodeConfig) -> Result<Arc<DecodeNode>, DecodeError> {
+        let receiver = TcpReceiver::bind(&cfg.data_bind, GenerationCheck::Enforced)?;
+        let region = Arc::new(HostRegion::new(cfg.pages, cfg.layout.page_bytes()));
+        receiver.register_region(KV_REGION, region.clone());
+        let state = State {
+            free: (0..cfg.pages).rev().collect(),
+            ..State::default()
+        };
+        let base = room_base(&cfg.worker_id);
+        Ok(Arc::new(DecodeNode {
+            cfg,
+            receiver,
+            region,
+            state: Mutex::new(state),
+            next_room: AtomicU64::new(base),
+            acks_received: AtomicU64::new(0),
+        }))
+    }
+
+    /// The data address prefill writes to.
+    pub fn data_addr(&self) -> String {
+        self.receiver.addr().to_string()
+    }
+
+    /// Page counts now.
+    pub fn pages(&self) -> PageCounts {
+        let st = lock(&self.state);
+        PageCounts {
+            free: st.free.len(),
+            held: st.rooms.values().map(|e| e.pages.len()).sum(),
+            quarantined: st.quarantine.pages_held(),
+            alarms: st.quarantine.alarms(),
+        }
+    }
+
+    /// State of a room (None once its pages were released).
+    pub fn room_state(&self, key: RoomKey) -> Option<ReceiverState> {
+        lock(&self.state).rooms.get(&key).map(|e| e.room.state())
+    }
+
+    /// Late writes the receiver dropped so far.
+    pub fn dropped_late_writes(&self) -> u64 {
+        self.receiver.stats().dropped_stale
+    }
+
+    /// Abort acks received from prefill peers so far.
+    pub fn acks_received(&self) -> u64 {
+        self.acks_received.load(Ordering::Relaxed)
+    }
+
+    /// Connects to a prefill peer without a revision (never refused for revision).
+    pub async fn connect(
+        self: &Arc<Self>,
+        addr: &str,
+        timeout: Duration,
+    ) -> Result<PrefillLink, DecodeError> {
+        self.connect_revision(addr, timeout, "").await
+    }
+
+    /// Connects to a prefill peer: hello (layout and revision check), signal stream, heartbeats.
+    ///
+    /// # Errors
+    /// [`DecodeError::RevisionMismatch`] when `revision` is non-empty and the peer's differs (the
+    /// peer refused, or its hello names another one); [`DecodeError::Peer`] when it cannot be
+    /// reached or refuses for another reason.
+    pub async fn connect_revision(
+        self: &Arc<Self>,
+        addr: &str,
+        timeout: Duration,
+        revision: &str,
+    ) -> Result<PrefillLink, DecodeError> {
+        let mismatch = |theirs: String| DecodeError::RevisionMismatch {
+            peer: addr.to_string(),
+            ours: revision.to_string(),
+            theirs,
+        };
+        let peer_err = |message: String| DecodeError::Peer {
+            peer: addr.to_string(),
+            message,
+        };
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| peer_err(e.to_string()))?
+            .connect_timeout(timeout)
+            .timeout(timeout);
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|e| peer_err(e.to_string()))?;
+        let mut client = TransferClient::new(channel);
+        let hello = pb::PeerInfo {
+            worker_id: self.cfg.worker_id.clone(),
+            role: pb::Role::Decode as i32,
+            rank: self.cfg.rank,
+            data_addr: self.data_addr(),
+            transport: pb::TransportKind::TransportTcp as i32,
+            segments: vec![pb::Segment {
+                region_id: KV_REGION.0,
+                bytes: self.cfg.layout.page_bytes() * u64::from(self.cfg.pages),
+                page_bytes: self.cfg.layout.page_bytes(),
+            }],
+            layout: Some(self.cfg.layout.into()),
+            revision: revision.to_string(),
+            ..Default::default()
+        };
+        let info = match client.peer_hello(hello).await {
+            Ok(reply) => reply.into_inner(),
+            Err(s) => {
+                if let Some(theirs) = s
+                    .metadata()
+                    .get(REVISION_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                {
+                    return Err(mismatch(theirs.to_string()));
+                }
+                return Err(peer_err(s.message().to_string()));
+            }
+        };
+        if !revision.is_empty() && !info.revision.is_empty() && info.revision != revision {
+            return Err(mismatch(info.revision));
+        }
+        let (tx, rx) = mpsc::unbounded_channel::<pb::PeerMessage>();
+        let mut request = tonic::Request::new(UnboundedReceiverStream::new(rx));
+        let id = self
+            .cfg
+            .worker_id
+            .parse()
+            .map_err(|_| peer_err("worker id is not a valid header value".into()))?;
+        request.metadata_mut().insert(WORKER_ID_HEADER, id);
+        // The stream request itself has no deadline: it lives as long as the peer.
+        let mut stream_client = client.clone();
+        let inbound = stream_client
+            .signal(request)
+            .await
+            .map_err(|s| peer_err(s.message().to_string()))?
+            .into_inner();
+        let link_state = Arc::new(LinkState {
+            alive: AtomicBool::new(true),
+            signal: tx,
+            last_heard: Mutex::new(Instant::now()),
+        });
+        lock(&self.state)
+            .links
+            .insert(addr.to_string(), link_state.clone());
+        let link = PrefillLink {
+            addr: addr.to_string(),
+            rank: PrefillRank(info.rank),
+            client,
+            state: link_state,
+        };
+        let node = self.clone();
+        let l2 = link.clone();
+        tokio::spawn(async move { node.inbound(l2, inbound).await });
+        let node = self.clone();
+        let l3 = link.clone();
+        tokio::spawn(async move { node.heartbeats(l3).await });
+        Ok(link)
+    }
+
+    async fn inbound(
+        self: Arc<Self>,
+        link: PrefillLink,
+        mut inbound: tonic::Streaming<pb::PeerMessage>,
+    ) {
+        loop {
+            match inbound.next().await {
+                Some(Ok(m)) => {
+                    *lock(&link.state.last_heard) = Instant::now();
+                    self.on_message(&link, m);
+                }
+                Some(Err(status)) => {
+                    tracing::warn!(peer = %link.addr, %status, "signal stream failed");
+                    break;
+                }
+                None => break,
+            }
+        }
+        self.peer_lost(&link);
+    }
+
+    async fn heartbeats(self: Arc<Self>, link: PrefillLink) {
+        let mut tick = tokio::time::interval(self.cfg.heartbeat);
+        loop {
+            tick.tick().await;
+            if !link.alive() {
+                return;
+            }
+            if lock(&link.state.last_heard).elapsed() > self.cfg.heartbeat * 3 {
+                tracing::warn!(peer = %link.addr, "prefill peer missed 3 heartbeats");
+                self.peer_lost(&link);
+                return;
+            }
+            let live = lock(&self.state)
+                .rooms
+                .iter()
+                .filter(|(_, e)| e.peer == link.addr)
+                .map(|(k, _)| (*k).into())
+                .collect();
+            let _ = link.state.signal.send(pb::PeerMessage {
+                body: Some(Body::Heartbeat(pb::Heartbeat {
+                    seq: 0,
+                    live_rooms: live,
+                })),
+            });
+        }
+    }
+
+    /// The peer is gone: every room it could write fails through the gate (R-ABORT-5).
+    fn peer_lost(self: &Arc<Self>, link: &PrefillLink) {
+        if !link.state.alive.swap(false, Ordering::SeqCst) {
+            return;
+        }
+        lock(&self.state).links.remove(&link.addr);
+        let keys: Vec<RoomKey> = lock(&self.state)
+            .rooms
+            .iter()
+            // A room whose writes all concluded is being decoded; the peer's death cannot touch it.
+            .filter(|(_, e)| {
+                e.peer == link.addr
+                    && !matches!(
+                        e.room.state(),
+                        ReceiverState::Success | ReceiverState::Committed
+                    )
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        for key in keys {
+            self.fail(key, FailureCause::HeartbeatLost);
+        }
+    }
+
+    fn on_message(self: &Arc<Self>, link: &PrefillLink, m: pb::PeerMessage) {
+        match m.body {
+            Some(Body::Ack(a)) => {
+                let Some(key) = room_of(a.room) else { return };
+                self.acks_received.fetch_add(1, Ordering::Relaxed);
+                let mut st = lock(&self.state);
+                let Some(entry) = st.rooms.get_mut(&key) else {
+                    tracing::debug!(%key, "ack for a released room ignored");
+                    return;
+                };
+                if let AckOutcome::Counted { verdict, .. } =
+                    entry.room.on_ack(key, PrefillRank(a.prefill_rank))
+                {
+                    self.apply_locked(&mut st, key, verdict);
+                }
+            }
+            Some(Body::Chunk(c)) => {
+                let Some(key) = room_of(c.room) else { return };
+                let mut st = lock(&self.state);
+                let Some(entry) = st.rooms.get_mut(&key) else {
+                    return;
+                };
+                if entry.room.on_chunk().is_err() {
+                    return;
+                }
+                if c.last
+                    && entry.room.on_complete().is_ok()
+                    && let Some(done) = entry.done.take()
+                {
+                    let _ = done.send(Ok(()));
+                }
+            }
+            Some(Body::Failed(f)) => {
+                if let Some(key) = room_of(f.room) {
+                    tracing::info!(%key, peer = %link.addr, reason = %f.reason, "prefill reported the room failed");
+                    self.fail(key, FailureCause::PrefillFailed);
+                }
+            }
+            Some(Body::Heartbeat(_)) | Some(Body::Abort(_)) | None => {}
+        }
+    }
+
+    /// Fails a room through the release gate: ABORT to its writer, fence (if proof), ack deadline.
+    pub fn fail(self: &Arc<Self>, key: RoomKey, cause: FailureCause) {
+        let (notify, verdict, peer) = {
+            let mut st = lock(&self.state);
+            let Some(entry) = st.rooms.get_mut(&key) else {
+                return;
+            };
+            let (notify, verdict) = entry.room.fail(cause, Instant::now(), self.cfg.ack_timeout);
+            if let Some(done) = entry.done.take() {
+                let _ = done.send(Err(cause));
+            }
+            let peer = entry.peer.clone();
+            self.apply_locked(&mut st, key, verdict);
+            (notify, verdict, peer)
+        };
+        if notify.is_empty() && verdict != GateVerdict::Hold {
+            return;
+        }
+        let link = lock(&self.state).links.get(&peer).cloned();
+        if let Some(link) = link {
+            for _rank in &notify {
+                let abort = pb::Abort {
+                    room: Some(key.into()),
+                    decode_rank: self.cfg.rank,
+                    reason: abort_reason(cause) as i32,
+                };
+                let _ = link.signal.send(pb::PeerMessage {
+                    body: Some(Body::Abort(abort)),
+                });
+            }
+        }
+        if verdict == GateVerdict::Hold {
+            if self.cfg.fence_is_proof {
+                let node = self.clone();
+                tokio::task::spawn_blocking(move || {
+                    if let Ok(proof) = node
+                        .receiver
+                        .fence(key, Instant::now() + Duration::from_secs(1))
+                    {
+                        let mut st = lock(&node.state);
+                        if let Some(entry) = st.rooms.get_mut(&key) {
+                            let v = entry.room.on_transport_proof(proof);
+                            node.apply_locked(&mut st, key, v);
+                        }
+                    }
+                });
+            }
+            let node = self.clone();
+            let ack_timeout = self.cfg.ack_timeout;
+            tokio::spawn(async move {
+                tokio::time::sleep(ack_timeout).await;
+                let mut st = lock(&node.state);
+                if let Some(entry) = st.rooms.get_mut(&key) {
+                    let v = entry.room.on_tick(Instant::now());
+                    node.apply_locked(&mut st, key, v);
+                }
+            });
+        }
+    }
+
+    /// Acts on a verdict with the state lock held.
+    fn apply_locked(&self, st: &mut State, key: RoomKey, verdict: GateVerdict) {
+        match verdict {
+            GateVerdict::Hold => {}
+            GateVerdict::Free {
+                from_quarantine,
+                proof,
+            } => {
+                tracing::debug!(%key, ?proof, "room pages released");
+                let pages = if from_quarantine {
+                    st.quarantine.release(key).unwrap_or_default()
+                } else {
+                    st.rooms
+                        .get(&key)
+                        .map(|e| e.pages.clone())
+                        .unwrap_or_default()
+                };
+                let unfenced = st.rooms.remove(&key).is_some_and(|e| e.unfenced);
+                if unfenced && !from_quarantine {
+                    st.quarantine.admit(key, pages, None, Instant::now());
+                } else {
+                    st.free.extend(pages);
+                }
+                self.receiver.forget_room(key.room);
+            }
+            GateVerdict::Quarantine => {
+                if let Some(entry) = st.rooms.get(&key) {
+                    let (pages, cause) = (entry.pages.clone(), entry.room.cause());
+                    st.quarantine.admit(key, pages, cause, Instant::now());
+                }
+                // The entry stays so that a late ack or proof can still release the pages.
+                if let Some(e) = st.rooms.get_mut(&key) {
+                    e.pages.clear();
+                }
+            }
+        }
+    }
+
+    /// Transfers one request's KV from `link` within `deadline`, verifies every chunk on arrival,
+    /// and returns the pages to the pool at once (a transfer-only client: tests and benches).
+    ///
+    /// # Errors
+    /// As [`DecodeNode::transfer_held`].
+    pub async fn transfer(
+        self: &Arc<Self>,
+        link: &PrefillLink,
+        request: pb::RequestSpec,
+        deadline: Duration,
+    ) -> Result<TransferOutcome, DecodeError> {
+        let (outcome, lease) = self.transfer_held(link, request, deadline).await?;
+        if let Some(lease) = lease {
+            lease.finish();
+        }
+        Ok(outcome)
+    }
+
+    /// Transfers one request's KV from `link` within `deadline` and verifies every chunk on
+    /// arrival. On [`TransferOutcome::Completed`] the pages stay held by the returned [`KvLease`]
+    /// for the decode that reads them; a failed room's pages follow the release gate.
+    ///
+    /// # Errors
+    /// [`DecodeError::NoPages`] when the pool cannot hold the prompt; the transfer never started.
+    pub async fn transfer_held(
+        self: &Arc<Self>,
+        link: &PrefillLink,
+        request: pb::RequestSpec,
+        deadline: Duration,
+    ) -> Result<(TransferOutcome, Option<KvLease>), DecodeError> {
+        let layout = self.cfg.layout;
+        let need = (request.input_tokens.max(1)).div_ceil(layout.page_tokens) as usize;
+        let key = RoomKey::new(self.next_room.fetch_add(1, Ordering::Relaxed), 1);
+        let (done_tx, done_rx) = oneshot::channel();
+        let pages = {
+            let mut st = lock(&self.state);
+            if st.free.len() < need {
+                return Err(DecodeError::NoPages {
+                    need,
+                    free: st.free.len(),
+                });
+            }
+            let at = st.free.len() - need;
+            let pages: Vec<u32> = st.free.split_off(at);
+            self.receiver.open_room(key);
+            let room = ReceiverRoom::new(key, [link.rank], self.cfg.gate);
+            st.rooms.insert(
+                key,
+                Entry {
+                    room,
+                    pages: pages.clone(),
+                    peer: link.addr.clone(),
+                    done: Some(done_tx),
+                    unfenced: false,
+                },
+            );
+            pages
+        };
+        let open = pb::OpenRoomRequest {
+            room: Some(key.into()),
+            decode_rank: self.cfg.rank,
+            request: Some(request.clone()),
+            decode_worker: self.cfg.worker_id.clone(),
+            data_addr: self.data_addr(),
+            dst_region: KV_REGION.0,
+            dst_pages: pages.clone(),
+            layout: Some(layout.into()),
+            deadline_ms: deadline.as_millis() as u64,
+        };
+        let mut client = link.client.clone();
+        let hits = match client.open_room(open).await {
+            Ok(reply) => reply.into_inner().hits.unwrap_or_default(),
+            Err(status) => {
+                tracing::warn!(%key, %status, "OpenRoom failed");
+                self.fail(key, FailureCause::TransferFailed);
+                return Ok((
+                    TransferOutcome::Failed {
+                        key,
+                        cause: FailureCause::TransferFailed,
+                    },
+                    None,
+                ));
+            }
+        };
+        let result = tokio::time::timeout(deadline, done_rx).await;
+        match result {
+            Ok(Ok(Ok(()))) => {
+                let corrupt = self.verify(request.request_id, &pages);
+                if let Some(entry) = lock(&self.state).rooms.get_mut(&key) {
+                    let _ = entry.room.commit();
+                }
+                // Every write of the room completed; the fence closes the room on the receiver so
+                // that nothing lands in its pages while the request decodes. Without the fence the
+                // pages are quarantined when the lease ends.
+                let fenced = self
+                    .receiver
+                    .fence(key, Instant::now() + Duration::from_secs(1))
+                    .is_ok();
+                if let Some(entry) = lock(&self.state).rooms.get_mut(&key) {
+                    entry.unfenced = !fenced;
+                }
+                let lease = KvLease {
+                    node: self.clone(),
+                    key,
+                    ended: false,
+                };
+                Ok((
+                    TransferOutcome::Completed {
+                        key,
+                        corrupt_chunks: corrupt,
+                        hits,
+                        kv_bytes: layout.page_bytes() * pages.len() as u64,
+                    },
+                    Some(lease),
+                ))
+            }
+            Ok(Ok(Err(cause))) => Ok((TransferOutcome::Failed { key, cause }, None)),
+            Ok(Err(_)) | Err(_) => {
+                self.fail(key, FailureCause::Timeout);
+                Ok((
+                    TransferOutcome::Failed {
+                        key,
+                        cause: FailureCause::Timeout,
+                    },
+                    None,
+                ))
+            }
+        }
+    }
+
+    /// Ends a completed room after its decode: its pages return to the pool (to quarantine when
+    /// the receiver fence failed at completion). A room that failed meanwhile follows the gate
+    /// instead; an unknown room is ignored.
+    fn finish(&self, key: RoomKey) {
+        let mut st = lock(&self.state);
+        let committed = st
+            .rooms
+            .get(&key)
+            .is_some_and(|e| e.room.state() == ReceiverState::Committed);
+        if !committed {
+            return;
+        }
+        if let Some(entry) = st.rooms.remove(&key) {
+            if entry.unfenced {
+                st.quarantine.admit(key, entry.pages, None, Instant::now());
+            } else {
+                st.free.extend(entry.pages);
+            }
+        }
+        drop(st);
+        self.receiver.forget_room(key.room);
+    }
+
+    /// Verifies every chunk of a request's pages; returns the number of bad chunks.
+    fn verify(&self, request: u64, pages: &[u32]) -> u64 {
+        let layout = self.cfg.layout;
+        let mut bad = 0;
+        for (index, page) in pages.iter().enumerate() {
+            let Some(guard) = self.region.page(*page) else {
+                bad += u64::from(layout.layers);
+                continue;
+            };
+            for layer in 0..layout.layers {
+                let start = (u64::from(layer) * layout.chunk_bytes()) as usize;
+                let chunk = &guard[start..start + layout.chunk_bytes() as usize];
+                if let Err(c) = verify_chunk(chunk, &layout.chunk(request, index as u32, layer)) {
+                    tracing::error!(request, page, layer, error = %c, "corrupt KV chunk read");
+                    bad += 1;
+                }
+            }
+        }
+        bad
+    }
+
+    /// The decode rank.
+    pub fn rank(&self) -> DecodeRank {
+        DecodeRank(self.cfg.rank)
+    }
+}
+
+/// First room id of a decode worker: the worker id's hash in the high 31 bits, so the rooms of the
+/// decode workers sharing one prefill never collide (room ids are per prefill table).
+pub fn room_base(worker_id: &str) -> u64 {
+    ((xxhash_rust::xxh3::xxh3_64(worker_id.as_bytes()) & 0x7FFF_FFFF) << 32) | 1
+}
+
+fn abort_reason(cause: FailureCause) -> pb::AbortReason {
+    match cause {
+        FailureCause::ClientAbort => pb::AbortReason::Client,
+        FailureCause::Timeout => pb::AbortReason::Timeout,
+        FailureCause::TransferFailed => pb::AbortReason::TransferFailed,
+        FailureCause::HeartbeatLost => pb::AbortReason::PeerDead,
+        FailureCause::PrefillFailed => pb::AbortReason::PrefillFailed,
+        FailureCause::SpecGuard => pb::AbortReason::SpecGuard,
+        FailureCause::Shutdown => pb::AbortReason::Shutdown,
+    }
+}

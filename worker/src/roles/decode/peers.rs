@@ -1,0 +1,195 @@
+//! The decode worker's set of prefill peers (worker/interfaces/README.md §2, DESIGN §5).
+//!
+//! Every refresh (about every 2 s) resolves `peers.prefillService` through [`Resolver`], connects to
+//! each new address's control port with a hello that carries this decode's revision, keeps the
+//! links that answer with the same revision, and skips — logs once, counts in
+//! `peer_revision_refusals`, reports in `/report` — those of another revision. Rooms are spread
+//! round-robin over the live links; a request whose peer failed is retried on another one by the
+//! caller ([`PeerSet::pick`] takes the addresses already tried).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use super::node::{DecodeError, DecodeNode, PrefillLink};
+use crate::health::counters::Counters;
+use crate::roles::resolve::Resolver;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What the peer set dials.
+#[derive(Debug, Clone)]
+pub struct PeerTarget {
+    /// DNS name of the prefill pool's Service.
+    pub service: String,
+    /// Control (gRPC) port of the prefill workers.
+    pub port: u16,
+    /// This decode's revision; only prefill peers of the same revision are kept.
+    pub revision: String,
+    /// Connect and hello timeout.
+    pub connect_timeout: Duration,
+}
+
+/// The live links and the refusals, by peer address.
+pub struct PeerSet {
+    node: Arc<DecodeNode>,
+    target: PeerTarget,
+    resolver: Resolver,
+    counters: Counters,
+    links: Mutex<BTreeMap<String, PrefillLink>>,
+    refused: Mutex<BTreeMap<String, String>>,
+    last_error: Mutex<Option<String>>,
+    next: AtomicUsize,
+}
+
+impl PeerSet {
+    /// An empty set; call [`PeerSet::refresh`] (or [`PeerSet::spawn_refresh`]) to fill it.
+    pub fn new(
+        node: Arc<DecodeNode>,
+        target: PeerTarget,
+        resolver: Resolver,
+        counters: Counters,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            node,
+            target,
+            resolver,
+            counters,
+            links: Mutex::new(BTreeMap::new()),
+            refused: Mutex::new(BTreeMap::new()),
+            last_error: Mutex::new(None),
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    /// Resolves the service and reconciles the links with it; returns the live link count.
+    pub async fn refresh(&self) -> usize {
+        let addrs = match self
+            .resolver
+            .lookup(&self.target.service, self.target.port)
+            .await
+        {
+            Ok(a) => {
+                *lock(&self.last_error) = None;
+                a
+            }
+            Err(e) => {
+                *lock(&self.last_error) = Some(e.to_string());
+                Vec::new()
+            }
+        };
+        let wanted: Vec<String> = addrs.iter().map(ToString::to_string).collect();
+        {
+            let mut links = lock(&self.links);
+            links.retain(|addr, link| link.alive() && wanted.contains(addr));
+            lock(&self.refused).retain(|addr, _| wanted.contains(addr));
+        }
+        for addr in wanted {
+            if lock(&self.links).contains_key(&addr) {
+                continue;
+            }
+            match self
+                .node
+                .connect_revision(&addr, self.target.connect_timeout, &self.target.revision)
+                .await
+            {
+                Ok(link) => {
+                    tracing::info!(peer = %addr, revision = %self.target.revision, "prefill peer connected");
+                    lock(&self.refused).remove(&addr);
+                    lock(&self.links).insert(addr, link);
+                }
+                Err(e @ DecodeError::RevisionMismatch { .. }) => {
+                    let reason = e.to_string();
+                    let first = lock(&self.refused).insert(addr.clone(), reason.clone())
+                        != Some(reason.clone());
+                    if first {
+                        self.counters.peer_revision_refusals.inc();
+                        tracing::warn!(peer = %addr, error = %reason, "prefill peer of another revision skipped");
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(peer = %addr, error = %e, "prefill peer not reachable yet");
+                    *lock(&self.last_error) = Some(e.to_string());
+                }
+            }
+        }
+        self.live()
+    }
+
+    /// Refreshes every `every` until the task is aborted; `on_change` gets the live count after
+    /// each refresh (readiness).
+    pub fn spawn_refresh(
+        self: &Arc<Self>,
+        every: Duration,
+        on_change: impl Fn(usize) + Send + 'static,
+    ) -> tokio::task::JoinHandle<()> {
+        let set = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let n = set.refresh().await;
+                on_change(n);
+                tokio::time::sleep(every).await;
+            }
+        })
+    }
+
+    /// Live links now.
+    pub fn live(&self) -> usize {
+        lock(&self.links).values().filter(|l| l.alive()).count()
+    }
+
+    /// The next live link round-robin, skipping `tried` addresses; `None` when none is left.
+    pub fn pick(&self, tried: &[String]) -> Option<PrefillLink> {
+        let links = lock(&self.links);
+        let live: Vec<&PrefillLink> = links
+            .values()
+            .filter(|l| l.alive() && !tried.iter().any(|t| t == l.addr()))
+            .collect();
+        if live.is_empty() {
+            return None;
+        }
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % live.len();
+        Some(live[i].clone())
+    }
+
+    /// Drops the link to `addr` if it is dead (the next refresh reconnects).
+    pub fn forget_if_dead(&self, addr: &str) {
+        let mut links = lock(&self.links);
+        if links.get(addr).is_some_and(|l| !l.alive()) {
+            links.remove(addr);
+        }
+    }
+
+    /// Why the set has no live link: refusals, resolution errors, or an empty service.
+    pub fn not_ready_reason(&self) -> String {
+        let refused = lock(&self.refused);
+        let base = format!(
+            "no prefill peer of revision {:?} connected (service {}:{})",
+            self.target.revision, self.target.service, self.target.port
+        );
+        if let Some((addr, why)) = refused.iter().next() {
+            return format!("{base}; refused {addr}: {why}");
+        }
+        match lock(&self.last_error).as_ref() {
+            Some(e) => format!("{base}; last error: {e}"),
+            None => base,
+        }
+    }
+
+    /// Addresses refused for revision, with the reason.
+    pub fn refused(&self) -> BTreeMap<String, String> {
+        lock(&self.refused).clone()
+    }
+
+    /// Addresses of the live links.
+    pub fn addrs(&self) -> Vec<String> {
+        lock(&self.links)
+            .values()
+            .filter(|l| l.alive())
+            .map(|l| l.addr().to_owned())
+            .collect()
+    }
+}

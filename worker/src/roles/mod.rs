@@ -1,0 +1,106 @@
+//! The roles of the one `tandem-worker` binary (DESIGN §3), one module each, wiring the contract
+//! modules into long-running servers: what `tandem-worker <role> --config FILE` runs in a pod.
+//! The config file the operator renders is the only start path; each role's `Args` (clap) has
+//! `--config` and at most a few process-level knobs the config does not carry.
+//!
+//! - [`prefill`]: the gRPC `Transfer` service ([`prefill::node`]) with the simulated engine and the
+//!   prefix cache around it ([`prefill::prefix_cache`]: L2 index + L3 store);
+//! - [`decode`]: the KV receive side and release gate ([`decode::node`]), the same-revision prefill
+//!   peer set ([`decode::peers`]), the request engine with the spec guard ([`decode::engine`]) and
+//!   the OpenAI-compatible front door ([`decode::front_door`]);
+//! - [`cache`]: one CacheTier store replica (contract 7);
+//! - [`store_client`]: the standalone store client that owns the shared-memory segments;
+//! - shared by the roles: [`sim`] (the simulation knobs and the KV layout they imply), [`resolve`]
+//!   (Service names through `$TANDEM_HOSTS_FILE` or DNS), [`signals`] (SIGTERM/SIGINT as a future).
+//!   The health port and the `/report` counters are [`crate::health`].
+//!
+//! Adding a role: a module here with `Args` (clap) and `run(Args) -> Result<(), RoleError>`, and a
+//! variant of the binary's `Role` (src/main.rs).
+
+pub mod cache;
+pub mod decode;
+pub mod prefill;
+pub mod resolve;
+pub mod signals;
+pub mod sim;
+pub mod store_client;
+
+use std::net::{IpAddr, Ipv4Addr};
+
+/// Errors a role returns to `main`; printed, and the process exits non-zero.
+#[derive(Debug, thiserror::Error)]
+pub enum RoleError {
+    /// The role failed.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Reads the worker config at `path` (resolved through `$TANDEM_ROOT`).
+///
+/// # Errors
+/// [`RoleError::Failed`] when it is unreadable or invalid.
+pub fn load_worker_config(
+    path: &std::path::Path,
+) -> Result<crate::config::WorkerConfig, RoleError> {
+    <crate::config::WorkerConfig as crate::config::LoadConfig>::load(&crate::config::resolve_path(
+        path,
+    ))
+    .map_err(|e| RoleError::Failed(e.to_string()))
+}
+
+/// A multi-threaded tokio runtime for a role.
+///
+/// # Errors
+/// [`RoleError::Failed`] when the runtime cannot start.
+pub fn runtime() -> Result<tokio::runtime::Runtime, RoleError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| RoleError::Failed(format!("starting the runtime: {e}")))
+}
+
+/// Errors starting a serving process.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// A port could not be bound.
+    #[error("binding the {0} port: {1}")]
+    Bind(&'static str, std::io::Error),
+    /// The config cannot be served by this role.
+    #[error("config: {0}")]
+    Config(String),
+    /// The decode transfer side could not start.
+    #[error(transparent)]
+    Decode(#[from] decode::node::DecodeError),
+}
+
+/// `$POD_IP` when set and valid, else `0.0.0.0` (worker/interfaces/README.md §2).
+pub fn pod_ip() -> IpAddr {
+    std::env::var("POD_IP")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED))
+}
+
+/// The pod's ordinal: the numeric suffix of `$POD_NAME` (`pool-g0-3` → 3), else 0.
+pub fn ordinal_from_env() -> u32 {
+    std::env::var("POD_NAME")
+        .ok()
+        .as_deref()
+        .and_then(ordinal_of)
+        .unwrap_or(0)
+}
+
+/// The numeric suffix after the last `-` of a StatefulSet pod name.
+pub fn ordinal_of(pod_name: &str) -> Option<u32> {
+    pod_name.rsplit_once('-').and_then(|(_, n)| n.parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn ordinal_is_the_pod_name_suffix() {
+        assert_eq!(super::ordinal_of("p-g0-3"), Some(3));
+        assert_eq!(super::ordinal_of("p-g0"), None);
+        assert_eq!(super::ordinal_of("solo"), None);
+    }
+}

@@ -1,0 +1,301 @@
+//! `tandem-worker prefill --config`: the prefill serving process (worker/interfaces/README.md §2).
+//!
+//! Serves the gRPC `Transfer` service on `$POD_IP:ports.control` with this pool's revision (a decode
+//! of another revision is refused in the hello), runs the simulated engine per room with the
+//! prefix cache when the config names a tier, and the health port. Drain (SIGTERM): readiness 503 at
+//! once, new rooms refused with `UNAVAILABLE` (decode retries elsewhere), running rooms finish or
+//! are aborted through the release protocol until the grace deadline, then the transport drains
+//! and closes (DESIGN contract 9).
+//!
+//! With a tier, the worker starts not ready and admits no room until it loaded its hot prefixes
+//! back from L3 into L2 (bounded by a deadline; DESIGN §5 "load back from L3, admit when
+//! CacheWarm"); with write-back, drain flushes L2 to L3.
+//!
+//! The data port (`ports.data`) is where a decode worker's KV receiver listens; the prefill side
+//! only dials it, so a prefill binds no data port.
+//!
+//! - [`node`]: the `Transfer` service and the sender side of every room (contract 3);
+//! - [`prefix_cache`]: the L2 index and the L3 store around the simulated engine (contract 7);
+//! - here: the CLI ([`Args`], [`run`]) and the server that wires them ([`PrefillServer`]).
+
+pub mod node;
+pub mod prefix_cache;
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::resolve::Resolver;
+use super::sim::SimKnobs;
+use super::{RoleError, ServeError, load_worker_config, ordinal_from_env, pod_ip, signals};
+use crate::config::WorkerConfig;
+use crate::health::counters::mirror;
+use crate::health::http::{ServeState, router, spawn_http};
+use crate::l3::manifest::ShardCoords;
+use crate::transfer::Transport;
+use crate::transfer::tcp::{TcpConfig, TcpTransport};
+use node::{PrefillConfig, PrefillNode, PrefillService};
+use prefix_cache::{L3_PORT, L3Target, PrefixCache};
+
+/// `tandem-worker prefill` arguments.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The resolved worker config (`/etc/tandem/worker.json` in a pod; read through
+    /// `$TANDEM_ROOT`). Ports, revision, model, memory and cache tier come from it; the simulation
+    /// knobs from `TANDEM_SIM_*` (see `roles::sim`); bind address and worker id from `$POD_IP` and
+    /// `$POD_NAME`.
+    #[arg(long, env = "TANDEM_WORKER_CONFIG")]
+    pub config: std::path::PathBuf,
+}
+
+/// Runs the pool's prefill server until SIGTERM/SIGINT, then drains and exits 0. Prints
+/// `listening on ADDR` (the gRPC control address) once serving.
+///
+/// # Errors
+/// [`RoleError::Failed`] when the config or a knob is invalid, the runtime or the signal handlers
+/// cannot start, or a port cannot be bound.
+pub fn run(args: Args) -> Result<(), RoleError> {
+    let cfg = load_worker_config(&args.config)?;
+    let knobs = SimKnobs::from_env().map_err(|e| RoleError::Failed(e.to_string()))?;
+    super::runtime()?.block_on(async move {
+        let stop = signals::terminated()
+            .map_err(|e| RoleError::Failed(format!("signal handlers: {e}")))?;
+        let server = PrefillServer::start(&cfg, knobs, PrefillOptions::from_env())
+            .await
+            .map_err(|e| RoleError::Failed(e.to_string()))?;
+        println!("listening on {}", server.control_addr);
+        let signal = stop.await;
+        tracing::info!(signal, "stopping prefill");
+        let clean = server.shutdown().await;
+        tracing::info!(clean, "prefill exited");
+        Ok(())
+    })
+}
+
+/// Process-level options (the config decides the rest).
+#[derive(Debug, Clone)]
+pub struct PrefillOptions {
+    /// Address to bind (default `$POD_IP`, else 0.0.0.0).
+    pub bind_ip: IpAddr,
+    /// Worker id (default `$POD_NAME`).
+    pub worker_id: String,
+    /// Grace for in-flight rooms at drain.
+    pub drain_grace: Duration,
+    /// Longest restart loadback from L3 before admitting anyway.
+    pub loadback_deadline: Duration,
+    /// Most pages loaded back at start (`TANDEM_L3_LOADBACK_PAGES`; default: the L2 capacity;
+    /// 0 disables loadback).
+    pub loadback_pages: Option<usize>,
+}
+
+impl PrefillOptions {
+    /// Options from the pod environment.
+    pub fn from_env() -> Self {
+        Self {
+            bind_ip: pod_ip(),
+            worker_id: std::env::var("POD_NAME").unwrap_or_else(|_| "prefill-0".into()),
+            drain_grace: Duration::from_secs(25),
+            loadback_deadline: Duration::from_secs(30),
+            loadback_pages: std::env::var("TANDEM_L3_LOADBACK_PAGES")
+                .ok()
+                .and_then(|v| v.trim().parse().ok()),
+        }
+    }
+}
+
+/// A running prefill server.
+pub struct PrefillServer {
+    /// Serving state (phase, counters).
+    pub state: Arc<ServeState>,
+    /// gRPC control address.
+    pub control_addr: SocketAddr,
+    /// Health address.
+    pub health_addr: SocketAddr,
+    node: Arc<PrefillNode>,
+    service: PrefillService,
+    transport: Arc<TcpTransport>,
+    grpc: tokio::task::JoinHandle<()>,
+    http: tokio::task::JoinHandle<()>,
+    grace: Duration,
+    cache: Arc<PrefixCache>,
+    layout: crate::control::KvLayout,
+}
+
+impl PrefillServer {
+    /// Starts serving; ready as soon as the control port listens.
+    ///
+    /// # Errors
+    /// [`ServeError`] when a port cannot be bound.
+    pub async fn start(
+        cfg: &WorkerConfig,
+        knobs: SimKnobs,
+        opts: PrefillOptions,
+    ) -> Result<Self, ServeError> {
+        let state = ServeState::new("prefill", &cfg.pool, &cfg.revision, "starting");
+        let layout = knobs.layout(cfg);
+        let transport = Arc::new(TcpTransport::new(TcpConfig::default()));
+        let rank = ordinal_from_env();
+        let node = PrefillNode::new(
+            PrefillConfig {
+                worker_id: opts.worker_id.clone(),
+                rank,
+                layout,
+                compute_per_page: knobs.prefill_per_token * layout.page_tokens,
+            },
+            transport.clone(),
+        );
+        let mut service = PrefillService::new(node.clone());
+        service.revision = cfg.revision.clone();
+        let page_bytes = layout.page_bytes().max(1);
+        let l2_pages =
+            usize::try_from(cfg.memory.target_pool_bytes / page_bytes).unwrap_or(usize::MAX);
+        let l3 = cfg.cache.as_ref().map(|c| {
+            let (tp, cp) = cfg.parallelism.ranks_of(rank).unwrap_or((0, 0));
+            let (start, end) = cfg
+                .layer_split
+                .as_ref()
+                .map(|ls| {
+                    let owned: Vec<u32> = ls.owned_by(cp).collect();
+                    (
+                        owned.first().copied().unwrap_or(0),
+                        owned.last().map_or(cfg.model.layers, |l| l + 1),
+                    )
+                })
+                .unwrap_or((0, cfg.model.layers));
+            L3Target {
+                service: c.service.clone(),
+                port: L3_PORT,
+                shard: ShardCoords {
+                    tp_rank: tp,
+                    cp_rank: cp,
+                    layer_start: start,
+                    layer_end: end,
+                },
+                write_policy: c.write_policy,
+            }
+        });
+        let st = state.clone();
+        let sink: Arc<dyn Fn(Option<String>) + Send + Sync> = Arc::new(move |r| match r {
+            Some(r) => st.health.degrade("l3", "L3Unreachable", r),
+            None => st.health.recover("l3"),
+        });
+        let with_tier = l3.is_some();
+        let cache = Arc::new(PrefixCache::new(
+            l2_pages,
+            l3,
+            Resolver::from_env(),
+            knobs.prefill_per_token,
+            state.counters.clone(),
+            sink,
+        ));
+        service.planner = Some(cache.clone());
+        // With a tier, no room is admitted before the hot prefixes are back in L2.
+        service.admitting.store(!with_tier, Ordering::SeqCst);
+        let n = node.clone();
+        state.on_refresh(move |s| {
+            let st = n.stats();
+            let c = &s.counters;
+            mirror(&c.kv_bytes_sent, st.kv_bytes_sent.load(Ordering::Relaxed));
+            mirror(&c.rooms_aborted, st.aborts_received.load(Ordering::Relaxed));
+            mirror(&c.abort_acks, st.acks_sent.load(Ordering::Relaxed));
+            mirror(&c.requests_ok, st.rooms_completed.load(Ordering::Relaxed));
+        });
+
+        let listener =
+            tokio::net::TcpListener::bind(SocketAddr::new(opts.bind_ip, cfg.ports.control))
+                .await
+                .map_err(|e| ServeError::Bind("control", e))?;
+        let control_addr = listener
+            .local_addr()
+            .map_err(|e| ServeError::Bind("control", e))?;
+        let (health_addr, http) = spawn_http(
+            SocketAddr::new(opts.bind_ip, cfg.ports.health),
+            router(state.clone()),
+        )
+        .await
+        .map_err(|e| ServeError::Bind("health", e))?;
+        let svc = service.clone();
+        let grpc = tokio::spawn(async move {
+            if let Err(e) = tonic::transport::Server::builder()
+                .add_service(svc.into_server())
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+                .await
+            {
+                tracing::error!(error = %e, "gRPC server stopped");
+            }
+        });
+        if with_tier {
+            state.set_ready(Err("loading back hot prefixes from L3".into()));
+            let (st, c, admitting) = (state.clone(), cache.clone(), service.admitting.clone());
+            let deadline = Instant::now() + opts.loadback_deadline;
+            let limit = opts.loadback_pages.unwrap_or(l2_pages).min(l2_pages);
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let loaded =
+                    tokio::task::spawn_blocking(move || c.load_back(layout, limit, deadline))
+                        .await
+                        .unwrap_or(0);
+                tracing::info!(
+                    loaded,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "L3 loadback into L2 done; admitting"
+                );
+                admitting.store(true, Ordering::SeqCst);
+                st.set_ready(Ok(()));
+            });
+        } else {
+            state.set_ready(Ok(()));
+        }
+        tracing::info!(%control_addr, %health_addr, revision = %cfg.revision, ?layout, "prefill serving");
+        Ok(Self {
+            state,
+            control_addr,
+            health_addr,
+            node,
+            service,
+            transport,
+            grpc,
+            http,
+            grace: opts.drain_grace,
+            cache,
+            layout,
+        })
+    }
+
+    /// Drains and stops: readiness 503, no new rooms, running rooms finish (until the grace
+    /// deadline), the transport drains and closes, the servers stop. Returns whether every room
+    /// finished in time.
+    pub async fn shutdown(self) -> bool {
+        self.state.begin_drain();
+        self.service.admitting.store(false, Ordering::SeqCst);
+        tracing::info!(rooms = self.node.rooms_held(), "draining prefill");
+        let deadline = Instant::now() + self.grace;
+        while self.node.rooms_held() > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let rooms_left = self.node.rooms_held();
+        let t = self.transport.clone();
+        let report = tokio::task::spawn_blocking(move || {
+            t.drain(deadline.max(Instant::now() + Duration::from_secs(1)))
+        })
+        .await
+        .ok();
+        let quiescent = report.as_ref().is_none_or(|r| r.quiescent());
+        if !quiescent {
+            tracing::error!("writes still in flight at the drain deadline");
+        }
+        self.transport.shutdown();
+        let (cache, layout) = (self.cache.clone(), self.layout);
+        let flushed = tokio::task::spawn_blocking(move || cache.flush(layout))
+            .await
+            .unwrap_or(0);
+        if flushed > 0 {
+            tracing::info!(flushed, "L2 flushed to L3 (write-back)");
+        }
+        self.grpc.abort();
+        self.http.abort();
+        tracing::info!(rooms_left, "prefill stopped");
+        rooms_left == 0 && quiescent
+    }
+}

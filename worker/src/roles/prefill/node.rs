@@ -1,0 +1,645 @@
+//! The prefill worker's `Transfer` service.
+//!
+//! A room opened by decode is computed by the simulated engine (cost-model time, then page bytes that
+//! are a function of (request, layer, token)) and sent page by page over the data transport, one
+//! bounded batch per page. The sender room table decides everything about aborts (contract 3): a
+//! failed room accepts no new write, and the ack for each `(room, generation, decode rank)` is sent
+//! once, when no write is outstanding. Source pages (the batch payloads) are held by the transport
+//! until each write is terminal; the room's `ReleaseSource` fires only when all of them are.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::{broadcast, mpsc};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::engine::fill_chunk;
+use crate::release::sender::{AbortAck, AckKind, SenderEffect, SenderRooms, SenderState};
+use crate::release::{DecodeRank, PrefillRank, RoomKey};
+use crate::transfer::tcp::TcpTransport;
+use crate::transfer::{RegionId, TransferHandle, TransferStatus, Transport, WriteBatch, WriteOp};
+
+use crate::control::pb::transfer_server::Transfer;
+use crate::control::pb::{self, peer_message::Body};
+use crate::control::{KvLayout, REVISION_HEADER, WORKER_ID_HEADER, room_of};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Prefill worker configuration.
+#[derive(Clone, Debug)]
+pub struct PrefillConfig {
+    /// Worker id (for logs and hello).
+    pub worker_id: String,
+    /// This worker's prefill rank.
+    pub rank: u32,
+    /// KV layout this worker produces; decode must use the same.
+    pub layout: KvLayout,
+    /// Simulated compute time per page before it is sent (the cost model's prefill time per page).
+    pub compute_per_page: Duration,
+}
+
+struct RoomPlan {
+    decode_worker: String,
+    data_addr: String,
+    region: RegionId,
+    pages: Vec<u32>,
+    request: u64,
+    pages_done: u32,
+}
+
+type SignalTx = mpsc::UnboundedSender<Result<pb::PeerMessage, Status>>;
+
+/// Counters of one prefill node (monotonic; the serving layer exports them in `/report`).
+#[derive(Debug, Default)]
+pub struct PrefillStats {
+    /// Aborts received (signal stream or `AbortRoom`), one per (room, generation, decode rank).
+    pub aborts_received: AtomicU64,
+    /// Abort acks sent.
+    pub acks_sent: AtomicU64,
+    /// KV bytes whose writes completed.
+    pub kv_bytes_sent: AtomicU64,
+    /// Rooms whose every write completed.
+    pub rooms_completed: AtomicU64,
+}
+
+/// What the simulated engine does for one room, decided before it starts (DESIGN §3: compute time
+/// from a cost model; cache tiers shorten it).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ComputePlan {
+    /// Prompt tokens served per tier instead of computed.
+    pub hits: pb::PrefixHits,
+    /// Simulated time before page `i` is sent; `len` = pages of the room.
+    pub per_page: Vec<Duration>,
+}
+
+/// The serving layer's hook into the simulated engine: prefix-cache lookup before a room's compute
+/// and write-back after it. Both calls may block (L3 network I/O); they run on the blocking pool.
+pub trait RoomPlanner: Send + Sync {
+    /// Plans the room of `request` over `pages` pages of `layout`.
+    fn plan(&self, request: &pb::RequestSpec, layout: KvLayout, pages: u32) -> ComputePlan;
+    /// Every page of the room was computed and handed to the transport (write policy hook).
+    fn computed(&self, request: &pb::RequestSpec, layout: KvLayout, plan: &ComputePlan);
+}
+
+/// The prefill side of every room on this worker.
+pub struct PrefillNode {
+    cfg: PrefillConfig,
+    rooms: Mutex<SenderRooms>,
+    plans: Mutex<HashMap<RoomKey, RoomPlan>>,
+    transport: Arc<TcpTransport>,
+    peers: Mutex<HashMap<String, SignalTx>>,
+    events: broadcast::Sender<pb::RoomEvent>,
+    stats: PrefillStats,
+}
+
+fn msg(body: Body) -> pb::PeerMessage {
+    pb::PeerMessage { body: Some(body) }
+}
+
+fn ack_msg(ack: &AbortAck) -> pb::AbortAck {
+    pb::AbortAck {
+        room: Some(ack.key.into()),
+        prefill_rank: ack.prefill_rank.0,
+        decode_rank: ack.decode_rank.0,
+        kind: match ack.kind {
+            AckKind::NoneStarted => pb::AckKind::NoneStarted as i32,
+            AckKind::AllDrained => pb::AckKind::AllDrained as i32,
+        },
+    }
+}
+
+fn state_code(s: Option<SenderState>) -> pb::RoomState {
+    match s {
+        None => pb::RoomState::Unspecified,
+        Some(SenderState::Bootstrapping) => pb::RoomState::Bootstrapping,
+        Some(SenderState::WaitingForInput) => pb::RoomState::WaitingForInput,
+        Some(SenderState::Transferring) => pb::RoomState::Transferring,
+        Some(SenderState::Success) => pb::RoomState::Success,
+        Some(SenderState::Failed(_)) => pb::RoomState::Failed,
+    }
+}
+
+impl PrefillNode {
+    /// A node sending through `transport`.
+    pub fn new(cfg: PrefillConfig, transport: Arc<TcpTransport>) -> Arc<PrefillNode> {
+        let (events, _) = broadcast::channel(1024);
+        Arc::new(PrefillNode {
+            rooms: Mutex::new(SenderRooms::new(PrefillRank(cfg.rank))),
+            cfg,
+            plans: Mutex::new(HashMap::new()),
+            transport,
+            peers: Mutex::new(HashMap::new()),
+            events,
+            stats: PrefillStats::default(),
+        })
+    }
+
+    /// Counters of this node.
+    pub fn stats(&self) -> &PrefillStats {
+        &self.stats
+    }
+
+    /// The data transport (teardown closes it).
+    pub fn transport(&self) -> &Arc<TcpTransport> {
+        &self.transport
+    }
+
+    /// Rooms still held (live or draining).
+    pub fn rooms_held(&self) -> usize {
+        lock(&self.rooms).len()
+    }
+
+    fn publish(&self, key: RoomKey) {
+        let (state, outstanding) = {
+            let rooms = lock(&self.rooms);
+            (rooms.state(key), rooms.outstanding(key))
+        };
+        let _ = self.events.send(pb::RoomEvent {
+            room: Some(key.into()),
+            state: state_code(state) as i32,
+            outstanding,
+        });
+    }
+
+    fn send_to(&self, decode_worker: &str, m: pb::PeerMessage) {
+        if let Some(tx) = lock(&self.peers).get(decode_worker) {
+            let _ = tx.send(Ok(m));
+        }
+    }
+
+    /// Performs table effects: acks to their decode worker, source release (and the final
+    /// ChunkDone when the room succeeded).
+    fn perform(&self, effects: Vec<SenderEffect>, fallback_worker: Option<&str>) {
+        for e in effects {
+            match e {
+                SenderEffect::SendAck(ack) => {
+                    let worker = lock(&self.plans)
+                        .get(&ack.key)
+                        .map(|p| p.decode_worker.clone());
+                    if let Some(w) = worker.as_deref().or(fallback_worker) {
+                        self.stats.acks_sent.fetch_add(1, Ordering::Relaxed);
+                        self.send_to(w, msg(Body::Ack(ack_msg(&ack))));
+                    }
+                }
+                SenderEffect::ReleaseSource(key) => {
+                    let state = lock(&self.rooms).state(key);
+                    let plan = lock(&self.plans).remove(&key);
+                    if let (Some(SenderState::Success), Some(plan)) = (state, &plan) {
+                        self.stats.rooms_completed.fetch_add(1, Ordering::Relaxed);
+                        let done = pb::ChunkDone {
+                            room: Some(key.into()),
+                            prefill_rank: self.cfg.rank,
+                            pages_done: plan.pages.len() as u32,
+                            last: true,
+                        };
+                        self.send_to(&plan.decode_worker, msg(Body::Chunk(done)));
+                    }
+                    self.publish(key);
+                    lock(&self.rooms).clear(key);
+                }
+            }
+        }
+    }
+
+    fn abort(&self, key: RoomKey, decode_rank: DecodeRank, from_worker: &str) -> Vec<AbortAck> {
+        self.stats.aborts_received.fetch_add(1, Ordering::Relaxed);
+        let effects = lock(&self.rooms).abort(key, decode_rank);
+        let immediate: Vec<AbortAck> = effects
+            .iter()
+            .filter_map(|e| match e {
+                SenderEffect::SendAck(a) => Some(*a),
+                SenderEffect::ReleaseSource(_) => None,
+            })
+            .collect();
+        self.perform(effects, Some(from_worker));
+        self.publish(key);
+        immediate
+    }
+
+    /// Sends pages `[first, first + n)` of a room, one batch per page; stops at the first refusal.
+    /// Blocking (connects and enqueues); call from a blocking context.
+    pub fn submit_pages(
+        self: &Arc<Self>,
+        key: RoomKey,
+        first: u32,
+        n: u32,
+        last: bool,
+    ) -> Result<(), Status> {
+        let layout = self.cfg.layout;
+        for index in first..first.saturating_add(n) {
+            let (addr, region, page, request, worker) = {
+                let plans = lock(&self.plans);
+                let plan = plans
+                    .get(&key)
+                    .ok_or_else(|| Status::not_found(format!("{key} has no plan")))?;
+                let page = *plan
+                    .pages
+                    .get(index as usize)
+                    .ok_or_else(|| Status::invalid_argument("page index out of range"))?;
+                (
+                    plan.data_addr.clone(),
+                    plan.region,
+                    page,
+                    plan.request,
+                    plan.decode_worker.clone(),
+                )
+            };
+            // Failed first, then no new write (R-ABORT-2).
+            if let Err(e) = lock(&self.rooms).begin_write(key) {
+                return Err(Status::failed_precondition(e.to_string()));
+            }
+            let ops = (0..layout.layers)
+                .map(|layer| {
+                    let spec = layout.chunk(request, index, layer);
+                    let mut buf = vec![0u8; spec.bytes()];
+                    fill_chunk(&mut buf, &spec);
+                    WriteOp {
+                        key,
+                        region,
+                        offset: u64::from(page) * layout.page_bytes()
+                            + u64::from(layer) * layout.chunk_bytes(),
+                        data: Bytes::from(buf),
+                    }
+                })
+                .collect();
+            let node = self.clone();
+            let sink = Arc::new(move |_h: TransferHandle, status: &TransferStatus| {
+                let ok = *status == TransferStatus::Completed;
+                if ok {
+                    node.stats
+                        .kv_bytes_sent
+                        .fetch_add(layout.page_bytes(), Ordering::Relaxed);
+                }
+                let effects = lock(&node.rooms).end_write(key, ok).unwrap_or_default();
+                if ok {
+                    let done = {
+                        let mut plans = lock(&node.plans);
+                        plans.get_mut(&key).map(|p| {
+                            p.pages_done += 1;
+                            p.pages_done
+                        })
+                    };
+                    if let Some(d) = done {
+                        node.send_to(
+                            &worker,
+                            msg(Body::Chunk(pb::ChunkDone {
+                                room: Some(key.into()),
+                                prefill_rank: node.cfg.rank,
+                                pages_done: d,
+                                last: false,
+                            })),
+                        );
+                    }
+                } else {
+                    node.send_to(
+                        &worker,
+                        msg(Body::Failed(pb::RoomFailed {
+                            room: Some(key.into()),
+                            prefill_rank: node.cfg.rank,
+                            reason: format!("{status:?}"),
+                        })),
+                    );
+                }
+                node.perform(effects, None);
+            });
+            let submitted = WriteBatch::new(ops, self.transport.limits())
+                .and_then(|b| self.transport.submit(&addr, b, Some(sink)));
+            if let Err(e) = submitted {
+                let effects = lock(&self.rooms).end_write(key, false).unwrap_or_default();
+                let worker = lock(&self.plans).get(&key).map(|p| p.decode_worker.clone());
+                if let Some(w) = worker {
+                    self.send_to(
+                        &w,
+                        msg(Body::Failed(pb::RoomFailed {
+                            room: Some(key.into()),
+                            prefill_rank: self.cfg.rank,
+                            reason: e.to_string(),
+                        })),
+                    );
+                }
+                self.perform(effects, None);
+                return Err(Status::unavailable(e.to_string()));
+            }
+            self.publish(key);
+        }
+        if last {
+            let effects = lock(&self.rooms)
+                .finish_input(key)
+                .map_err(|e| Status::failed_precondition(e.to_string()))?;
+            self.perform(effects, None);
+        }
+        Ok(())
+    }
+
+    /// The simulated engine: compute each page (`delays[i]`, else the configured per-page time),
+    /// then send it. Returns whether every page was handed to the transport.
+    async fn run_engine(self: Arc<Self>, key: RoomKey, pages: u32, delays: Vec<Duration>) -> bool {
+        for index in 0..pages {
+            let delay = delays
+                .get(index as usize)
+                .copied()
+                .unwrap_or(self.cfg.compute_per_page);
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            let node = self.clone();
+            let last = index + 1 == pages;
+            let sent =
+                tokio::task::spawn_blocking(move || node.submit_pages(key, index, 1, last)).await;
+            match sent {
+                Ok(Ok(())) => {}
+                Ok(Err(status)) => {
+                    tracing::debug!(%key, %status, "prefill engine stopped sending");
+                    return false;
+                }
+                Err(e) => {
+                    tracing::error!(%key, error = %e, "prefill send task failed");
+                    return false;
+                }
+            }
+        }
+        true
+    }
+}
+
+/// The tonic service over a [`PrefillNode`].
+#[derive(Clone)]
+pub struct PrefillService {
+    node: Arc<PrefillNode>,
+    /// Run the simulated engine on OpenRoom (false: an external engine calls SubmitChunk).
+    pub drive_engine: bool,
+    /// This worker's pool revision; a decode hello with another non-empty revision is refused
+    /// (DESIGN §5). Empty: unversioned, accepts every decode.
+    pub revision: String,
+    /// Prefix-cache lookup and write-back around the simulated engine; `None`: compute every page.
+    pub planner: Option<Arc<dyn RoomPlanner>>,
+    /// Cleared at drain (SIGTERM): new rooms are refused with `UNAVAILABLE`, running ones finish.
+    pub admitting: Arc<AtomicBool>,
+}
+
+impl PrefillService {
+    /// A service that runs the simulated engine for every opened room.
+    pub fn new(node: Arc<PrefillNode>) -> PrefillService {
+        PrefillService {
+            node,
+            drive_engine: true,
+            revision: String::new(),
+            planner: None,
+            admitting: Arc::new(AtomicBool::new(true)),
+        }
+    }
+
+    /// The tonic server wrapper.
+    pub fn into_server(self) -> pb::transfer_server::TransferServer<PrefillService> {
+        pb::transfer_server::TransferServer::new(self)
+    }
+}
+
+fn abort_from(a: &pb::Abort) -> Result<(RoomKey, DecodeRank), Status> {
+    let key = room_of(a.room).ok_or_else(|| Status::invalid_argument("abort without room"))?;
+    Ok((key, DecodeRank(a.decode_rank)))
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::RoomEvent, Status>> + Send>>;
+type SignalStream = Pin<Box<dyn Stream<Item = Result<pb::PeerMessage, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Transfer for PrefillService {
+    async fn peer_hello(
+        &self,
+        req: Request<pb::PeerInfo>,
+    ) -> Result<Response<pb::PeerInfo>, Status> {
+        let peer = req.into_inner();
+        if !self.revision.is_empty() && !peer.revision.is_empty() && peer.revision != self.revision
+        {
+            tracing::warn!(decode = %peer.worker_id, theirs = %peer.revision, ours = %self.revision,
+                "refusing a decode peer of another revision");
+            let mut meta = tonic::metadata::MetadataMap::new();
+            if let Ok(v) = self.revision.parse() {
+                meta.insert(REVISION_HEADER, v);
+            }
+            return Err(Status::with_metadata(
+                tonic::Code::FailedPrecondition,
+                format!(
+                    "revision mismatch: decode {:?}, prefill {:?}",
+                    peer.revision, self.revision
+                ),
+                meta,
+            ));
+        }
+        if let Some(l) = peer.layout
+            && KvLayout::from(l) != self.node.cfg.layout
+        {
+            return Err(Status::failed_precondition(format!(
+                "KV layout mismatch: decode {l:?}, prefill {:?}",
+                self.node.cfg.layout
+            )));
+        }
+        Ok(Response::new(pb::PeerInfo {
+            worker_id: self.node.cfg.worker_id.clone(),
+            role: pb::Role::Prefill as i32,
+            rank: self.node.cfg.rank,
+            transport: pb::TransportKind::TransportTcp as i32,
+            layout: Some(self.node.cfg.layout.into()),
+            revision: self.revision.clone(),
+            owned_layers: Some(pb::LayerRange {
+                start: 0,
+                end: self.node.cfg.layout.layers,
+            }),
+            ..Default::default()
+        }))
+    }
+
+    async fn open_room(
+        &self,
+        req: Request<pb::OpenRoomRequest>,
+    ) -> Result<Response<pb::OpenRoomReply>, Status> {
+        let r = req.into_inner();
+        let key = room_of(r.room).ok_or_else(|| Status::invalid_argument("open without room"))?;
+        if !self.admitting.load(Ordering::SeqCst) {
+            return Err(Status::unavailable("prefill is draining"));
+        }
+        let layout = r
+            .layout
+            .map(KvLayout::from)
+            .ok_or_else(|| Status::invalid_argument("open without layout"))?;
+        if layout != self.node.cfg.layout {
+            return Err(Status::failed_precondition("KV layout mismatch"));
+        }
+        if r.dst_pages.is_empty() {
+            return Err(Status::invalid_argument("room without destination pages"));
+        }
+        let spec = r.request.clone().unwrap_or_default();
+        let request = r.request.map(|q| q.request_id).unwrap_or(key.room.0);
+        {
+            let mut rooms = lock(&self.node.rooms);
+            rooms
+                .open(key)
+                .map_err(|e| Status::already_exists(e.to_string()))?;
+            rooms
+                .destination_ready(key)
+                .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        }
+        let pages = r.dst_pages.len() as u32;
+        lock(&self.node.plans).insert(
+            key,
+            RoomPlan {
+                decode_worker: r.decode_worker,
+                data_addr: r.data_addr,
+                region: RegionId(r.dst_region),
+                pages: r.dst_pages,
+                request,
+                pages_done: 0,
+            },
+        );
+        self.node.publish(key);
+        let plan = match &self.planner {
+            Some(planner) => {
+                let (planner, spec) = (planner.clone(), spec.clone());
+                tokio::task::spawn_blocking(move || planner.plan(&spec, layout, pages))
+                    .await
+                    .unwrap_or_default()
+            }
+            None => ComputePlan::default(),
+        };
+        let hits = plan.hits;
+        if self.drive_engine {
+            let node = self.node.clone();
+            let planner = self.planner.clone();
+            tokio::spawn(async move {
+                let delays = plan.per_page.clone();
+                if node.run_engine(key, pages, delays).await
+                    && let Some(planner) = planner
+                {
+                    let _ = tokio::task::spawn_blocking(move || {
+                        planner.computed(&spec, layout, &plan);
+                    })
+                    .await;
+                }
+            });
+        }
+        Ok(Response::new(pb::OpenRoomReply {
+            room: Some(key.into()),
+            prefill_rank: self.node.cfg.rank,
+            result: None,
+            hits: Some(hits),
+        }))
+    }
+
+    async fn submit_chunk(
+        &self,
+        req: Request<pb::SubmitChunkRequest>,
+    ) -> Result<Response<pb::OpResult>, Status> {
+        let r = req.into_inner();
+        let key = room_of(r.room).ok_or_else(|| Status::invalid_argument("chunk without room"))?;
+        let node = self.node.clone();
+        tokio::task::spawn_blocking(move || node.submit_pages(key, r.first_page, r.pages, r.last))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
+        Ok(Response::new(pb::OpResult::default()))
+    }
+
+    async fn abort_room(
+        &self,
+        req: Request<pb::Abort>,
+    ) -> Result<Response<pb::AbortTicket>, Status> {
+        let worker = req
+            .metadata()
+            .get(WORKER_ID_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        let (key, rank) = abort_from(req.get_ref())?;
+        let worker = lock(&self.node.plans)
+            .get(&key)
+            .map(|p| p.decode_worker.clone())
+            .unwrap_or(worker);
+        let acks = self.node.abort(key, rank, &worker);
+        Ok(Response::new(pb::AbortTicket {
+            room: Some(key.into()),
+            immediate_ack: acks.first().map(ack_msg),
+        }))
+    }
+
+    type WatchRoomStream = EventStream;
+
+    async fn watch_room(
+        &self,
+        req: Request<pb::RoomRef>,
+    ) -> Result<Response<Self::WatchRoomStream>, Status> {
+        let key = RoomKey::from(req.into_inner());
+        let rx = self.node.events.subscribe();
+        let first = {
+            let rooms = lock(&self.node.rooms);
+            pb::RoomEvent {
+                room: Some(key.into()),
+                state: state_code(rooms.state(key)) as i32,
+                outstanding: rooms.outstanding(key),
+            }
+        };
+        let want: pb::RoomRef = key.into();
+        let updates =
+            tokio_stream::wrappers::BroadcastStream::new(rx).filter_map(move |e| match e {
+                Ok(ev) if ev.room == Some(want) => Some(Ok(ev)),
+                _ => None,
+            });
+        Ok(Response::new(Box::pin(
+            tokio_stream::once(Ok(first)).chain(updates),
+        )))
+    }
+
+    type SignalStream = SignalStream;
+
+    async fn signal(
+        &self,
+        req: Request<Streaming<pb::PeerMessage>>,
+    ) -> Result<Response<Self::SignalStream>, Status> {
+        let worker = req
+            .metadata()
+            .get(WORKER_ID_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .ok_or_else(|| {
+                Status::invalid_argument(format!(
+                    "signal stream needs the {WORKER_ID_HEADER} header"
+                ))
+            })?
+            .to_string();
+        let mut inbound = req.into_inner();
+        let (tx, rx) = mpsc::unbounded_channel();
+        lock(&self.node.peers).insert(worker.clone(), tx.clone());
+        let node = self.node.clone();
+        tokio::spawn(async move {
+            let mut seq = 0u64;
+            while let Some(Ok(m)) = inbound.next().await {
+                match m.body {
+                    Some(Body::Abort(a)) => match abort_from(&a) {
+                        Ok((key, rank)) => {
+                            node.abort(key, rank, &worker);
+                        }
+                        Err(e) => tracing::warn!(%e, "malformed abort ignored"),
+                    },
+                    Some(Body::Heartbeat(_)) => {
+                        seq += 1;
+                        let live = lock(&node.plans).keys().map(|k| (*k).into()).collect();
+                        let _ = tx.send(Ok(msg(Body::Heartbeat(pb::Heartbeat {
+                            seq,
+                            live_rooms: live,
+                        }))));
+                    }
+                    _ => {}
+                }
+            }
+            lock(&node.peers).remove(&worker);
+            tracing::info!(decode = %worker, "signal stream closed");
+        });
+        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+    }
+}
