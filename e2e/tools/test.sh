@@ -4,7 +4,8 @@
 # On a fresh machine it installs what the build needs (Debian packages for the `rdma` feature and
 # the control plane's PKI) and builds the e2e control plane from Go modules (cached), then:
 # formatting, clippy with warnings denied, the whole workspace's tests (cluster suites included),
-# the CRD drift check, clippy of the `cuda` and `rdma` features and the `cuda` host-side tests.
+# the CRD drift check, clippy of the `cuda` and `rdma` features and the `cuda` host-side tests, and
+# the negative controls behind the `negative-controls` feature.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -49,5 +50,11 @@ cargo test -p tandem-worker --features cuda --test cache_load_order_cuda
 
 step "rdma feature: host-side tests of the RDMA transport (no NIC here: open refuses, typed)"
 cargo test -p tandem-worker --features rdma --lib transfer::
+
+# Product-code switches that reproduce fixed bugs (feature `negative-controls`): the tests that
+# must see the bug come back when its mechanism is switched off.
+step "negative controls: abandoned requests leak without the room guard's hand-over (issue 19)"
+cargo clippy -p tandem-worker --features negative-controls --all-targets -- -D warnings
+cargo test -p tandem-worker --features negative-controls --test transfer_cancel --test serve_cancel
 
 step "all tests passed"
