@@ -67,7 +67,12 @@ async fn completions(
             return refuse(StatusCode::SERVICE_UNAVAILABLE, "draining");
         }
         (BUSY_ONCE, 1) => return refuse(StatusCode::TOO_MANY_REQUESTS, "at capacity"),
-        (MALFORMED, _) => return refuse(StatusCode::BAD_REQUEST, "malformed"),
+        // The decode front door's answer to a prompt its KV pool can never hold: final, not retried.
+        (MALFORMED, _) => {
+            let body = serde_json::json!({"error": {"message": "the prompt can never fit",
+                "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}});
+            return (StatusCode::BAD_REQUEST, Json(body)).into_response();
+        }
         _ => {}
     }
     let cut = match (code, attempt) {
@@ -285,6 +290,13 @@ async fn replay_times_retries_classifies_and_reports() {
         }
     }
     assert!(results[3].errors.iter().all(|e| e.contains("503")));
+    assert_eq!(results[7].errors.len(), 1, "{:?}", results[7].errors);
+    assert!(
+        results[7].errors[0]
+            .ends_with("HTTP 400: context_length_exceeded: the prompt can never fit"),
+        "{:?}",
+        results[7].errors
+    );
     assert!(
         results[4].errors[0].contains("stream"),
         "{:?}",

@@ -6,7 +6,10 @@
 //!
 //! One cluster, phases in order (each asserts what the issue names):
 //! 1. `helm install` → the operator is Ready; the sample stack (CacheTier, PrefillPool, DecodePool
-//!    4:1) reaches `Ready` with the pods the spec implies.
+//!    4:1) reaches `Ready` with the pods the spec implies. Issue 19 on it: 20 clients that hang up
+//!    0.1 s into a 20K-token prompt (in prefill) leave `kv_pages.held` at 0, are counted in
+//!    `requests_cancelled`, and a 20K-token prompt is then served; a prompt longer than the whole
+//!    KV pool is a 400 `context_length_exceeded`.
 //! 2. Suite 3: `kubectl scale decodepool --replicas=2` → the PrefillPool follows the ratio (8
 //!    groups); patching the ratio to 2:1 re-balances it (4).
 //! 3. Suite 4: a scale-up beyond the runner node's GPUs → `InsufficientCapacity`, then rolled back
@@ -80,6 +83,14 @@ async fn scenario(h: &Harness) -> Result<(), String> {
     assert_groups(h, DECODE, 1).await?;
     println!(
         "[{:>5.1}s] sample stack Ready (1 decode : 4 prefill groups)",
+        t0.elapsed().as_secs_f64()
+    );
+
+    // Issue 19: clients that hang up while their prompt is in prefill leave no KV page behind,
+    // and a prompt the pool can never hold is a final 400, not a retryable 429.
+    abandoned_requests(h).await?;
+    println!(
+        "[{:>5.1}s] issue 19: 20 abandoned 20K-token prompts left no KV page held",
         t0.elapsed().as_secs_f64()
     );
 
@@ -219,6 +230,109 @@ async fn scenario(h: &Harness) -> Result<(), String> {
         "[{:>5.1}s] suite 2: helm uninstall kept the CRDs",
         t0.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+/// Issue 19 against the live decode: abandons 20 prompts of 20K tokens 0.1 s after sending each
+/// (like `curl --max-time 0.1`), then waits on the decode's `/report` until no KV page is held and
+/// all 20 are counted cancelled, and checks that the decode stays ready and serves a prompt of the
+/// same size; a prompt beyond the whole pool gets 400 `context_length_exceeded`.
+async fn abandoned_requests(h: &Harness) -> Result<(), String> {
+    use tandem_e2e::replay::targets::{FRONT_DOOR_PORT, pod_serving};
+    use tandem_e2e::report::sampler::HEALTH_PORT;
+    let pods = h
+        .pods(&format!(
+            "serving.tandem.dev/pool={DECODE},serving.tandem.dev/role=decode"
+        ))
+        .await?;
+    let ip = pods
+        .iter()
+        .filter(|p| pod_serving(p))
+        .find_map(|p| p.status.as_ref()?.pod_ip.clone())
+        .ok_or("no serving decode pod")?;
+    let (front, health) = (
+        format!("http://{ip}:{FRONT_DOOR_PORT}"),
+        format!("http://{ip}:{HEALTH_PORT}"),
+    );
+    let http = reqwest::Client::new();
+    let report = || {
+        let (http, url) = (http.clone(), format!("{health}/report"));
+        async move {
+            let r = http.get(url).send().await.ok()?;
+            r.json::<serde_json::Value>().await.ok()
+        }
+    };
+    let before = report().await.ok_or("decode /report unreachable")?;
+    let cancelled_before = before["counters"]["requests_cancelled"]
+        .as_u64()
+        .ok_or_else(|| format!("decode /report has no requests_cancelled: {before}"))?;
+    let prompt = |tokens: u64| serde_json::json!({"model": "m", "prompt": "x", "max_tokens": 2, "input_tokens": tokens});
+    for _ in 0..20 {
+        let sent = http
+            .post(format!("{front}/v1/completions"))
+            .timeout(Duration::from_millis(100))
+            .json(&prompt(20_000))
+            .send()
+            .await;
+        if let Ok(r) = sent {
+            return Err(format!(
+                "a 20K-token prompt answered within 0.1 s ({}): not in prefill, the check proves nothing",
+                r.status()
+            ));
+        }
+    }
+    let last = std::sync::Arc::new(std::sync::Mutex::new(serde_json::Value::Null));
+    let settled = poll(Duration::from_secs(90), || {
+        let (r, last) = (report(), last.clone());
+        async move {
+            let r = r.await?;
+            *last.lock().unwrap_or_else(|e| e.into_inner()) = r.clone();
+            let cancelled = r["counters"]["requests_cancelled"].as_u64()?;
+            (r["kv_pages"]["held"] == 0 && cancelled >= cancelled_before + 20).then_some(())
+        }
+    })
+    .await;
+    let last = last.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    if settled.is_none() {
+        return Err(format!(
+            "abandoned prompts: KV pages still held or requests uncounted after 90 s: {last}"
+        ));
+    }
+    if last["ready"] != true || last["kv_pages"]["stranded"] != 0 {
+        return Err(format!(
+            "decode not ready after the abandoned prompts: {last}"
+        ));
+    }
+    let served = http
+        .post(format!("{front}/v1/completions"))
+        .timeout(Duration::from_secs(60))
+        .json(&prompt(20_000))
+        .send()
+        .await
+        .map_err(|e| format!("a 20K-token prompt after the abandoned ones: {e}"))?;
+    if served.status() != 200 {
+        let code = served.status();
+        let body = served.text().await.unwrap_or_default();
+        return Err(format!(
+            "a 20K-token prompt after the abandoned ones: {code} {body}"
+        ));
+    }
+    // 2^31 tokens: beyond any pool (at most 4096 pages of a few thousand tokens).
+    let too_long_tokens = 1u64 << 31;
+    let too_long = http
+        .post(format!("{front}/v1/completions"))
+        .json(&prompt(too_long_tokens))
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    let code = too_long.status().as_u16();
+    let body: serde_json::Value = too_long.json().await.unwrap_or_default();
+    if code != 400 || body["error"]["code"] != "context_length_exceeded" {
+        return Err(format!(
+            "a prompt beyond the whole pool ({too_long_tokens} tokens) must be 400 \
+             context_length_exceeded, got {code} {body}"
+        ));
+    }
     Ok(())
 }
 

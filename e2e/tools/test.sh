@@ -5,7 +5,8 @@
 # the control plane's PKI) and builds the e2e control plane from Go modules (cached), then: the
 # dependency rules (operator and e2e free of the worker crate, one feature set for the demo),
 # formatting, clippy with warnings denied, the whole workspace's tests (cluster suites included),
-# the CRD drift check, clippy of the `cuda` and `rdma` features and the `cuda` host-side tests.
+# the CRD drift check, clippy of the `cuda` and `rdma` features and the `cuda` host-side tests, and
+# the negative controls behind the `negative-controls` feature.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -84,5 +85,11 @@ cargo test -p tandem-worker --features cuda --test cache_load_order_cuda
 
 step "rdma feature: host-side tests of the RDMA transport (no NIC here: open refuses, typed)"
 cargo test -p tandem-worker --features rdma --lib transfer::
+
+# Product-code switches that reproduce fixed bugs (feature `negative-controls`): the tests that
+# must see the bug come back when its mechanism is switched off.
+step "negative controls: abandoned requests leak without the room guard's hand-over (issue 19)"
+cargo clippy -p tandem-worker --features negative-controls --all-targets -- -D warnings
+cargo test -p tandem-worker --features negative-controls --test transfer_cancel --test serve_cancel
 
 step "all tests passed"

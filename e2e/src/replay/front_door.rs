@@ -150,16 +150,34 @@ impl SseDecoder {
     }
 }
 
-/// The error body of a refused request (`{"error":{"message","type","code"}}`); `None` when the
-/// body is not one.
+/// The message of a refused request's error body (OpenAI's `{"error":{"message","type","param",
+/// "code"}}`), prefixed with its code when that is a string (`context_length_exceeded: …`);
+/// `None` when the body is not one.
 pub fn error_message(body: &str) -> Option<String> {
     let v: serde_json::Value = serde_json::from_str(body).ok()?;
-    v.get("error")?.get("message")?.as_str().map(str::to_owned)
+    let e = v.get("error")?;
+    let message = e.get("message")?.as_str()?;
+    Some(match e.get("code").and_then(serde_json::Value::as_str) {
+        Some(code) if !code.is_empty() => format!("{code}: {message}"),
+        _ => message.to_owned(),
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn error_bodies_name_their_code() {
+        let b = r#"{"error":{"message":"the prompt has 9 tokens; the pool holds 8","type":"invalid_request_error","param":"prompt","code":"context_length_exceeded"}}"#;
+        assert_eq!(
+            error_message(b).as_deref(),
+            Some("context_length_exceeded: the prompt has 9 tokens; the pool holds 8")
+        );
+        let b = r#"{"error":{"message":"busy","type":"x","param":null,"code":429}}"#;
+        assert_eq!(error_message(b).as_deref(), Some("busy"));
+        assert_eq!(error_message("Payload Too Large"), None);
+    }
 
     #[test]
     fn sse_events_split_across_chunks_and_lines() {

@@ -73,9 +73,10 @@ pub fn classify(attempts: u32, completed: bool) -> Outcome {
     }
 }
 
-/// Whether an HTTP status from the front door is worth retrying on another target
-/// (worker/interfaces/README.md §3: 503 not ready / draining / no prefill peer of this revision,
-/// 429 at capacity).
+/// Whether an HTTP status from the front door is worth retrying on another target (worker/interfaces/README.md
+/// §3: 503 not ready / draining / no prefill peer of this revision, 429 at capacity now). Every other
+/// refusal is final: a 400 (`malformed`, or `context_length_exceeded` — a prompt no decode pool of
+/// this size can ever hold), 404, 405, 413, 415, 500.
 pub fn retryable_status(status: u16) -> bool {
     matches!(status, 503 | 429)
 }
@@ -112,5 +113,9 @@ mod tests {
         assert_eq!(classify(1, false), Outcome::Failed);
         assert!(retryable_status(503) && retryable_status(429));
         assert!(!retryable_status(400) && !retryable_status(500) && !retryable_status(200));
+        // The front door's other final refusals (issue 19): too large, wrong type, route, method.
+        for final_status in [404, 405, 413, 415] {
+            assert!(!retryable_status(final_status), "{final_status}");
+        }
     }
 }

@@ -21,6 +21,10 @@ macro_rules! with_report_counters {
             requests_ok,
             /// Requests that failed after admission.
             requests_failed,
+            /// Requests whose client went away after admission (by stage:
+            /// `tandem_requests_cancelled_by_reason_total{reason}`); their KV pages went to the
+            /// release gate like any other ending's.
+            requests_cancelled,
             /// Prompt tokens looked up in the prefix index.
             prefix_lookup_tokens,
             /// Prompt tokens served from the device pool (L1).

@@ -51,6 +51,9 @@ pub struct ReasonCounters {
     /// Spec-guard anomalies by reason (`low_accept_length`, `high_accept_rate`): Prometheus
     /// `tandem_spec_guard_anomalies_total{reason}`.
     pub spec_guard_anomalies: ReasonFamily,
+    /// Cancelled requests by the stage their client left in (`prefill`, `decode`, `stream`):
+    /// Prometheus `tandem_requests_cancelled_by_reason_total{reason}`.
+    pub requests_cancelled: ReasonFamily,
 }
 
 fn reason(code: &str) -> Vec<(String, String)> {
@@ -68,12 +71,27 @@ impl ReasonCounters {
         self.spec_guard_anomalies.get_or_create(&reason(code)).get()
     }
 
+    /// Counts one cancelled request of stage `code`.
+    pub fn request_cancelled(&self, code: &str) {
+        self.requests_cancelled.get_or_create(&reason(code)).inc();
+    }
+
+    /// Cancelled requests of stage `code` so far.
+    pub fn requests_cancelled_of(&self, code: &str) -> u64 {
+        self.requests_cancelled.get_or_create(&reason(code)).get()
+    }
+
     /// Registers every family as `tandem_<name>` (the text encoder appends `_total`).
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
             "tandem_spec_guard_anomalies",
             "spec_guard anomalies by reason",
             self.spec_guard_anomalies.clone(),
+        );
+        registry.register(
+            "tandem_requests_cancelled_by_reason",
+            "requests whose client went away, by the stage it left in",
+            self.requests_cancelled.clone(),
         );
     }
 }
@@ -113,6 +131,7 @@ mod tests {
             "corrupt_pages_read",
             "l3_pages_loaded_back",
             "l3_pages_written",
+            "requests_cancelled",
         ] {
             assert!(snap.contains_key(name), "{name}");
         }
@@ -134,6 +153,16 @@ mod tests {
         prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
         assert!(
             text.contains(r#"tandem_spec_guard_anomalies_total{reason="low_accept_length"} 2"#),
+            "{text}"
+        );
+        r.request_cancelled("prefill");
+        assert_eq!(r.requests_cancelled_of("prefill"), 1);
+        let mut reg = Registry::default();
+        r.register(&mut reg);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
+        assert!(
+            text.contains(r#"tandem_requests_cancelled_by_reason_total{reason="prefill"} 1"#),
             "{text}"
         );
     }

@@ -23,6 +23,24 @@
 //! code and no `[DONE]`, and the client retries elsewhere. `TANDEM_SIM_SPEC_FAULT` (test-only, see
 //! [`crate::roles::sim`]) makes the simulated draft anomalous.
 //!
+//! Every admitted request is an [`Admission`]: it ends exactly once as ok (`requests_ok`), failed
+//! (`requests_failed`) or cancelled — its client went away, noticed (a stream nobody reads) or
+//! not (the handler future dropped at any await point) — counted in `requests_cancelled` and by
+//! the [`Stage`] it was in (`tandem_requests_cancelled_by_reason_total{reason}`). Its pages are
+//! owned by the transfer's room guard, then by the [`KvLease`]: whichever way the request ends,
+//! they go to the release gate (see [`super::node`]).
+//!
+//! `/report` adds `peers`, `refused_peers`, `kv_pages` `{free, held, quarantined, total,
+//! stranded}` (pages of the receive region; `stranded`: held by no live request past the KV
+//! deadline, see [`DecodeNode::stranded`]), `rooms` `{opened, released, quarantined, abandoned}`
+//! ([`super::node::RoomTally`]), `requests_cancelled_by_reason` and `spec_guard`
+//! `{enabled, anomalies_by_reason}` to
+//! worker/interfaces/README.md §4.
+//!
+//! Readiness: ready only while at least one same-revision prefill peer is connected and no KV
+//! page is stranded (a worker that can no longer admit a request its pool could hold is not
+//! ready); `/report` says why not otherwise. Drain (SIGTERM): readiness 503 at once, new requests
+//! 503, in-flight requests finish until the grace deadline.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -30,7 +48,7 @@ use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::node::{DecodeError, DecodeNode, KvLease, TransferOutcome};
+use super::node::{DecodeError, DecodeNode, KvLease, Stranded, TransferOutcome};
 use super::peers::PeerSet;
 use crate::config;
 use crate::control::pb;
@@ -48,9 +66,23 @@ pub enum RequestError {
     /// No prefill peer of this revision is left to try: 503.
     #[error("{0}")]
     NoPeer(String),
-    /// Too many requests in flight or no free KV pages: 429.
+    /// Too many requests in flight or no free KV pages now: 429 (retry later).
     #[error("at capacity: {0}")]
     AtCapacity(String),
+    /// The prompt needs more KV pages than this decode's pool has in total: 400
+    /// `context_length_exceeded` (retrying cannot help).
+    #[error(
+        "the prompt has {prompt_tokens} tokens; this decode's KV pool holds {limit} tokens in all \
+         ({pages} pages), so it can never fit"
+    )]
+    ContextLength {
+        /// Prompt tokens asked for.
+        prompt_tokens: u64,
+        /// Tokens the whole pool holds.
+        limit: u64,
+        /// Pages of the whole pool.
+        pages: usize,
+    },
     /// The KV did not arrive before the deadline; the room was aborted: 503.
     #[error("KV not received within {0:?}; room aborted")]
     Timeout(Duration),
@@ -62,6 +94,115 @@ pub enum RequestError {
     /// Anything else: 500.
     #[error("{0}")]
     Failed(String),
+}
+
+/// Where an admitted request is: the reason its cancellation is counted under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// Its KV is being prefilled and transferred (room open, transfer wait, retries).
+    Prefill,
+    /// Its tokens are being generated for a non-streamed response.
+    Decode,
+    /// Its tokens are being streamed.
+    Stream,
+}
+
+impl Stage {
+    /// Every stage, in order.
+    pub const ALL: [Stage; 3] = [Stage::Prefill, Stage::Decode, Stage::Stream];
+
+    /// The stable reason code (`prefill`, `decode`, `stream`).
+    pub fn code(self) -> &'static str {
+        match self {
+            Stage::Prefill => "prefill",
+            Stage::Decode => "decode",
+            Stage::Stream => "stream",
+        }
+    }
+}
+
+/// One admitted request: its in-flight slot and its ending, counted exactly once — ok, failed,
+/// refused (no pages now, no peer) or cancelled. Dropped without an ending (the handler future was dropped: the client hung up)
+/// it counts as cancelled in the stage it was in.
+#[must_use = "dropping the admission counts the request as cancelled"]
+pub struct Admission {
+    state: Arc<ServeState>,
+    stage: Stage,
+    ended: bool,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Admission {
+    /// The request moved on to `stage`.
+    pub fn enter(&mut self, stage: Stage) {
+        self.stage = stage;
+    }
+
+    /// The stage now.
+    pub fn stage(&self) -> Stage {
+        self.stage
+    }
+
+    /// Answered successfully (`requests_ok`).
+    pub fn succeeded(mut self) {
+        self.ended = true;
+        self.state.counters.requests_ok.inc();
+    }
+
+    /// Failed after admission (`requests_failed`).
+    pub fn failed(mut self) {
+        self.ended = true;
+        self.state.counters.requests_failed.inc();
+    }
+
+    /// Refused after admission for a reason that is not the request's failure: no free KV pages
+    /// now, or no prefill peer at all (`requests_refused`, like the refusals at admission).
+    pub fn refused(mut self) {
+        self.ended = true;
+        self.state.counters.requests_refused.inc();
+    }
+
+    /// Ends the request with error `e`: [`Admission::refused`] for capacity and no peer,
+    /// [`Admission::failed`] otherwise.
+    pub fn ended_with(self, e: &RequestError) {
+        match e {
+            RequestError::AtCapacity(_) | RequestError::NoPeer(_) | RequestError::NotReady(_) => {
+                self.refused();
+            }
+            _ => self.failed(),
+        }
+    }
+
+    /// The client went away (`requests_cancelled`, by stage).
+    pub fn cancelled(mut self) {
+        self.ended = true;
+        self.count_cancelled();
+    }
+
+    fn count_cancelled(&self) {
+        tracing::info!(
+            stage = self.stage.code(),
+            "request cancelled: the client went away"
+        );
+        self.state.counters.requests_cancelled.inc();
+        self.state.by_reason.request_cancelled(self.stage.code());
+    }
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.count_cancelled();
+        }
+    }
+}
+
+impl std::fmt::Debug for Admission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admission")
+            .field("stage", &self.stage)
+            .finish()
+    }
 }
 
 /// A request's KV, received and verified.
@@ -292,11 +433,32 @@ pub fn decode_plan(
 }
 
 impl DecodeEngine {
-    /// Admits one request: a permit while admitting and under `max_inflight`.
+    /// Tokens the whole KV pool holds: a longer prompt can never be served here.
+    pub fn max_prompt_tokens(&self) -> u64 {
+        self.node.capacity_tokens()
+    }
+
+    /// Refuses a prompt longer than the whole pool holds ([`RequestError::ContextLength`]).
+    ///
+    /// # Errors
+    /// [`RequestError::ContextLength`].
+    pub fn check_context(&self, prompt_tokens: u32) -> Result<(), RequestError> {
+        let limit = self.max_prompt_tokens();
+        if u64::from(prompt_tokens) > limit {
+            return Err(RequestError::ContextLength {
+                prompt_tokens: u64::from(prompt_tokens),
+                limit,
+                pages: self.node.total_pages(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Admits one request while admitting and under `max_inflight`, in [`Stage::Prefill`].
     ///
     /// # Errors
     /// [`RequestError::NotReady`] or [`RequestError::AtCapacity`].
-    pub fn admit(&self) -> Result<OwnedSemaphorePermit, RequestError> {
+    pub fn admit(&self) -> Result<Admission, RequestError> {
         if !self.state.admitting() {
             self.state.counters.requests_refused.inc();
             let why = match self.state.phase() {
@@ -305,9 +467,15 @@ impl DecodeEngine {
             };
             return Err(RequestError::NotReady(why));
         }
-        self.inflight.clone().try_acquire_owned().map_err(|_| {
+        let permit = self.inflight.clone().try_acquire_owned().map_err(|_| {
             self.state.counters.requests_refused.inc();
             RequestError::AtCapacity(format!("{} requests in flight", self.max_inflight))
+        })?;
+        Ok(Admission {
+            state: self.state.clone(),
+            stage: Stage::Prefill,
+            ended: false,
+            _permit: permit,
         })
     }
 
@@ -448,6 +616,13 @@ impl DecodeEngine {
                         "need {need} KV pages, {free} free"
                     )));
                 }
+                Err(DecodeError::TooLarge { total, .. }) => {
+                    return Err(RequestError::ContextLength {
+                        prompt_tokens: u64::from(spec.input_tokens),
+                        limit: self.max_prompt_tokens(),
+                        pages: total,
+                    });
+                }
                 Err(e) => {
                     self.peers.forget_if_dead(link.addr());
                     last_error = Some(e.to_string());
@@ -461,9 +636,59 @@ impl DecodeEngine {
     }
 }
 
+/// Why stranded pages make the decode not ready (readiness and the `KvPagesStranded` health
+/// degradation).
+pub fn stranded_reason(s: Stranded, kv_deadline: Duration) -> String {
+    format!(
+        "{} KV pages in {} rooms held by no live request for over the KV deadline ({kv_deadline:?}): \
+         the pool can no longer admit a request it could hold",
+        s.pages, s.rooms
+    )
+}
+
+/// The decode's readiness: at least one live same-revision prefill peer (`live`), and no stranded
+/// KV page (held by no live request past the KV deadline). `no_peer` gives the reason when no peer
+/// is live.
+///
+/// # Errors
+/// The reason the decode is not ready.
+pub fn readiness(
+    live: usize,
+    stranded: Stranded,
+    kv_deadline: Duration,
+    no_peer: impl FnOnce() -> String,
+) -> Result<(), String> {
+    if live == 0 {
+        return Err(no_peer());
+    }
+    if stranded.pages > 0 {
+        return Err(stranded_reason(stranded, kv_deadline));
+    }
+    Ok(())
+}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn readiness_needs_a_peer_and_no_stranded_page() {
+        let d = Duration::from_secs(30);
+        let none = Stranded::default();
+        assert_eq!(readiness(1, none, d, || "x".into()), Ok(()));
+        assert_eq!(
+            readiness(0, none, d, || "no prefill peer".into()),
+            Err("no prefill peer".into())
+        );
+        let s = Stranded {
+            rooms: 2,
+            pages: 80,
+        };
+        let why = readiness(3, s, d, || unreachable!()).unwrap_err();
+        assert!(
+            why.contains("80 KV pages in 2 rooms held by no live request"),
+            "{why}"
+        );
+    }
 
     #[test]
     fn plans_cover_the_tokens() {

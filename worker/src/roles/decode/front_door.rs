@@ -8,8 +8,18 @@
 //!   sent as soon as the KV is in), a last event with `finish_reason: "length"`, `usage` and the
 //!   `tandem` block, then `data: [DONE]`. Not streaming: one JSON object with the same fields.
 //! - `GET /v1/models`: the served model.
-//! - Errors: `{"error":{"message","type","code"}}` with 400 (malformed), 503 (not ready, draining,
-//!   no prefill peer of this revision, KV deadline passed), 429 (at capacity), 500 (internal).
+//! - Errors: every error of the front door — the routes', the body's, unknown routes and methods —
+//!   is OpenAI's error object `{"error":{"message","type","param","code"}}` (`param` names the
+//!   offending field or is null): 400 `malformed` (bad JSON or field), 400
+//!   `context_length_exceeded` (`param: "prompt"`: the prompt needs more KV pages than this
+//!   decode's pool has in total — it can never fit, do not retry), 413 `request_too_large` (body
+//!   over [`MAX_BODY_BYTES`]), 415 `unsupported_media_type` (a `Content-Type` other than
+//!   `application/json`; none is accepted as JSON), 404 `not_found`, 405 `method_not_allowed`,
+//!   429 `at_capacity` (full now: retry later), 503 (not ready, draining, no prefill peer of this
+//!   revision, KV deadline passed), 500 (internal).
+//! - Cancellation: a client that goes away — mid-stream, or before the response while its KV is
+//!   prefilled or its tokens generated (the handler future is dropped) — is counted in
+//!   `requests_cancelled` by stage; its KV pages go to the release gate (see [`super::engine`]).
 //! - Spec guard (DESIGN contract 8, see [`super::engine`]): the last event / object carries
 //!   `tandem.spec_guard` `{"enabled","aborts","retries","anomalies":[…]}` and
 //!   `tandem.spec_accept_rate`. When every attempt within `specGuard.retryBudget` was judged
@@ -25,17 +35,20 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::State;
-use axum::http::StatusCode;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::engine::{DecodeEngine, Decoding, GuardReport, Prefilled, RequestError};
+use super::engine::{
+    Admission, DecodeEngine, Decoding, GuardReport, Prefilled, RequestError, Stage,
+};
 use super::node::KvLease;
 use crate::spec_guard::Anomaly;
 
@@ -46,6 +59,10 @@ const WORDS: [&str; 16] = [
 
 /// Largest `max_tokens` accepted.
 pub const MAX_TOKENS_LIMIT: u32 = 1 << 16;
+
+/// Largest request body accepted, bytes (16 MiB: a prompt of a million token ids fits); a larger
+/// one gets 413 `request_too_large`.
+pub const MAX_BODY_BYTES: usize = 16 << 20;
 
 /// A prompt: text, a batch of texts (only the first is served), or token ids.
 #[derive(Debug, Deserialize)]
@@ -98,9 +115,38 @@ impl CompletionRequest {
     }
 }
 
+/// OpenAI's error object: `{"error":{"message","type","param","code"}}`.
+pub fn error_body(
+    kind: &str,
+    code: &str,
+    param: Option<&str>,
+    message: impl Into<String>,
+) -> Value {
+    json!({"error": {"message": message.into(), "type": kind, "param": param, "code": code}})
+}
+
 fn error(status: StatusCode, kind: &str, code: &str, message: impl Into<String>) -> Response {
-    let body = json!({"error": {"message": message.into(), "type": kind, "code": code}});
-    (status, axum::Json(body)).into_response()
+    error_with(status, kind, code, None, message)
+}
+
+fn error_with(
+    status: StatusCode,
+    kind: &str,
+    code: &str,
+    param: Option<&str>,
+    message: impl Into<String>,
+) -> Response {
+    (status, axum::Json(error_body(kind, code, param, message))).into_response()
+}
+
+fn invalid(code: &str, param: Option<&str>, message: impl Into<String>) -> Response {
+    error_with(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        code,
+        param,
+        message,
+    )
 }
 
 /// The 503 of a request whose every attempt the spec guard judged anomalous (`last` is the last).
@@ -109,6 +155,7 @@ fn spec_guard_body(last: &Anomaly, guard: &GuardReport) -> Value {
         "error": {
             "message": format!("{last}; {} attempt(s) aborted", guard.anomalies.len()),
             "type": "service_unavailable",
+            "param": null,
             "code": "spec_guard_anomaly",
             "reason": last.reason.code(),
         },
@@ -118,17 +165,24 @@ fn spec_guard_body(last: &Anomaly, guard: &GuardReport) -> Value {
 
 /// An error response; after a spec-guard abort it carries `tandem.spec_guard` too.
 fn request_error_after(e: &RequestError, guard: &GuardReport) -> Response {
-    let (status, kind, code) = error_parts(e);
-    let mut body = json!({"error": {"message": e.to_string(), "type": kind, "code": code}});
+    let (status, kind, code, param) = error_parts(e);
+    let mut body = error_body(kind, code, param, e.to_string());
     if !guard.anomalies.is_empty() {
         body["tandem"] = json!({"spec_guard": guard.json()});
     }
     (status, axum::Json(body)).into_response()
 }
 
-/// Status, error type and code of a [`RequestError`].
-fn error_parts(e: &RequestError) -> (StatusCode, &'static str, &'static str) {
-    let unavailable = |code| (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", code);
+/// Status, error type, code and param of a [`RequestError`].
+fn error_parts(e: &RequestError) -> (StatusCode, &'static str, &'static str, Option<&'static str>) {
+    let unavailable = |code| {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            code,
+            None,
+        )
+    };
     match e {
         RequestError::NotReady(_) => unavailable("not_ready"),
         RequestError::NoPeer(_) => unavailable("no_prefill_peer"),
@@ -138,18 +192,66 @@ fn error_parts(e: &RequestError) -> (StatusCode, &'static str, &'static str) {
             StatusCode::TOO_MANY_REQUESTS,
             "rate_limit_exceeded",
             "at_capacity",
+            None,
+        ),
+        RequestError::ContextLength { .. } => (
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "context_length_exceeded",
+            Some("prompt"),
         ),
         RequestError::Failed(_) => (
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal_error",
             "internal",
+            None,
         ),
     }
 }
 
 fn request_error(e: &RequestError) -> Response {
-    let (status, kind, code) = error_parts(e);
-    error(status, kind, code, e.to_string())
+    let (status, kind, code, param) = error_parts(e);
+    error_with(status, kind, code, param, e.to_string())
+}
+
+/// The JSON error of a body that could not be read (413 over [`MAX_BODY_BYTES`], 400 otherwise).
+fn body_error(rejection: &BytesRejection) -> Response {
+    let status = rejection.status();
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        return error(
+            status,
+            "invalid_request_error",
+            "request_too_large",
+            format!("request body exceeds {MAX_BODY_BYTES} bytes"),
+        );
+    }
+    let kind = if status.is_client_error() {
+        "invalid_request_error"
+    } else {
+        "internal_error"
+    };
+    error(
+        status,
+        kind,
+        "malformed",
+        format!("reading the request body: {}", rejection.body_text()),
+    )
+}
+
+/// Whether the request's `Content-Type` (if any) is JSON: `application/json`, parameters allowed.
+fn json_content_type(headers: &HeaderMap) -> Result<(), String> {
+    let Some(value) = headers.get(header::CONTENT_TYPE) else {
+        return Ok(());
+    };
+    let text = value.to_str().unwrap_or_default();
+    let essence = text.split(';').next().unwrap_or_default().trim();
+    if essence.eq_ignore_ascii_case("application/json") {
+        Ok(())
+    } else {
+        Err(format!(
+            "Content-Type {text:?} is not supported: send the body as application/json"
+        ))
+    }
 }
 
 fn now_secs() -> u64 {
@@ -243,33 +345,53 @@ async fn generate(
     Ok(text)
 }
 
-async fn completions(State(engine): State<Arc<DecodeEngine>>, body: Bytes) -> Response {
+async fn completions(
+    State(engine): State<Arc<DecodeEngine>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    if let Err(message) = json_content_type(&headers) {
+        return error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            "unsupported_media_type",
+            message,
+        );
+    }
+    let body = match body {
+        Ok(b) => b,
+        Err(rejection) => return body_error(&rejection),
+    };
     let req: CompletionRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
+            return invalid(
                 "malformed",
+                None,
                 format!("malformed completion request: {e}"),
             );
         }
     };
     let max_tokens = req.max_tokens.unwrap_or(16);
     if max_tokens > MAX_TOKENS_LIMIT {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
+        return invalid(
             "malformed",
+            Some("max_tokens"),
             format!("max_tokens {max_tokens} exceeds {MAX_TOKENS_LIMIT}"),
         );
     }
-    let permit = match engine.admit() {
-        Ok(p) => p,
+    let prompt_tokens = req.prompt_tokens();
+    // A prompt the whole pool cannot hold is the client's error for good (400), not "full now".
+    if let Err(e) = engine.check_context(prompt_tokens) {
+        return request_error(&e);
+    }
+    // From here every ending is counted once by the admission; a dropped future counts as
+    // cancelled, and the room guard or lease it holds hands the KV pages to the release gate.
+    let mut admission = match engine.admit() {
+        Ok(a) => a,
         Err(e) => return request_error(&e),
     };
     let request_id = engine.next_request_id();
-    let prompt_tokens = req.prompt_tokens();
     let mut guard = GuardReport {
         enabled: engine.spec_guard_enabled(),
         ..GuardReport::default()
@@ -278,6 +400,7 @@ async fn completions(State(engine): State<Arc<DecodeEngine>>, body: Bytes) -> Re
     let mut avoid: Vec<String> = Vec::new();
     let mut attempt = 0u32;
     loop {
+        admission.enter(Stage::Prefill);
         let (prefilled, lease) = match engine
             .prefill(
                 request_id,
@@ -290,7 +413,7 @@ async fn completions(State(engine): State<Arc<DecodeEngine>>, body: Bytes) -> Re
         {
             Ok(p) => p,
             Err(e) => {
-                engine.state.counters.requests_failed.inc();
+                admission.ended_with(&e);
                 return request_error_after(&e, &guard);
             }
         };
@@ -307,13 +430,14 @@ async fn completions(State(engine): State<Arc<DecodeEngine>>, body: Bytes) -> Re
             guard: guard.clone(),
         };
         if req.stream {
-            return stream(engine, reply, decoding, request_id, permit, lease).into_response();
+            admission.enter(Stage::Stream);
+            return stream(engine, reply, decoding, request_id, admission, lease).into_response();
         }
+        admission.enter(Stage::Decode);
         match generate(&engine, request_id, max_tokens, &mut decoding).await {
             Ok(text) => {
                 lease.finish();
-                drop(permit);
-                engine.state.counters.requests_ok.inc();
+                admission.succeeded();
                 return axum::Json(reply.last(&text, &decoding)).into_response();
             }
             Err(anomaly) => {
@@ -321,7 +445,7 @@ async fn completions(State(engine): State<Arc<DecodeEngine>>, body: Bytes) -> Re
                 guard.anomalies.push((anomaly, peer.clone()));
                 avoid.push(peer);
                 if attempt >= engine.spec_retry_budget() {
-                    engine.state.counters.requests_failed.inc();
+                    admission.failed();
                     let body = spec_guard_body(&anomaly, &guard);
                     return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
                 }
@@ -339,12 +463,11 @@ fn stream(
     reply: Reply,
     mut decoding: Decoding,
     request_id: u64,
-    permit: OwnedSemaphorePermit,
+    admission: Admission,
     lease: KvLease,
 ) -> Sse<ReceiverStream<Result<Event, Infallible>>> {
     let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(16);
     tokio::spawn(async move {
-        let _permit = permit;
         let send = |v: Value| Ok(Event::default().data(v.to_string()));
         let mut ok = true;
         let mut position = 0u32;
@@ -365,7 +488,7 @@ fn stream(
                     let mut guard = reply.guard.clone();
                     guard.anomalies.push((anomaly, peer));
                     let _ = tx.send(send(spec_guard_body(&anomaly, &guard))).await;
-                    engine.state.counters.requests_failed.inc();
+                    admission.failed();
                     return;
                 }
             };
@@ -384,10 +507,10 @@ fn stream(
             && tx.send(send(reply.last("", &decoding))).await.is_ok()
             && tx.send(Ok(Event::default().data("[DONE]"))).await.is_ok();
         if ok {
-            engine.state.counters.requests_ok.inc();
+            admission.succeeded();
         } else {
             tracing::info!(request_id, "client went away mid-stream");
-            engine.state.counters.requests_failed.inc();
+            admission.cancelled();
         }
     });
     Sse::new(ReceiverStream::new(rx))
@@ -401,11 +524,33 @@ async fn models(State(engine): State<Arc<DecodeEngine>>) -> Response {
     .into_response()
 }
 
-/// The front-door routes over `engine`.
+async fn not_found(uri: Uri) -> Response {
+    error(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "not_found",
+        format!("no route {}", uri.path()),
+    )
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        "method_not_allowed",
+        format!("{method} is not allowed on {}", uri.path()),
+    )
+}
+
+/// The front-door routes over `engine`; unknown routes and methods answer the JSON error too,
+/// and bodies over [`MAX_BODY_BYTES`] are refused with 413.
 pub fn router(engine: Arc<DecodeEngine>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(engine)
 }
 

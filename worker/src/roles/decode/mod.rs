@@ -191,6 +191,13 @@ impl DecodeServer {
             ),
             gate: GateMode::Safe,
         })?;
+        // Negative control of the abandoned-request tests only (feature `negative-controls`):
+        // `TANDEM_NEGATIVE_LEAK_ON_DROP=1` brings back the leak of issue 19.
+        #[cfg(feature = "negative-controls")]
+        if std::env::var("TANDEM_NEGATIVE_LEAK_ON_DROP").as_deref() == Ok("1") {
+            tracing::warn!("negative control: abandoned rooms are not released");
+            node.leak_abandoned_rooms(true);
+        }
         let peers = PeerSet::new(
             node.clone(),
             PeerTarget {
@@ -240,14 +247,31 @@ impl DecodeServer {
         });
         let p = peers.clone();
         let (st, guarded, n) = (state.clone(), engine.spec_guard_enabled(), node.clone());
+        let kv_deadline = opts.kv_deadline;
         state.set_extra(move || {
             let mut m = serde_json::Map::new();
             let pages = n.pages();
+            let stranded = n.stranded(kv_deadline);
             m.insert(
                 "kv_pages".into(),
                 serde_json::json!({"free": pages.free, "held": pages.held,
-                    "quarantined": pages.quarantined}),
+                    "quarantined": pages.quarantined, "total": n.total_pages(),
+                    "stranded": stranded.pages}),
             );
+            let t = n.tally();
+            m.insert(
+                "rooms".into(),
+                serde_json::json!({"opened": t.opened, "released": t.released,
+                    "quarantined": t.quarantined, "abandoned": t.abandoned}),
+            );
+            let cancelled: serde_json::Map<String, serde_json::Value> = engine::Stage::ALL
+                .iter()
+                .map(|s| {
+                    let n = st.by_reason.requests_cancelled_of(s.code());
+                    (s.code().to_owned(), serde_json::json!(n))
+                })
+                .collect();
+            m.insert("requests_cancelled_by_reason".into(), cancelled.into());
             m.insert("peers".into(), serde_json::json!(p.addrs()));
             m.insert("refused_peers".into(), serde_json::json!(p.refused()));
             let by_reason: serde_json::Map<String, serde_json::Value> = AnomalyReason::ALL
@@ -275,14 +299,21 @@ impl DecodeServer {
         )
         .await
         .map_err(|e| ServeError::Bind("front door", e))?;
-        let st = state.clone();
-        let p = peers.clone();
+        let (st, p, n) = (state.clone(), peers.clone(), node.clone());
         let refresh = peers.spawn_refresh(opts.refresh_every, move |live| {
-            st.set_ready(if live > 0 {
-                Ok(())
+            let stranded = n.stranded(kv_deadline);
+            if stranded.pages > 0 {
+                st.health.degrade(
+                    "kv_pages",
+                    "KvPagesStranded",
+                    engine::stranded_reason(stranded, kv_deadline),
+                );
             } else {
-                Err(p.not_ready_reason())
-            });
+                st.health.recover("kv_pages");
+            }
+            st.set_ready(engine::readiness(live, stranded, kv_deadline, || {
+                p.not_ready_reason()
+            }));
         });
         tracing::info!(%front_addr, %health_addr, data = %node.data_addr(), %service, revision = %cfg.revision, ?layout, "decode serving");
         Ok(Self {

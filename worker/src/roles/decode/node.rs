@@ -12,10 +12,24 @@
 //! decodes (the KV must stay resident while decoding reads it), and return when the lease finishes,
 //! is dropped, or is aborted through the gate (e.g. by the spec guard, DESIGN contract 8). A prefill
 //! peer dying after its writes concluded does not touch such a room.
+//!
+//! **Ownership of pages (no leak by cancellation).** Pages leave the free list only in one critical
+//! section that also records the room and creates its owner, a private `RoomGuard`; nothing else
+//! ever holds a room's pages. The guard lives in the transfer future, then inside the [`KvLease`].
+//! Every way a request ends goes through it exactly once: finished ([`KvLease::finish`]), failed or
+//! timed out (the gate, with the cause), aborted ([`KvLease::abort`]), or — the guard dropped without
+//! an ending because the future holding it was dropped at any await point (a client that hung up
+//! while its prompt was in prefill) — abandoned: its `Drop` fails the room through the same gate
+//! with [`FailureCause::ClientAbort`] and counts it in [`RoomTally::abandoned`]. A `Drop` cannot
+//! await, so [`DecodeNode::fail`] never awaits nor needs a runtime: its state change and ABORT are
+//! synchronous, and the waiting (receiver fence, ack deadline) is handed over a channel to the gate
+//! task the node started, which outlives every request. [`DecodeNode::stranded`] is the independent
+//! check: pages of a room whose guard is gone and that the gate is not releasing (a leak this design
+//! rules out; the decode's readiness turns false on it).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
@@ -26,7 +40,7 @@ use tonic::transport::{Channel, Endpoint};
 use crate::engine::verify_chunk;
 use crate::release::quarantine::Quarantine;
 use crate::release::receiver::{
-    AckOutcome, FailureCause, GateMode, GateVerdict, ReceiverRoom, ReceiverState,
+    AckOutcome, FailureCause, GateMode, GateVerdict, ReceiverRoom, ReceiverState, ReleaseProof,
 };
 use crate::release::{DecodeRank, PrefillRank, RoomKey};
 use crate::transfer::tcp::{GenerationCheck, TcpReceiver};
@@ -99,9 +113,22 @@ pub enum DecodeError {
         /// The peer's revision (from its hello, or from its refusal's metadata; empty if unknown).
         theirs: String,
     },
+    /// The prompt needs more pages than the region has in total: it can never be served here
+    /// (retrying cannot help, unlike [`DecodeError::NoPages`]); the transfer never started.
+    #[error("need {need} pages, the region has {total}")]
+    TooLarge {
+        /// Pages needed.
+        need: usize,
+        /// Pages of the whole region.
+        total: usize,
+    },
     /// The data receiver could not start.
     #[error("data receiver: {0}")]
     Receiver(#[from] std::io::Error),
+    /// [`DecodeNode::start`] was called outside a Tokio runtime: the release gate task has nowhere
+    /// to run.
+    #[error("the decode node must start inside a Tokio runtime (its release gate task runs there)")]
+    NoRuntime,
 }
 
 /// How a transfer ended.
@@ -135,51 +162,115 @@ struct Entry {
     /// The receiver fence failed when the room completed: its pages go to quarantine, never to
     /// the free list.
     unfenced: bool,
+    /// The token of the [`RoomGuard`] that owns the room: dead once the guard is gone, which
+    /// [`DecodeNode::stranded`] checks independently of the guard's own `Drop`.
+    holder: Weak<()>,
+    /// When the pages were allocated.
+    opened: Instant,
 }
 
-/// A completed room's pages, held while the request decodes: the KV must stay resident while
-/// decoding reads it. [`KvLease::finish`] (decode ended) or [`KvLease::abort`] (e.g. the spec guard,
-/// DESIGN contract 8) returns them through the release gate of contract 3; dropping the lease
-/// finishes it, so no path forgets the pages.
-#[must_use = "dropping the lease frees the KV pages at once"]
-pub struct KvLease {
+/// The one owner of a room's pages from their allocation until they are handed to the release
+/// gate (DESIGN contract 3). Created in the critical section that takes the pages off the free list;
+/// not `Clone`. Ending it explicitly ([`RoomGuard::finish`], [`RoomGuard::fail`]) or dropping it
+/// hands the room over exactly once; a drop without an ending is an abandoned request (its future was
+/// dropped at an await point): the room fails through the gate with [`FailureCause::ClientAbort`].
+struct RoomGuard {
     node: Arc<DecodeNode>,
     key: RoomKey,
+    /// Kept alive as long as the guard; the room's entry holds a [`Weak`] of it.
+    _token: Arc<()>,
     ended: bool,
 }
 
-impl KvLease {
-    /// The room whose pages are held.
-    pub fn key(&self) -> RoomKey {
-        self.key
-    }
-
-    /// Decoding ended normally: the pages return to the pool.
-    pub fn finish(mut self) {
+impl RoomGuard {
+    /// The request ended normally after its decode: a committed room's pages return (to
+    /// quarantine when the receiver fence failed at completion).
+    fn finish(mut self) {
         self.ended = true;
         self.node.finish(self.key);
     }
 
-    /// Decoding was aborted for `cause`: the room fails through the release gate (a completed room
-    /// has no write that can still land, so its pages are freed at once).
-    pub fn abort(mut self, cause: FailureCause) {
+    /// The room failed for `cause`: the release gate decides its pages' fate.
+    fn fail(mut self, cause: FailureCause) {
         self.ended = true;
         self.node.fail(self.key, cause);
     }
 }
 
-impl Drop for KvLease {
+impl Drop for RoomGuard {
     fn drop(&mut self) {
-        if !self.ended {
-            self.node.finish(self.key);
+        if self.ended {
+            return;
         }
+        #[cfg(feature = "negative-controls")]
+        if self.node.leak_on_drop.load(Ordering::SeqCst) {
+            // Negative control: the pre-fix behaviour, nothing releases the room.
+            return;
+        }
+        self.node.abandon(self.key);
+    }
+}
+
+/// A completed room's pages, held while the request decodes: the KV must stay resident while
+/// decoding reads it. [`KvLease::finish`] (decode ended) or [`KvLease::abort`] (e.g. the spec guard,
+/// DESIGN contract 8) returns them through the release gate of contract 3. Dropping the lease
+/// without either (the request's future was dropped: its client went away) hands the room to the
+/// gate as abandoned ([`RoomTally::abandoned`]); a completed room has no write that can still land,
+/// so its pages are freed at once. No path forgets the pages.
+#[must_use = "dropping the lease releases the KV pages at once, counted as abandoned"]
+pub struct KvLease {
+    guard: RoomGuard,
+}
+
+impl KvLease {
+    /// The room whose pages are held.
+    pub fn key(&self) -> RoomKey {
+        self.guard.key
+    }
+
+    /// Decoding ended normally: the pages return to the pool.
+    pub fn finish(self) {
+        self.guard.finish();
+    }
+
+    /// Decoding was aborted for `cause`: the room fails through the release gate (a completed room
+    /// has no write that can still land, so its pages are freed at once).
+    pub fn abort(self, cause: FailureCause) {
+        self.guard.fail(cause);
     }
 }
 
 impl std::fmt::Debug for KvLease {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KvLease").field("key", &self.key).finish()
+        f.debug_struct("KvLease")
+            .field("key", &self.guard.key)
+            .finish()
     }
+}
+
+/// Lifetime counts of the region's rooms (monotonic). A room is opened once, and its pages go back
+/// to the free list at most once (`released`) or to quarantine at most once (`quarantined`; a late
+/// proof then releases them too).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RoomTally {
+    /// Rooms whose pages were allocated.
+    pub opened: u64,
+    /// Rooms whose pages returned to the free list.
+    pub released: u64,
+    /// Rooms whose pages were quarantined.
+    pub quarantined: u64,
+    /// Rooms whose owner was dropped without an ending (the request's future was dropped: a
+    /// client that went away); each was failed through the gate with [`FailureCause::ClientAbort`].
+    pub abandoned: u64,
+}
+
+/// Pages no live request holds and the gate is not releasing (see [`DecodeNode::stranded`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stranded {
+    /// Such rooms.
+    pub rooms: usize,
+    /// Their pages.
+    pub pages: usize,
 }
 
 #[derive(Default)]
@@ -188,6 +279,7 @@ struct State {
     rooms: HashMap<RoomKey, Entry>,
     quarantine: Quarantine<u32>,
     links: HashMap<String, Arc<LinkState>>,
+    tally: RoomTally,
 }
 
 struct LinkState {
@@ -238,11 +330,22 @@ pub struct DecodeNode {
     state: Mutex<State>,
     next_room: AtomicU64,
     acks_received: AtomicU64,
+    /// Failed rooms the gate must watch (receiver fence, ack deadline): consumed by the gate task.
+    gate: mpsc::UnboundedSender<RoomKey>,
+    /// Negative control: an abandoned room is not handed to the gate (the pre-fix leak).
+    #[cfg(feature = "negative-controls")]
+    leak_on_drop: AtomicBool,
 }
 
 impl DecodeNode {
-    /// Allocates the KV region, registers it and starts the TCP receiver.
+    /// Allocates the KV region, registers it, starts the TCP receiver and the release gate task
+    /// (on the current Tokio runtime; it ends when the node is dropped).
+    ///
+    /// # Errors
+    /// [`DecodeError::Receiver`] when the data port cannot be bound; [`DecodeError::NoRuntime`]
+    /// outside a Tokio runtime.
     pub fn start(cfg: DecodeConfig) -> Result<Arc<DecodeNode>, DecodeError> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| DecodeError::NoRuntime)?;
         let receiver = TcpReceiver::bind(&cfg.data_bind, GenerationCheck::Enforced)?;
         let region = Arc::new(HostRegion::new(cfg.pages, cfg.layout.page_bytes()));
         receiver.register_region(KV_REGION, region.clone());
@@ -251,14 +354,27 @@ impl DecodeNode {
             ..State::default()
         };
         let base = room_base(&cfg.worker_id);
-        Ok(Arc::new(DecodeNode {
+        let (gate, jobs) = mpsc::unbounded_channel();
+        let node = Arc::new(DecodeNode {
             cfg,
             receiver,
             region,
             state: Mutex::new(state),
             next_room: AtomicU64::new(base),
             acks_received: AtomicU64::new(0),
-        }))
+            gate,
+            #[cfg(feature = "negative-controls")]
+            leak_on_drop: AtomicBool::new(false),
+        });
+        runtime.spawn(gate_task(Arc::downgrade(&node), jobs));
+        Ok(node)
+    }
+
+    /// Negative control (feature `negative-controls`): when on, a room whose owner is dropped
+    /// without an ending is left as it is — the leak this module's ownership design closes.
+    #[cfg(feature = "negative-controls")]
+    pub fn leak_abandoned_rooms(&self, on: bool) {
+        self.leak_on_drop.store(on, Ordering::SeqCst);
     }
 
     /// The data address prefill writes to.
@@ -275,6 +391,45 @@ impl DecodeNode {
             quarantined: st.quarantine.pages_held(),
             alarms: st.quarantine.alarms(),
         }
+    }
+
+    /// Lifetime room counts.
+    pub fn tally(&self) -> RoomTally {
+        lock(&self.state).tally
+    }
+
+    /// Pages of the region in all (free, held and quarantined together).
+    pub fn total_pages(&self) -> usize {
+        self.cfg.pages as usize
+    }
+
+    /// Prompt tokens the whole region holds (pages × tokens per page).
+    pub fn capacity_tokens(&self) -> u64 {
+        u64::from(self.cfg.pages) * u64::from(self.cfg.layout.page_tokens)
+    }
+
+    /// Pages that no live request holds and that the release gate is not releasing, in rooms
+    /// opened more than `older_than` ago: the room's owner is gone, and the room either never
+    /// failed (nothing will ever free it) or is still waiting for acks more than `older_than` past
+    /// its ack deadline (the gate's deadline never fired). The ownership design makes this 0; a
+    /// non-zero value means the region can no longer admit what it could hold, and the serving
+    /// decode reports itself not ready.
+    pub fn stranded(&self, older_than: Duration) -> Stranded {
+        let now = Instant::now();
+        let st = lock(&self.state);
+        let mut out = Stranded::default();
+        for e in st.rooms.values() {
+            let orphan = !e.pages.is_empty()
+                && e.holder.strong_count() == 0
+                && now.saturating_duration_since(e.opened) > older_than;
+            let gate_waiting = e.room.state() == ReceiverState::ReleasePending
+                && e.room.deadline().is_some_and(|d| now < d + older_than);
+            if orphan && !gate_waiting {
+                out.rooms += 1;
+                out.pages += e.pages.len();
+            }
+        }
+        out
     }
 
     /// State of a room (None once its pages were released).
@@ -514,13 +669,24 @@ impl DecodeNode {
         }
     }
 
-    /// Fails a room through the release gate: ABORT to its writer, fence (if proof), ack deadline.
-    pub fn fail(self: &Arc<Self>, key: RoomKey, cause: FailureCause) {
+    /// Fails a room through the release gate: ABORT to its writer; unless the verdict frees the
+    /// pages at once, the gate task then watches the room (receiver fence as proof when enabled,
+    /// quarantine at the ack deadline). Never awaits and needs no runtime (a guard's `Drop` calls
+    /// it). A room that already failed, or that is unknown (released), is left as it is.
+    pub fn fail(&self, key: RoomKey, cause: FailureCause) {
         let (notify, verdict, peer) = {
             let mut st = lock(&self.state);
             let Some(entry) = st.rooms.get_mut(&key) else {
                 return;
             };
+            if matches!(
+                entry.room.state(),
+                ReceiverState::ReleasePending
+                    | ReceiverState::ReleaseSafe(_)
+                    | ReceiverState::Quarantined
+            ) {
+                return;
+            }
             let (notify, verdict) = entry.room.fail(cause, Instant::now(), self.cfg.ack_timeout);
             if let Some(done) = entry.done.take() {
                 let _ = done.send(Err(cause));
@@ -545,33 +711,46 @@ impl DecodeNode {
                 });
             }
         }
-        if verdict == GateVerdict::Hold {
-            if self.cfg.fence_is_proof {
-                let node = self.clone();
-                tokio::task::spawn_blocking(move || {
-                    if let Ok(proof) = node
-                        .receiver
-                        .fence(key, Instant::now() + Duration::from_secs(1))
-                    {
-                        let mut st = lock(&node.state);
-                        if let Some(entry) = st.rooms.get_mut(&key) {
-                            let v = entry.room.on_transport_proof(proof);
-                            node.apply_locked(&mut st, key, v);
-                        }
-                    }
-                });
-            }
+        if verdict == GateVerdict::Hold && self.gate.send(key).is_err() {
+            tracing::error!(%key, "release gate task is gone: the room waits for acks only");
+        }
+    }
+
+    /// A room's owner was dropped without an ending: counted, and failed through the gate.
+    fn abandon(&self, key: RoomKey) {
+        lock(&self.state).tally.abandoned += 1;
+        tracing::info!(%key, "request abandoned: its room goes through the release gate");
+        self.fail(key, FailureCause::ClientAbort);
+    }
+
+    /// The gate's watch over a failed room (run by the gate task): the receiver fence as transport
+    /// proof (when it is one), and the ack deadline, past which the pages are quarantined.
+    fn watch(self: &Arc<Self>, key: RoomKey) {
+        if self.cfg.fence_is_proof {
             let node = self.clone();
-            let ack_timeout = self.cfg.ack_timeout;
-            tokio::spawn(async move {
-                tokio::time::sleep(ack_timeout).await;
-                let mut st = lock(&node.state);
-                if let Some(entry) = st.rooms.get_mut(&key) {
-                    let v = entry.room.on_tick(Instant::now());
-                    node.apply_locked(&mut st, key, v);
+            tokio::task::spawn_blocking(move || {
+                if let Ok(proof) = node
+                    .receiver
+                    .fence(key, Instant::now() + Duration::from_secs(1))
+                {
+                    let mut st = lock(&node.state);
+                    if let Some(entry) = st.rooms.get_mut(&key) {
+                        let v = entry.room.on_transport_proof(proof);
+                        node.apply_locked(&mut st, key, v);
+                    }
                 }
             });
         }
+        let node = self.clone();
+        let ack_timeout = self.cfg.ack_timeout;
+        tokio::spawn(async move {
+            tokio::time::sleep(ack_timeout).await;
+            let mut st = lock(&node.state);
+            if let Some(entry) = st.rooms.get_mut(&key) {
+                let v = entry.room.on_tick(Instant::now());
+                node.apply_locked(&mut st, key, v);
+            }
+        });
     }
 
     /// Acts on a verdict with the state lock held.
@@ -592,10 +771,19 @@ impl DecodeNode {
                         .unwrap_or_default()
                 };
                 let unfenced = st.rooms.remove(&key).is_some_and(|e| e.unfenced);
+                // Whatever the proof, the receiver refuses the room's writes from now on (closing
+                // never waits here): an OpenRoom the ABORT overtook — a request abandoned while
+                // its room opened — cannot land a write in pages the pool hands out again. The
+                // bypass (negative control) keeps the pre-fix behaviour.
+                if proof != ReleaseProof::Bypassed {
+                    let _ = self.receiver.fence(key, Instant::now());
+                }
                 if unfenced && !from_quarantine {
                     st.quarantine.admit(key, pages, None, Instant::now());
+                    st.tally.quarantined += 1;
                 } else {
                     st.free.extend(pages);
+                    st.tally.released += 1;
                 }
                 self.receiver.forget_room(key.room);
             }
@@ -603,6 +791,7 @@ impl DecodeNode {
                 if let Some(entry) = st.rooms.get(&key) {
                     let (pages, cause) = (entry.pages.clone(), entry.room.cause());
                     st.quarantine.admit(key, pages, cause, Instant::now());
+                    st.tally.quarantined += 1;
                 }
                 // The entry stays so that a late ack or proof can still release the pages.
                 if let Some(e) = st.rooms.get_mut(&key) {
@@ -632,10 +821,13 @@ impl DecodeNode {
 
     /// Transfers one request's KV from `link` within `deadline` and verifies every chunk on
     /// arrival. On [`TransferOutcome::Completed`] the pages stay held by the returned [`KvLease`]
-    /// for the decode that reads them; a failed room's pages follow the release gate.
+    /// for the decode that reads them; a failed room's pages follow the release gate. Dropping the
+    /// returned future at any await point (the room open, the transfer wait) hands the room to the
+    /// gate as abandoned (see the module docs).
     ///
     /// # Errors
-    /// [`DecodeError::NoPages`] when the pool cannot hold the prompt; the transfer never started.
+    /// [`DecodeError::NoPages`] when the free pages cannot hold the prompt now,
+    /// [`DecodeError::TooLarge`] when the whole region could not; the transfer never started.
     pub async fn transfer_held(
         self: &Arc<Self>,
         link: &PrefillLink,
@@ -646,8 +838,16 @@ impl DecodeNode {
         let need = (request.input_tokens.max(1)).div_ceil(layout.page_tokens) as usize;
         let key = RoomKey::new(self.next_room.fetch_add(1, Ordering::Relaxed), 1);
         let (done_tx, done_rx) = oneshot::channel();
-        let pages = {
+        // The pages leave the free list, the room is recorded and its owner is created in one
+        // critical section: from here on every exit of this future ends or drops the guard.
+        let (guard, pages) = {
             let mut st = lock(&self.state);
+            if need > self.total_pages() {
+                return Err(DecodeError::TooLarge {
+                    need,
+                    total: self.total_pages(),
+                });
+            }
             if st.free.len() < need {
                 return Err(DecodeError::NoPages {
                     need,
@@ -658,6 +858,7 @@ impl DecodeNode {
             let pages: Vec<u32> = st.free.split_off(at);
             self.receiver.open_room(key);
             let room = ReceiverRoom::new(key, [link.rank], self.cfg.gate);
+            let token = Arc::new(());
             st.rooms.insert(
                 key,
                 Entry {
@@ -666,9 +867,18 @@ impl DecodeNode {
                     peer: link.addr.clone(),
                     done: Some(done_tx),
                     unfenced: false,
+                    holder: Arc::downgrade(&token),
+                    opened: Instant::now(),
                 },
             );
-            pages
+            st.tally.opened += 1;
+            let guard = RoomGuard {
+                node: self.clone(),
+                key,
+                _token: token,
+                ended: false,
+            };
+            (guard, pages)
         };
         let open = pb::OpenRoomRequest {
             room: Some(key.into()),
@@ -686,7 +896,7 @@ impl DecodeNode {
             Ok(reply) => reply.into_inner().hits.unwrap_or_default(),
             Err(status) => {
                 tracing::warn!(%key, %status, "OpenRoom failed");
-                self.fail(key, FailureCause::TransferFailed);
+                guard.fail(FailureCause::TransferFailed);
                 return Ok((
                     TransferOutcome::Failed {
                         key,
@@ -713,11 +923,6 @@ impl DecodeNode {
                 if let Some(entry) = lock(&self.state).rooms.get_mut(&key) {
                     entry.unfenced = !fenced;
                 }
-                let lease = KvLease {
-                    node: self.clone(),
-                    key,
-                    ended: false,
-                };
                 Ok((
                     TransferOutcome::Completed {
                         key,
@@ -725,12 +930,17 @@ impl DecodeNode {
                         hits,
                         kv_bytes: layout.page_bytes() * pages.len() as u64,
                     },
-                    Some(lease),
+                    Some(KvLease { guard }),
                 ))
             }
-            Ok(Ok(Err(cause))) => Ok((TransferOutcome::Failed { key, cause }, None)),
+            Ok(Ok(Err(cause))) => {
+                // Whoever reported the cause already failed the room; ending the guard is a no-op
+                // on the gate and only records that the request ended.
+                guard.fail(cause);
+                Ok((TransferOutcome::Failed { key, cause }, None))
+            }
             Ok(Err(_)) | Err(_) => {
-                self.fail(key, FailureCause::Timeout);
+                guard.fail(FailureCause::Timeout);
                 Ok((
                     TransferOutcome::Failed {
                         key,
@@ -757,8 +967,10 @@ impl DecodeNode {
         if let Some(entry) = st.rooms.remove(&key) {
             if entry.unfenced {
                 st.quarantine.admit(key, entry.pages, None, Instant::now());
+                st.tally.quarantined += 1;
             } else {
                 st.free.extend(entry.pages);
+                st.tally.released += 1;
             }
         }
         drop(st);
@@ -796,6 +1008,17 @@ impl DecodeNode {
 /// decode workers sharing one prefill never collide (room ids are per prefill table).
 pub fn room_base(worker_id: &str) -> u64 {
     ((xxhash_rust::xxh3::xxh3_64(worker_id.as_bytes()) & 0x7FFF_FFFF) << 32) | 1
+}
+
+/// The gate task: watches every failed room handed over by [`DecodeNode::fail`] (receiver fence,
+/// ack deadline). It holds the node weakly and ends with it.
+async fn gate_task(node: Weak<DecodeNode>, mut jobs: mpsc::UnboundedReceiver<RoomKey>) {
+    while let Some(key) = jobs.recv().await {
+        let Some(node) = node.upgrade() else {
+            return;
+        };
+        node.watch(key);
+    }
 }
 
 fn abort_reason(cause: FailureCause) -> pb::AbortReason {
