@@ -13,18 +13,21 @@
 //! 8. spec guard: `spec_guard`;
 //! 9. teardown: `teardown`.
 //!
-//! The simulated engine is `engine`; the roles of the one binary (`prefill`, `decode`, `cache`,
-//! `store-client`) are the binary's `roles` over this crate's `serve`; `bench` holds the
-//! `tandem-bench` subcommands.
+//! The engine API (DESIGN §3.1) is `engine_api` (server side and Rust client); the simulated engine
+//! as a process, a client of that API, is `sim_engine` (content and cost model in `engine`). The
+//! roles of the one binary (`prefill`, `decode`, `cache`, `store-client`) are the binary's `roles`
+//! over this crate's `serve`; `bench` holds the `tandem-bench` subcommands.
 
 pub mod bench;
 pub mod cache;
 pub mod config;
 pub mod control;
 pub mod engine;
+pub mod engine_api;
 pub mod layer_split;
 pub mod room;
 pub mod serve;
+pub mod sim_engine;
 pub mod snapshot;
 pub mod spec_guard;
 pub mod transfer;
