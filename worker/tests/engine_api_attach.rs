@@ -56,6 +56,7 @@ fn worker_write(w: &Worker, role: PoolRole, page: u32, layer: u32, byte: u8) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn both_sides_map_the_same_bytes_at_the_same_page_index() {
+    let _serial = serial().await;
     let w = decode_worker(full_shape());
     let mut c = w.client().await;
     let mut att = c.attach(identity(&w.cfg)).await.unwrap();
@@ -127,6 +128,7 @@ async fn both_sides_map_the_same_bytes_at_the_same_page_index() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_engine_is_refused_while_one_is_attached() {
+    let _serial = serial().await;
     let w = decode_worker(Shape {
         pages: 4,
         ..Shape::default()
@@ -142,6 +144,7 @@ async fn a_second_engine_is_refused_while_one_is_attached() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn identity_mismatches_are_refused_typed_and_allocate_nothing() {
+    let _serial = serial().await;
     let w = decode_worker(full_shape());
     let mut c = w.client().await;
     let memfds = memfd_count();
@@ -240,6 +243,7 @@ async fn identity_mismatches_are_refused_typed_and_allocate_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pool_outside_the_domain_is_refused_before_any_side_effect() {
+    let _serial = serial().await;
     // Seed 000: a speculative DecodePool whose draft pool is on plain mmap, with an L3 tier.
     let w = decode_worker(Shape {
         pages: 4,
@@ -312,6 +316,7 @@ async fn a_pool_outside_the_domain_is_refused_before_any_side_effect() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pools_that_are_not_configured_are_refused() {
+    let _serial = serial().await;
     let w = decode_worker(Shape {
         pages: 4,
         ..Shape::default()
@@ -354,6 +359,7 @@ fn a_process_private_domain_cannot_serve_the_engine_api() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unclaimed_attach_ends_at_its_claim_deadline() {
+    let _serial = serial().await;
     let w = start_worker(
         worker_config(
             WorkerRole::Decode,
@@ -383,4 +389,36 @@ async fn an_unclaimed_attach_ends_at_its_claim_deadline() {
     assert!(e.to_string().contains("NOT_ATTACHED"), "{e}");
     // A new engine may attach now.
     c.attach(identity(&w.cfg)).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn socket_paths_longer_than_sun_path_work() {
+    let _serial = serial().await;
+    // A socket directory as deep as a kubelet pod volume under the e2e runner's $TANDEM_ROOT.
+    let root = tempfile::tempdir().unwrap();
+    let deep = root
+        .path()
+        .join("var/lib/kubelet/pods/0123456789abcdef-0123-4567-89ab-cdef01234567")
+        .join("volumes/kubernetes.io~empty-dir/engine-socket");
+    assert!(deep.join("engine.sock").as_os_str().len() > 107);
+    let w = start_worker(
+        worker_config(
+            WorkerRole::Decode,
+            Shape {
+                pages: 2,
+                ..Shape::default()
+            },
+        ),
+        Backend::Decode(Arc::new(ManualSource::default())),
+        Options {
+            tweak: Box::new(move |a| a.socket_dir = deep),
+        },
+    );
+    let dir = w.api.settings().socket_dir.clone();
+    let mut c = EngineClient::connect(&dir, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let att = c.attach(identity(&w.cfg)).await.unwrap();
+    assert_eq!(att.pools.len(), 1);
+    assert_eq!(c.health().await.unwrap().attach_id, att.id());
 }

@@ -568,12 +568,17 @@ async fn abort_scenario(bypass: bool) -> Vec<String> {
     if still_held {
         // Seed 004's race: request 7's late write lands after request 8's KV.
         hold.release();
-        let f = tokio::time::timeout(Duration::from_secs(10), freed.next())
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap();
-        assert_eq!(key(f.room), k7);
+        // Wait until 7's write is terminal (its SourceFree; 8's may come first).
+        loop {
+            let f = tokio::time::timeout(Duration::from_secs(10), freed.next())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            if key(f.room) == k7 {
+                break;
+            }
+        }
     }
     let bad = corrupt_chunks(&datt, 8, tokens, &r8.pages);
     if bad > 0 {

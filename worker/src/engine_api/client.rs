@@ -11,6 +11,7 @@ use rustix::mm::{MapFlags, ProtFlags};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::pool::{KvGeometry, PoolLayout, PoolRole};
+use crate::store_client::socket_path::with_socket_address;
 
 use super::error::ApiError;
 use super::identity::kind_from_proto;
@@ -199,6 +200,41 @@ impl Drop for MappedPool {
     }
 }
 
+/// Dials the engine socket for tonic, through [`with_socket_address`] so that a path longer than
+/// `sun_path` (a socket under a deep `$TANDEM_ROOT`) still connects.
+#[derive(Debug, Clone)]
+struct UdsConnector(PathBuf);
+
+impl tonic::codegen::Service<tonic::codegen::http::Uri> for UdsConnector {
+    type Response = hyper_util::rt::TokioIo<tokio::net::UnixStream>;
+    type Error = std::io::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _uri: tonic::codegen::http::Uri) -> Self::Future {
+        let path = self.0.clone();
+        Box::pin(async move {
+            let std = tokio::task::spawn_blocking(move || {
+                with_socket_address(&path, |a| std::os::unix::net::UnixStream::connect(a))
+            })
+            .await
+            .map_err(std::io::Error::other)??;
+            std.set_nonblocking(true)?;
+            Ok(hyper_util::rt::TokioIo::new(
+                tokio::net::UnixStream::from_std(std)?,
+            ))
+        })
+    }
+}
+
 /// A live attach: the reply, the mapped pools, and the pools connection (closing it ends the attach).
 #[derive(Debug)]
 pub struct Attached {
@@ -254,10 +290,10 @@ impl EngineClient {
             path: path.clone(),
             message,
         };
-        let channel = Endpoint::from_shared(format!("unix:{}", path.display()))
-            .map_err(|e| err(e.to_string()))?
+        // The URI is a placeholder: the connector dials the socket path (any length).
+        let channel = Endpoint::from_static("http://engine.sock")
             .connect_timeout(call_timeout)
-            .connect()
+            .connect_with_connector(UdsConnector(path.clone()))
             .await
             .map_err(|e| err(e.to_string()))?;
         Ok(Self {

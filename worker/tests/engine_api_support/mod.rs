@@ -252,6 +252,13 @@ impl Worker {
     }
 }
 
+/// Serialises the tests of one binary that count process-wide resources (memfds): tests of a binary
+/// run on parallel threads of one process.
+pub async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    LOCK.lock().await
+}
+
 /// Open memfds of this process (`/proc/self/fd` links named `/memfd:…`).
 pub fn memfd_count() -> usize {
     std::fs::read_dir("/proc/self/fd")
