@@ -371,6 +371,7 @@ async fn an_unclaimed_attach_ends_at_its_claim_deadline() {
         Backend::Decode(Arc::new(ManualSource::default())),
         Options {
             tweak: Box::new(|a| a.claim_deadline = Duration::from_millis(200)),
+            ..Options::default()
         },
     );
     let mut c: EngineClient = w.client().await;
@@ -412,6 +413,7 @@ async fn socket_paths_longer_than_sun_path_work() {
         Backend::Decode(Arc::new(ManualSource::default())),
         Options {
             tweak: Box::new(move |a| a.socket_dir = deep),
+            ..Options::default()
         },
     );
     let dir = w.api.settings().socket_dir.clone();

@@ -29,6 +29,7 @@ fn worker(max_call: Duration) -> Worker {
         Backend::Decode(Arc::new(ManualSource::default())),
         Options {
             tweak: Box::new(move |a| a.max_call = max_call),
+            ..Options::default()
         },
     )
 }

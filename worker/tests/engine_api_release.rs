@@ -55,7 +55,10 @@ fn manual_decode(
     let w = start_worker(
         worker_config(WorkerRole::Decode, shape),
         Backend::Decode(source.clone()),
-        Options { tweak },
+        Options {
+            tweak,
+            ..Options::default()
+        },
     );
     (w, source)
 }
@@ -454,6 +457,7 @@ async fn abort_scenario(bypass: bool) -> Vec<String> {
                     _a.unsafe_release_on_abort = bypass;
                 }
             }),
+            ..Options::default()
         },
     );
     #[cfg(not(feature = "negative-controls"))]

@@ -68,7 +68,7 @@ pub struct MappedPool {
     geometry: KvGeometry,
     base: usize,
     len: usize,
-    _fd: OwnedFd,
+    fd: OwnedFd,
 }
 
 // SAFETY: the mapping is plain shared memory owned by this handle; access goes through bounds-checked
@@ -120,8 +120,14 @@ impl MappedPool {
             geometry,
             base: p as usize,
             len,
-            _fd: fd,
+            fd,
         })
+    }
+
+    /// The fd the pool is mapped from (as received on the pools socket).
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.fd.as_fd()
     }
 
     /// The pool's geometry.

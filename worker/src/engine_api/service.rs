@@ -7,7 +7,7 @@
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 use tonic::Code;
 
@@ -72,8 +72,8 @@ pub struct EngineApi {
     tiers: Arc<dyn TierBackend>,
     health: Arc<Health>,
     session: Mutex<SessionState>,
-    decode: OnceLock<Arc<DecodeSide>>,
-    prefill: OnceLock<Arc<PrefillSide>>,
+    decode: Mutex<Option<Arc<DecodeSide>>>,
+    prefill: Mutex<Option<Arc<PrefillSide>>>,
     shutting_down: AtomicBool,
     runtime: tokio::runtime::Handle,
     me: Weak<EngineApi>,
@@ -142,8 +142,8 @@ impl EngineApi {
                 next_id: 1,
                 ..SessionState::default()
             }),
-            decode: OnceLock::new(),
-            prefill: OnceLock::new(),
+            decode: Mutex::new(None),
+            prefill: Mutex::new(None),
             shutting_down: AtomicBool::new(false),
             runtime,
             me: me.clone(),
@@ -172,12 +172,12 @@ impl EngineApi {
 
     /// The decode side, once an engine attached to a decode worker.
     pub fn decode_side(&self) -> Option<Arc<DecodeSide>> {
-        self.decode.get().cloned()
+        lock(&self.decode).clone()
     }
 
     /// The prefill side, once an engine attached to a prefill worker.
     pub fn prefill_side(&self) -> Option<Arc<PrefillSide>> {
-        self.prefill.get().cloned()
+        lock(&self.prefill).clone()
     }
 
     /// Attaches completed so far.
@@ -231,35 +231,39 @@ impl EngineApi {
         session.next_id += 1;
         match &self.backend {
             Backend::Decode(source) => {
-                let side = self.decode.get_or_init(|| {
-                    DecodeSide::new(
-                        arcs.clone(),
-                        source.clone(),
-                        DecodeSettings {
-                            gate: self.gate(),
-                            ack_timeout: self.api.ack_timeout,
-                            max_kv_deadline: self.api.max_kv_deadline,
-                            room_base: self.api.room_base,
-                            thresholds: self
-                                .cfg
-                                .speculative
-                                .as_ref()
-                                .and(self.cfg.spec_guard.as_ref())
-                                .map(Thresholds::from),
-                        },
-                        self.runtime.clone(),
-                    )
-                });
+                let side = lock(&self.decode)
+                    .get_or_insert_with(|| {
+                        DecodeSide::new(
+                            arcs.clone(),
+                            source.clone(),
+                            DecodeSettings {
+                                gate: self.gate(),
+                                ack_timeout: self.api.ack_timeout,
+                                max_kv_deadline: self.api.max_kv_deadline,
+                                room_base: self.api.room_base,
+                                thresholds: self
+                                    .cfg
+                                    .speculative
+                                    .as_ref()
+                                    .and(self.cfg.spec_guard.as_ref())
+                                    .map(Thresholds::from),
+                            },
+                            self.runtime.clone(),
+                        )
+                    })
+                    .clone();
                 side.set_attach(attach_id);
             }
             Backend::Prefill(sink) => {
-                let side = self.prefill.get_or_init(|| {
-                    PrefillSide::new(
-                        arcs.clone(),
-                        sink.clone(),
-                        PrefillRank(self.api.prefill_rank),
-                    )
-                });
+                let side = lock(&self.prefill)
+                    .get_or_insert_with(|| {
+                        PrefillSide::new(
+                            arcs.clone(),
+                            sink.clone(),
+                            PrefillRank(self.api.prefill_rank),
+                        )
+                    })
+                    .clone();
                 side.set_attach(attach_id);
             }
         }
@@ -389,6 +393,17 @@ impl EngineApi {
         if let Some(id) = cur {
             self.end_attach(id);
         }
+    }
+
+    /// Teardown of the engine API's memory (DESIGN contract 9, after [`EngineApi::shutdown`] and the
+    /// server's stop): drops the role's side and releases the pools — deregistered in reverse order
+    /// and freed with the allocator that made them. Returns the errors, one line each (a pool still
+    /// referenced elsewhere is reported, and freed when its last reference goes).
+    pub fn release_pools(&self) -> Vec<String> {
+        self.shutdown();
+        lock(&self.decode).take();
+        lock(&self.prefill).take();
+        self.pools.release()
     }
 
     /// Health.

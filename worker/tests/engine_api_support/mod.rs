@@ -25,6 +25,7 @@ use tandem_worker::room::receiver::FailureCause;
 use tandem_worker::room::{PrefillRank, RoomKey};
 use tandem_worker::sim_engine::{chunk_spec, identity_from_config};
 use tandem_worker::store_client::embedded::EmbeddedClient;
+use tandem_worker::store_client::standalone::StandaloneClient;
 use tandem_worker::store_client::{ClientMode, StoreClient};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_tandem-worker");
@@ -167,12 +168,15 @@ pub struct Worker {
 
 pub struct Options {
     pub tweak: Box<dyn FnOnce(&mut EngineApiConfig)>,
+    /// The connected sidecar, for a Standalone cache.
+    pub standalone: Option<Arc<StandaloneClient>>,
 }
 
 impl Default for Options {
     fn default() -> Self {
         Self {
             tweak: Box::new(|_| {}),
+            standalone: None,
         }
     }
 }
@@ -211,7 +215,32 @@ pub fn start_worker(cfg: WorkerConfig, backend: Backend, opts: Options) -> Worke
             .unwrap();
             (pools, Some(client), Some(registrar))
         }
-        _ => (PoolSet::unregistered(&cfg, &api_cfg).unwrap(), None, None),
+        Some(ClientMode::Standalone) => {
+            let client = opts
+                .standalone
+                .expect("a Standalone worker needs its sidecar");
+            client
+                .reserve(PoolSet::bytes_needed(&cfg, &api_cfg).unwrap() as usize)
+                .unwrap();
+            let registrar = Arc::new(Registrar::new(
+                client.clone() as Arc<dyn StoreClient>,
+                health.clone(),
+                metrics.clone(),
+                RegistrarConfig {
+                    policy: cfg.memory.registration_failure,
+                    ..RegistrarConfig::default()
+                },
+            ));
+            let pools = PoolSet::new(
+                &cfg,
+                &api_cfg,
+                client as Arc<dyn StoreClient>,
+                Some(registrar.clone()),
+            )
+            .unwrap();
+            (pools, None, Some(registrar))
+        }
+        None => (PoolSet::unregistered(&cfg, &api_cfg).unwrap(), None, None),
     };
     let api = EngineApi::new(&cfg, api_cfg, pools, backend, Arc::new(NoTiers), health).unwrap();
     let server = server::start(api.clone()).unwrap();
