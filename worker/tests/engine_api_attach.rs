@@ -17,6 +17,8 @@ use tandem_worker::engine_api::service::Backend;
 use tandem_worker::engine_api::{EngineApiConfig, pb};
 use tandem_worker::memory::AllocatorDomain;
 use tandem_worker::pool::{PageId, PoolRole};
+use tandem_worker::registration::FailurePolicy;
+use tandem_worker::registration::fault::{FaultInjector, FaultPlan};
 use tandem_worker::store_client::ClientMode;
 use tonic::Code;
 
@@ -423,4 +425,96 @@ async fn socket_paths_longer_than_sun_path_work() {
     let att = c.attach(identity(&w.cfg)).await.unwrap();
     assert_eq!(att.pools.len(), 1);
     assert_eq!(c.health().await.unwrap().attach_id, att.id());
+}
+
+fn registered_worker(policy: FailurePolicy, faults: Arc<FaultInjector>) -> Worker {
+    let mut cfg = worker_config(
+        WorkerRole::Decode,
+        Shape {
+            pages: 4,
+            draft: true,
+            cache: Some(ClientMode::Embedded),
+            ..Shape::default()
+        },
+    );
+    cfg.memory.registration_failure = policy;
+    start_worker(
+        cfg,
+        Backend::Decode(Arc::new(ManualSource::default())),
+        Options {
+            faults: Some(faults),
+            ..Options::default()
+        },
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_closed_registration_rolls_back_every_pool_of_the_attach() {
+    let _serial = serial().await;
+    // The second registration (the draft pool's) fails.
+    let faults = FaultInjector::new(FaultPlan {
+        register: Some(2),
+        ..FaultPlan::default()
+    });
+    let w = registered_worker(FailurePolicy::FailClosed, faults.clone());
+    let mut c = w.client().await;
+    let e = client_err(c.attach_only(identity(&w.cfg)).await);
+    assert_eq!(
+        (e.code, e.reason),
+        (
+            Code::FailedPrecondition,
+            pb::ErrorReason::PoolRegistrationFailed
+        ),
+        "{e}"
+    );
+    assert_eq!(e.field, "pools.draft");
+    assert!(e.message.contains("phase register"), "{e}");
+    // The committed target pool was rolled back with it: nothing registered, nothing allocated.
+    assert_eq!((w.registrations(), w.live_buffers()), (0, 0));
+    assert!(w.api.pools().attached().is_empty());
+    assert_eq!(w.api.current_attach(), None);
+    // Without the fault the same attach commits both pools.
+    faults.set_plan(FaultPlan::default());
+    let att = c.attach(identity(&w.cfg)).await.unwrap();
+    assert_eq!((w.registrations(), w.live_buffers()), (2, 2));
+    assert!(
+        att.pools
+            .iter()
+            .all(|p| p.descriptor.registration == pb::RegistrationState::Committed as i32)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallback_to_l2_serves_the_pool_unregistered_and_says_so() {
+    let _serial = serial().await;
+    let faults = FaultInjector::new(FaultPlan {
+        register: Some(2),
+        ..FaultPlan::default()
+    });
+    let w = registered_worker(FailurePolicy::FallbackToL2, faults);
+    let mut c = w.client().await;
+    let att = c.attach(identity(&w.cfg)).await.unwrap();
+    let target = &att.pool(PoolRole::Target).unwrap().descriptor;
+    let draft = &att.pool(PoolRole::Draft).unwrap().descriptor;
+    assert_eq!(target.registration, pb::RegistrationState::Committed as i32);
+    assert_eq!(draft.registration, pb::RegistrationState::FallbackL2 as i32);
+    assert!(draft.registration_reason.contains("injected"), "{draft:?}");
+    // Both pools serve; only the target is registered.
+    assert_eq!((w.registrations(), w.live_buffers()), (1, 2));
+    let h = c.health().await.unwrap();
+    assert!(
+        h.degraded
+            .iter()
+            .any(|d| d.starts_with("l3/draft: RegistrationFallbackToL2")),
+        "{:?}",
+        h.degraded
+    );
+    let label = tandem_worker::registration::metrics::RegistrationMetrics::label;
+    assert_eq!(
+        w.metrics
+            .fallback
+            .get_or_create(&label(PoolRole::Draft))
+            .get(),
+        1
+    );
 }

@@ -18,6 +18,7 @@ use tandem_worker::health::Health;
 use tandem_worker::memory::AllocatorDomain;
 use tandem_worker::model::{Attention, ModelIdentity};
 use tandem_worker::pool::{PoolLayout, PoolRole};
+use tandem_worker::registration::fault::{FaultInjector, FaultyClient};
 use tandem_worker::registration::{
     FailurePolicy, Registrar, RegistrarConfig, metrics::RegistrationMetrics,
 };
@@ -170,6 +171,8 @@ pub struct Options {
     pub tweak: Box<dyn FnOnce(&mut EngineApiConfig)>,
     /// The connected sidecar, for a Standalone cache.
     pub standalone: Option<Arc<StandaloneClient>>,
+    /// Faults injected at the Embedded store client's registrations.
+    pub faults: Option<Arc<FaultInjector>>,
 }
 
 impl Default for Options {
@@ -177,6 +180,7 @@ impl Default for Options {
         Self {
             tweak: Box::new(|_| {}),
             standalone: None,
+            faults: None,
         }
     }
 }
@@ -197,8 +201,12 @@ pub fn start_worker(cfg: WorkerConfig, backend: Backend, opts: Options) -> Worke
             client
                 .reserve(PoolSet::bytes_needed(&cfg, &api_cfg).unwrap() as usize)
                 .unwrap();
+            let store: Arc<dyn StoreClient> = match &opts.faults {
+                Some(f) => Arc::new(FaultyClient::new(client.clone(), f.clone())),
+                None => client.clone(),
+            };
             let registrar = Arc::new(Registrar::new(
-                client.clone() as Arc<dyn StoreClient>,
+                store.clone(),
                 health.clone(),
                 metrics.clone(),
                 RegistrarConfig {
@@ -206,13 +214,7 @@ pub fn start_worker(cfg: WorkerConfig, backend: Backend, opts: Options) -> Worke
                     ..RegistrarConfig::default()
                 },
             ));
-            let pools = PoolSet::new(
-                &cfg,
-                &api_cfg,
-                client.clone() as Arc<dyn StoreClient>,
-                Some(registrar.clone()),
-            )
-            .unwrap();
+            let pools = PoolSet::new(&cfg, &api_cfg, store, Some(registrar.clone())).unwrap();
             (pools, Some(client), Some(registrar))
         }
         Some(ClientMode::Standalone) => {
