@@ -24,7 +24,11 @@
 //! - [`health`]: the health report, the `/report` counters and the health port of every role;
 //! - [`roles`]: one module per role of the binary (`prefill`, `decode`, `cache`, `store_client`),
 //!   wiring the modules above; the config file ([`config`]) is their only start path;
-//! - [`engine`]: the simulated engine; [`model`]: model identity and KV geometry;
+//! - [`engine_api`]: the server side of the engine API (DESIGN §3.1: `tandem.engine.v1` on a UNIX
+//!   socket, host pools as memfds passed once); [`sim_engine`]: the simulated engine as a process
+//!   that speaks only that API;
+//! - [`engine`]: the simulated engine's KV content and cost model; [`model`]: model identity and KV
+//!   geometry;
 //! - [`cache`]: the Mooncake request trace (moving to `tandem-interfaces`).
 //!
 //! No import cycles between these modules: `tests/module_graph.rs` parses the `crate::` paths of
@@ -37,6 +41,7 @@ pub mod cache;
 pub mod config;
 pub mod control;
 pub mod engine;
+pub mod engine_api;
 pub mod health;
 pub mod l3;
 pub mod layer_split;
@@ -46,6 +51,7 @@ pub mod model;
 pub mod registration;
 pub mod release;
 pub mod roles;
+pub mod sim_engine;
 pub mod snapshot;
 pub mod spec_guard;
 pub mod store_client;

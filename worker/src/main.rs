@@ -39,6 +39,8 @@ enum Role {
     StoreClient(roles::store_client::Args),
     /// CacheTier store replica.
     Cache(roles::cache::Args),
+    /// The simulated engine: a client of a worker's engine API (DESIGN §3.1).
+    SimEngine(tandem_worker::sim_engine::Args),
 }
 
 fn main() -> ExitCode {
@@ -55,6 +57,9 @@ fn main() -> ExitCode {
         Role::Decode(args) => roles::decode::run(args),
         Role::StoreClient(args) => roles::store_client::run(args),
         Role::Cache(args) => roles::cache::run(args),
+        Role::SimEngine(args) => tandem_worker::sim_engine::run_blocking(args)
+            .map(|_| ())
+            .map_err(|e| roles::RoleError::Failed(e.to_string())),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

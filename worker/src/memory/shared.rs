@@ -67,6 +67,15 @@ impl SegmentSet {
         self.lock().len()
     }
 
+    /// A duplicate of the fd of segment `id`, to pass to another process (the engine API passes pool
+    /// fds by SCM_RIGHTS); `None` when no segment of this set has that id.
+    pub fn dup_fd(&self, id: u64) -> Option<std::io::Result<std::os::fd::OwnedFd>> {
+        self.lock()
+            .iter()
+            .find(|a| a.segment.info().id == id)
+            .map(|a| a.segment.fd().try_clone_to_owned())
+    }
+
     /// Teardown: drops (unmaps, and unlinks if POSIX shm) every segment with no live buffer in it.
     /// A segment that still holds live or quarantined buffers only loses its name — so nothing of ours
     /// stays in /dev/shm — and remains mapped until those buffers go or the process exits.

@@ -209,6 +209,9 @@ impl StoreClient for FaultyClient {
     fn registered_count(&self) -> usize {
         self.inner.registered_count()
     }
+    fn segment_set(&self) -> Option<&Arc<crate::memory::shared::SegmentSet>> {
+        self.inner.segment_set()
+    }
     fn shutdown(&self) -> Result<(), StoreError> {
         self.inner.shutdown()
     }

@@ -114,6 +114,9 @@ impl StoreClient for EmbeddedClient {
     fn registered_count(&self) -> usize {
         self.regs().len()
     }
+    fn segment_set(&self) -> Option<&Arc<SegmentSet>> {
+        Some(&self.segments)
+    }
     fn shutdown(&self) -> Result<(), StoreError> {
         let kept = self.segments.release_idle();
         if kept > 0 {

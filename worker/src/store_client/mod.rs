@@ -128,6 +128,12 @@ pub trait StoreClient: Send + Sync + fmt::Debug {
     /// Registrations this client currently holds (0 after a clean teardown).
     fn registered_count(&self) -> usize;
 
+    /// The segments behind [`StoreClient::host_allocator`], whose fds the engine API passes to the
+    /// engine (DESIGN §3.1); `None` for a client without segments.
+    fn segment_set(&self) -> Option<&std::sync::Arc<crate::memory::shared::SegmentSet>> {
+        None
+    }
+
     /// Releases the client's segments and connection (teardown, DESIGN contract 9). Idempotent.
     ///
     /// # Errors

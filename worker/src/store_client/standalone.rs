@@ -243,6 +243,9 @@ impl StoreClient for StandaloneClient {
     fn registered_count(&self) -> usize {
         self.regs().len()
     }
+    fn segment_set(&self) -> Option<&Arc<SegmentSet>> {
+        Some(&self.segments)
+    }
     fn shutdown(&self) -> Result<(), StoreError> {
         if self.shut.swap(true, Ordering::AcqRel) {
             return Ok(());

@@ -1,0 +1,767 @@
+//! The decode side of the engine API: Reserve, AwaitKv, Finish, Abort, SafeToReuse and the spec
+//! stats, over the release gate of DESIGN contract 3 and the spec guard of contract 8.
+//!
+//! Every decision about a room's pages is the gate's: each room is a
+//! [`ReceiverRoom`](crate::release::receiver::ReceiverRoom) whose [`GateVerdict`]s this module only
+//! carries out, and pages whose release is not proven by the ack deadline sit in the
+//! [`Quarantine`](crate::release::quarantine::Quarantine) until a late proof. Finish and Abort hand the
+//! pages to the gate; the engine gets them back only in a [`pb::SafeToReuse`] event. The transport
+//! that fills the pages is a [`KvSource`] (a prefill peer in the serving path; [`super::local`] for a
+//! same-host pair): it reports chunks, completion, acks and transport proofs back through
+//! [`DecodeSide::on_chunk`], [`DecodeSide::on_complete`], [`DecodeSide::on_ack`],
+//! [`DecodeSide::on_transport_proof`] and [`DecodeSide::on_failed`].
+//!
+//! Page index `i` names page `i` of every pool of the attach; the pools' page tables are kept in
+//! lockstep (every allocation and free is applied to each, in the same order).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tonic::Code;
+
+use crate::pool::{KvPool, PageError, PageId, PoolError};
+use crate::release::quarantine::Quarantine;
+use crate::release::receiver::{
+    AckOutcome, FailureCause, GateMode, GateVerdict, ReceiverRoom, ReceiverState, ReleaseProof,
+    TransportProof,
+};
+use crate::release::{PrefillRank, RoomKey};
+use crate::spec_guard::{SpecGuard, Thresholds, Verdict};
+
+use super::error::ApiError;
+use super::hub::EventHub;
+use super::pb;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A reserved room, as the transport needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoomOpen {
+    /// Room and generation.
+    pub key: RoomKey,
+    /// The engine's request id.
+    pub request_id: u64,
+    /// Prompt tokens whose KV must land.
+    pub tokens: u32,
+    /// Destination page indices, in token order.
+    pub pages: Vec<u32>,
+    /// How long the KV may take.
+    pub deadline: Duration,
+}
+
+/// The transport that delivers a room's KV into this worker's pools (the seam the serving path wires
+/// to its prefill peers). Implementations must not call back into the [`DecodeSide`] synchronously
+/// from [`KvSource::open`]; [`KvSource::abort`] may (an ack can be immediate).
+pub trait KvSource: Send + Sync + 'static {
+    /// The prefill ranks that may write a room of `request_id` (each must ack an abort).
+    fn writers(&self, request_id: u64) -> Vec<PrefillRank>;
+    /// Starts delivering the room's KV.
+    ///
+    /// # Errors
+    /// Why the room cannot be delivered (no prefill peer); nothing was started.
+    fn open(&self, room: RoomOpen) -> Result<(), String>;
+    /// The room failed: tell `ranks` (ABORT); their acks come back via [`DecodeSide::on_ack`].
+    fn abort(&self, key: RoomKey, ranks: &[PrefillRank], cause: FailureCause);
+    /// Asks for a transport proof that no write of `key` can land (e.g. the TCP receiver fence),
+    /// reported via [`DecodeSide::on_transport_proof`]. The default offers none (ack-only path).
+    fn request_proof(&self, _key: RoomKey) {}
+}
+
+/// How a room ended, for AwaitKv.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Complete,
+    Failed(FailureCause),
+}
+
+struct Room {
+    room: ReceiverRoom,
+    pages: Vec<PageId>,
+    attach: u64,
+    tokens: u32,
+    outcome: watch::Sender<Option<Outcome>>,
+    guard: SpecGuard,
+}
+
+#[derive(Default)]
+struct State {
+    rooms: HashMap<RoomKey, Room>,
+    quarantine: Quarantine<PageId>,
+    current_attach: u64,
+}
+
+/// Counters of the decode side (exported by the role as metrics).
+#[derive(Debug, Default)]
+pub struct DecodeCounters {
+    /// Rooms reserved.
+    pub reserved: AtomicU64,
+    /// Rooms that completed.
+    pub completed: AtomicU64,
+    /// Rooms failed (any cause).
+    pub failed: AtomicU64,
+    /// Releases by proof: concluded, acks, transport, bypassed.
+    pub released_concluded: AtomicU64,
+    /// See `released_concluded`.
+    pub released_acks: AtomicU64,
+    /// See `released_concluded`.
+    pub released_transport: AtomicU64,
+    /// See `released_concluded`.
+    pub released_bypassed: AtomicU64,
+    /// Abort acks counted by the gate.
+    pub acks: AtomicU64,
+    /// Rooms quarantined (deadline without proof).
+    pub quarantined: AtomicU64,
+    /// Spec-guard trips.
+    pub spec_trips: AtomicU64,
+}
+
+/// Settings of the decode side.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeSettings {
+    /// Gate mode ([`GateMode::UnsafeBypass`] only as a negative control).
+    pub gate: GateMode,
+    /// Ack deadline of a failed room before its pages are quarantined.
+    pub ack_timeout: Duration,
+    /// Longest KV deadline.
+    pub max_kv_deadline: Duration,
+    /// First room id.
+    pub room_base: u64,
+    /// Spec-guard thresholds (`None`: steps are counted, never judged).
+    pub thresholds: Option<Thresholds>,
+}
+
+/// The decode side of one worker's engine API.
+pub struct DecodeSide {
+    pools: Vec<Arc<KvPool>>,
+    source: Arc<dyn KvSource>,
+    settings: DecodeSettings,
+    next_room: AtomicU64,
+    state: Mutex<State>,
+    releases: EventHub<pb::SafeToReuse>,
+    runtime: tokio::runtime::Handle,
+    me: Weak<DecodeSide>,
+    /// Counters.
+    pub counters: DecodeCounters,
+}
+
+impl std::fmt::Debug for DecodeSide {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeSide")
+            .field("pools", &self.pools.len())
+            .field("settings", &self.settings)
+            .finish()
+    }
+}
+
+/// Page counts of the decode side.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DecodePages {
+    /// Free in the pools.
+    pub free: u32,
+    /// Held by live rooms (reserved, landing, complete, decoding).
+    pub held: u32,
+    /// Held by failed rooms waiting for the gate's proof.
+    pub release_pending: u32,
+    /// Quarantined (no proof by the ack deadline).
+    pub quarantined: u32,
+}
+
+fn wire_proof(p: ReleaseProof) -> pb::ReleaseProof {
+    match p {
+        ReleaseProof::Concluded => pb::ReleaseProof::Concluded,
+        ReleaseProof::AllAcks => pb::ReleaseProof::AllAcks,
+        ReleaseProof::Transport(_) => pb::ReleaseProof::Transport,
+        ReleaseProof::Bypassed => pb::ReleaseProof::Bypassed,
+    }
+}
+
+/// The wire reason of a failure cause.
+pub fn wire_reason(c: FailureCause) -> pb::FailureReason {
+    match c {
+        FailureCause::ClientAbort => pb::FailureReason::ClientAbort,
+        FailureCause::Timeout => pb::FailureReason::KvTimeout,
+        FailureCause::TransferFailed => pb::FailureReason::TransferFailed,
+        FailureCause::HeartbeatLost => pb::FailureReason::PeerLost,
+        FailureCause::PrefillFailed => pb::FailureReason::PrefillFailed,
+        FailureCause::SpecGuard => pb::FailureReason::SpecGuard,
+        FailureCause::Shutdown => pb::FailureReason::Shutdown,
+    }
+}
+
+/// A failure cause from the wire (`CLIENT_ABORT` for unspecified).
+///
+/// # Errors
+/// `MALFORMED` for an unknown value.
+pub fn cause_from_wire(v: i32) -> Result<FailureCause, ApiError> {
+    Ok(match pb::FailureReason::try_from(v) {
+        Ok(pb::FailureReason::Unspecified | pb::FailureReason::ClientAbort) => {
+            FailureCause::ClientAbort
+        }
+        Ok(pb::FailureReason::KvTimeout) => FailureCause::Timeout,
+        Ok(pb::FailureReason::TransferFailed) => FailureCause::TransferFailed,
+        Ok(pb::FailureReason::PeerLost) => FailureCause::HeartbeatLost,
+        Ok(pb::FailureReason::PrefillFailed) => FailureCause::PrefillFailed,
+        Ok(pb::FailureReason::SpecGuard) => FailureCause::SpecGuard,
+        Ok(pb::FailureReason::Shutdown) => FailureCause::Shutdown,
+        Err(_) => {
+            return Err(ApiError::malformed(
+                "reason",
+                format!("failure reason {v} is unknown"),
+            ));
+        }
+    })
+}
+
+fn unknown_room(key: RoomKey) -> ApiError {
+    ApiError::new(
+        Code::NotFound,
+        pb::ErrorReason::UnknownRoom,
+        format!("{key} is not a live room of this attach"),
+    )
+    .field("room")
+}
+
+impl DecodeSide {
+    /// A decode side over `pools` (target first; all with the same page count) fed by `source`;
+    /// its deadline timers run on `runtime`.
+    pub fn new(
+        pools: Vec<Arc<KvPool>>,
+        source: Arc<dyn KvSource>,
+        settings: DecodeSettings,
+        runtime: tokio::runtime::Handle,
+    ) -> Arc<Self> {
+        Arc::new_cyclic(|me| Self {
+            pools,
+            source,
+            next_room: AtomicU64::new(settings.room_base.max(1)),
+            settings,
+            state: Mutex::new(State::default()),
+            releases: EventHub::new("SafeToReuse"),
+            runtime,
+            me: me.clone(),
+            counters: DecodeCounters::default(),
+        })
+    }
+
+    /// The pools (target first).
+    pub fn pools(&self) -> &[Arc<KvPool>] {
+        &self.pools
+    }
+
+    fn target(&self) -> &KvPool {
+        &self.pools[0]
+    }
+
+    /// Page count of every pool.
+    pub fn page_count(&self) -> u32 {
+        self.target().geometry().pages
+    }
+
+    /// The release events (SafeToReuse), for WatchReleases.
+    pub fn releases(&self) -> &EventHub<pb::SafeToReuse> {
+        &self.releases
+    }
+
+    /// A new attach became current: later releases of older attaches' rooms are not reported.
+    pub fn set_attach(&self, attach: u64) {
+        lock(&self.state).current_attach = attach;
+        self.releases.reset();
+    }
+
+    /// Page counts now.
+    pub fn pages(&self) -> DecodePages {
+        let st = lock(&self.state);
+        let mut p = DecodePages {
+            free: self.target().stats().free,
+            quarantined: st.quarantine.pages_held() as u32,
+            ..DecodePages::default()
+        };
+        for r in st.rooms.values() {
+            let n = r.pages.len() as u32;
+            match r.room.state() {
+                ReceiverState::ReleasePending => p.release_pending += n,
+                ReceiverState::Quarantined | ReceiverState::ReleaseSafe(_) => {}
+                _ => p.held += n,
+            }
+        }
+        p
+    }
+
+    /// The gate state of a room (`None` once its pages were released).
+    pub fn room_state(&self, key: RoomKey) -> Option<ReceiverState> {
+        lock(&self.state).rooms.get(&key).map(|r| r.room.state())
+    }
+
+    fn alloc_all(&self, n: usize) -> Result<Vec<PageId>, PoolError> {
+        let pages = self.target().allocate(n)?;
+        for (i, pool) in self.pools.iter().enumerate().skip(1) {
+            match pool.allocate(n) {
+                Ok(p) if p == pages => {}
+                other => {
+                    if let Ok(p) = other {
+                        let _ = pool.free(&p);
+                    }
+                    for q in &self.pools[..i] {
+                        let _ = q.free(&pages);
+                    }
+                    return Err(PoolError::Invalid(format!(
+                        "pool {i}'s page table left lockstep with the target's"
+                    )));
+                }
+            }
+        }
+        Ok(pages)
+    }
+
+    fn free_all(&self, pages: &[PageId]) {
+        for pool in &self.pools {
+            if let Err(e) = pool.free(pages) {
+                tracing::error!(pool = %pool.role(), error = %e, "freeing released pages failed");
+            }
+        }
+    }
+
+    /// Reserves pages for `tokens` tokens of `request_id` and opens the room on the transport.
+    ///
+    /// # Errors
+    /// `MALFORMED` (tokens or deadline 0), `EXCEEDS_POOL`, `NO_FREE_PAGES`, or `UNAVAILABLE` /
+    /// `INTERNAL` when the transport cannot open the room (its pages are freed: no writer knew it).
+    pub fn reserve(
+        &self,
+        attach: u64,
+        request_id: u64,
+        tokens: u32,
+        kv_deadline: Duration,
+    ) -> Result<(RoomKey, Vec<u32>), ApiError> {
+        if tokens == 0 {
+            return Err(ApiError::malformed("tokens", "tokens must be at least 1"));
+        }
+        if kv_deadline.is_zero() {
+            return Err(ApiError::malformed(
+                "kv_deadline_ms",
+                "kv_deadline_ms must be at least 1",
+            ));
+        }
+        let deadline = kv_deadline.min(self.settings.max_kv_deadline);
+        let g = *self.target().geometry();
+        let need = tokens.div_ceil(g.page_tokens);
+        if need > g.pages {
+            return Err(ApiError::new(
+                Code::OutOfRange,
+                pb::ErrorReason::ExceedsPool,
+                format!(
+                    "{tokens} tokens need {need} pages; the pools have {} in total",
+                    g.pages
+                ),
+            )
+            .field("tokens"));
+        }
+        let pages = self.alloc_all(need as usize).map_err(|e| match e {
+            PoolError::Page(PageError::Exhausted { requested, free }) => ApiError::new(
+                Code::ResourceExhausted,
+                pb::ErrorReason::NoFreePages,
+                format!("need {requested} pages, {free} free; retry after SafeToReuse"),
+            ),
+            other => ApiError::internal(other.to_string()),
+        })?;
+        let key = RoomKey::new(self.next_room.fetch_add(1, Ordering::Relaxed), 1);
+        let writers = self.source.writers(request_id);
+        let (tx, _rx) = watch::channel(None);
+        let thresholds = self.settings.thresholds.unwrap_or(Thresholds {
+            min_accept_length: 0.0,
+            max_accept_rate: f64::INFINITY,
+            after_tokens: u32::MAX,
+        });
+        lock(&self.state).rooms.insert(
+            key,
+            Room {
+                room: ReceiverRoom::new(key, writers, self.settings.gate),
+                pages: pages.clone(),
+                attach,
+                tokens,
+                outcome: tx,
+                guard: SpecGuard::new(thresholds),
+            },
+        );
+        let wire: Vec<u32> = pages.iter().map(|p| p.0).collect();
+        let open = RoomOpen {
+            key,
+            request_id,
+            tokens,
+            pages: wire.clone(),
+            deadline,
+        };
+        if let Err(e) = self.source.open(open) {
+            // No writer knows the room: its pages can go back at once.
+            if let Some(room) = lock(&self.state).rooms.remove(&key) {
+                self.free_all(&room.pages);
+            }
+            return Err(ApiError::new(
+                Code::Unavailable,
+                pb::ErrorReason::Internal,
+                format!("the KV transport cannot open {key}: {e}"),
+            ));
+        }
+        self.counters.reserved.fetch_add(1, Ordering::Relaxed);
+        let me = self.me.clone();
+        self.runtime.spawn(async move {
+            tokio::time::sleep(deadline).await;
+            if let Some(me) = me.upgrade() {
+                let waiting = matches!(
+                    me.room_state(key),
+                    Some(ReceiverState::WaitingForInput | ReceiverState::Transferring)
+                );
+                if waiting {
+                    tracing::info!(%key, ?deadline, "KV deadline passed; the room fails through the gate");
+                    me.fail(key, FailureCause::Timeout);
+                }
+            }
+        });
+        Ok((key, wire))
+    }
+
+    fn room_of(&self, st: &State, attach: u64, key: RoomKey) -> Result<(), ApiError> {
+        match st.rooms.get(&key) {
+            Some(r) if r.attach == attach => Ok(()),
+            _ => Err(unknown_room(key)),
+        }
+    }
+
+    /// Waits until the room's KV is complete (the room is then committed to the engine: it may read
+    /// the pages until Finish or Abort) or the room failed. Cancel-safe: dropping the future changes
+    /// nothing.
+    ///
+    /// # Errors
+    /// `UNKNOWN_ROOM`.
+    pub async fn await_kv(&self, attach: u64, key: RoomKey) -> Result<pb::AwaitKvReply, ApiError> {
+        let mut rx = {
+            let st = lock(&self.state);
+            self.room_of(&st, attach, key)?;
+            st.rooms[&key].outcome.subscribe()
+        };
+        let outcome = loop {
+            if let Some(o) = *rx.borrow_and_update() {
+                break o;
+            }
+            if rx.changed().await.is_err() {
+                // The room was released (e.g. a bypassed gate) before an outcome was published.
+                return Err(unknown_room(key));
+            }
+        };
+        let reply = match outcome {
+            Outcome::Complete => {
+                let mut st = lock(&self.state);
+                let room = st.rooms.get_mut(&key).ok_or_else(|| unknown_room(key))?;
+                if room.room.state() == ReceiverState::Success {
+                    let _ = room.room.commit();
+                }
+                pb::await_kv_reply::Outcome::Complete(pb::KvComplete {
+                    pages: room.pages.iter().map(|p| p.0).collect(),
+                    tokens: room.tokens,
+                })
+            }
+            Outcome::Failed(cause) => pb::await_kv_reply::Outcome::Failed(pb::KvFailed {
+                reason: wire_reason(cause) as i32,
+                message: format!("{key} failed: {cause:?}"),
+            }),
+        };
+        Ok(pb::AwaitKvReply {
+            outcome: Some(reply),
+        })
+    }
+
+    /// Decoding ended normally: the room's pages are released (every write concluded) and a
+    /// SafeToReuse event is emitted.
+    ///
+    /// # Errors
+    /// `UNKNOWN_ROOM`; `ROOM_STATE` when the KV has not completed (use Abort).
+    pub fn finish(&self, attach: u64, key: RoomKey) -> Result<bool, ApiError> {
+        let mut st = lock(&self.state);
+        self.room_of(&st, attach, key)?;
+        let room = st.rooms.get_mut(&key).ok_or_else(|| unknown_room(key))?;
+        if room.room.state() == ReceiverState::Success {
+            let _ = room.room.commit();
+        }
+        if room.room.state() != ReceiverState::Committed {
+            return Err(ApiError::new(
+                Code::FailedPrecondition,
+                pb::ErrorReason::RoomState,
+                format!(
+                    "{key} is {:?}: Finish needs complete KV; use Abort",
+                    room.room.state()
+                ),
+            )
+            .field("room"));
+        }
+        // A committed room has no write that can land: the gate frees it at once (proof Concluded).
+        let (_, verdict) = room.room.fail(
+            FailureCause::ClientAbort,
+            Instant::now(),
+            self.settings.ack_timeout,
+        );
+        self.apply(&mut st, key, verdict);
+        Ok(matches!(verdict, GateVerdict::Free { .. }))
+    }
+
+    /// The engine abandons the room: it fails through the gate. Returns whether the pages were
+    /// released at once.
+    ///
+    /// # Errors
+    /// `UNKNOWN_ROOM`.
+    pub fn abort(&self, attach: u64, key: RoomKey, cause: FailureCause) -> Result<bool, ApiError> {
+        self.room_of(&lock(&self.state), attach, key)?;
+        Ok(matches!(
+            self.fail(key, cause),
+            Some(GateVerdict::Free { .. })
+        ))
+    }
+
+    /// Fails a room through the gate (any cause): notifies its writers, asks for a transport proof
+    /// and arms the ack deadline. Returns the gate's verdict, `None` for an unknown room.
+    pub fn fail(&self, key: RoomKey, cause: FailureCause) -> Option<GateVerdict> {
+        let (notify, verdict, was_live) = {
+            let mut st = lock(&self.state);
+            let room = st.rooms.get_mut(&key)?;
+            let was_live = !matches!(
+                room.room.state(),
+                ReceiverState::ReleasePending
+                    | ReceiverState::Quarantined
+                    | ReceiverState::ReleaseSafe(_)
+            );
+            let (notify, verdict) =
+                room.room
+                    .fail(cause, Instant::now(), self.settings.ack_timeout);
+            room.outcome.send_if_modified(|o| {
+                if o.is_none() {
+                    *o = Some(Outcome::Failed(cause));
+                    true
+                } else {
+                    false
+                }
+            });
+            self.apply(&mut st, key, verdict);
+            (notify, verdict, was_live)
+        };
+        if !was_live {
+            return Some(verdict);
+        }
+        self.counters.failed.fetch_add(1, Ordering::Relaxed);
+        if !notify.is_empty() {
+            self.source.abort(key, &notify, cause);
+        }
+        if verdict == GateVerdict::Hold {
+            self.source.request_proof(key);
+            let me = self.me.clone();
+            let timeout = self.settings.ack_timeout;
+            self.runtime.spawn(async move {
+                tokio::time::sleep(timeout).await;
+                if let Some(me) = me.upgrade() {
+                    let mut st = lock(&me.state);
+                    if let Some(room) = st.rooms.get_mut(&key) {
+                        let v = room.room.on_tick(Instant::now());
+                        me.apply(&mut st, key, v);
+                    }
+                }
+            });
+        }
+        Some(verdict)
+    }
+
+    /// Carries out a verdict with the state lock held.
+    fn apply(&self, st: &mut State, key: RoomKey, verdict: GateVerdict) {
+        match verdict {
+            GateVerdict::Hold => {}
+            GateVerdict::Free {
+                proof,
+                from_quarantine,
+            } => {
+                let room = st.rooms.remove(&key);
+                let pages = if from_quarantine {
+                    st.quarantine.release(key).unwrap_or_default()
+                } else {
+                    room.as_ref().map(|r| r.pages.clone()).unwrap_or_default()
+                };
+                self.free_all(&pages);
+                let c = &self.counters;
+                match proof {
+                    ReleaseProof::Concluded => &c.released_concluded,
+                    ReleaseProof::AllAcks => &c.released_acks,
+                    ReleaseProof::Transport(_) => &c.released_transport,
+                    ReleaseProof::Bypassed => &c.released_bypassed,
+                }
+                .fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(%key, ?proof, pages = pages.len(), "room pages released");
+                if room.is_some_and(|r| r.attach == st.current_attach) {
+                    self.releases.emit(pb::SafeToReuse {
+                        room: Some(key.into()),
+                        pages: pages.iter().map(|p| p.0).collect(),
+                        proof: wire_proof(proof) as i32,
+                        from_quarantine,
+                    });
+                }
+            }
+            GateVerdict::Quarantine => {
+                if let Some(room) = st.rooms.get_mut(&key) {
+                    let pages = std::mem::take(&mut room.pages);
+                    let cause = room.room.cause();
+                    st.quarantine.admit(key, pages, cause, Instant::now());
+                    self.counters.quarantined.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    /// The first KV of the room landed.
+    pub fn on_chunk(&self, key: RoomKey) {
+        if let Some(room) = lock(&self.state).rooms.get_mut(&key) {
+            let _ = room.room.on_chunk();
+        }
+    }
+
+    /// All KV of the room landed and the prefill side concluded it.
+    pub fn on_complete(&self, key: RoomKey) {
+        let mut st = lock(&self.state);
+        if let Some(room) = st.rooms.get_mut(&key)
+            && room.room.on_complete().is_ok()
+        {
+            self.counters.completed.fetch_add(1, Ordering::Relaxed);
+            room.outcome.send_if_modified(|o| {
+                if o.is_none() {
+                    *o = Some(Outcome::Complete);
+                    true
+                } else {
+                    false
+                }
+            });
+        }
+    }
+
+    /// The transport or the prefill side reports the room failed.
+    pub fn on_failed(&self, key: RoomKey, cause: FailureCause) {
+        self.fail(key, cause);
+    }
+
+    /// An abort ack from prefill rank `rank` for `key`.
+    pub fn on_ack(&self, key: RoomKey, rank: PrefillRank) {
+        let mut st = lock(&self.state);
+        let Some(room) = st.rooms.get_mut(&key) else {
+            tracing::debug!(%key, "ack for a released room ignored");
+            return;
+        };
+        if let AckOutcome::Counted { verdict, .. } = room.room.on_ack(key, rank) {
+            self.counters.acks.fetch_add(1, Ordering::Relaxed);
+            self.apply(&mut st, key, verdict);
+        }
+    }
+
+    /// The transport proved no write of `key` can land.
+    pub fn on_transport_proof(&self, key: RoomKey, proof: TransportProof) {
+        let mut st = lock(&self.state);
+        if let Some(room) = st.rooms.get_mut(&key) {
+            let v = room.room.on_transport_proof(proof);
+            self.apply(&mut st, key, v);
+        }
+    }
+
+    /// Feeds verification steps to the room's spec guard (contract 8); a trip aborts the room
+    /// through the gate (cause `SpecGuard`).
+    ///
+    /// # Errors
+    /// `UNKNOWN_ROOM`; `ROOM_STATE` before the KV completed; `SPEC_STEP_INVALID` (nothing recorded).
+    pub fn report_steps(
+        &self,
+        attach: u64,
+        key: RoomKey,
+        steps: &[pb::SpecStep],
+    ) -> Result<pb::SpecStepsReply, ApiError> {
+        if let Some((i, s)) = steps
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.proposed == 0 || s.accepted > s.proposed)
+        {
+            return Err(ApiError::new(
+                Code::InvalidArgument,
+                pb::ErrorReason::SpecStepInvalid,
+                format!(
+                    "step {i}: {} accepted of {} proposed (need 1 <= proposed, accepted <= proposed)",
+                    s.accepted, s.proposed
+                ),
+            )
+            .field(format!("steps[{i}]")));
+        }
+        let (reply, trip) = {
+            let mut st = lock(&self.state);
+            self.room_of(&st, attach, key)?;
+            let room = st.rooms.get_mut(&key).ok_or_else(|| unknown_room(key))?;
+            if !matches!(
+                room.room.state(),
+                ReceiverState::Success | ReceiverState::Committed
+            ) {
+                return Err(ApiError::new(
+                    Code::FailedPrecondition,
+                    pb::ErrorReason::RoomState,
+                    format!("{key} is {:?}: it is not decoding", room.room.state()),
+                )
+                .field("room"));
+            }
+            let mut verdict = None;
+            for s in steps {
+                match room.guard.observe(s.proposed, s.accepted) {
+                    Ok(v) => verdict = Some(v),
+                    Err(e) => return Err(ApiError::internal(e.to_string())),
+                }
+            }
+            let g = &room.guard;
+            let anomaly = match verdict {
+                Some(Verdict::Anomaly(a)) => Some(a),
+                _ => g.anomaly(),
+            };
+            (
+                pb::SpecStepsReply {
+                    tripped: anomaly.is_some(),
+                    anomaly: anomaly
+                        .map(|a| a.reason.code().to_owned())
+                        .unwrap_or_default(),
+                    tokens: g.tokens(),
+                    accept_length: g.accept_length(),
+                    accept_rate: g.accept_rate(),
+                },
+                anomaly.is_some(),
+            )
+        };
+        if trip {
+            self.counters.spec_trips.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%key, anomaly = %reply.anomaly, "spec guard tripped; the room is aborted through the gate");
+            self.fail(key, FailureCause::SpecGuard);
+        }
+        Ok(reply)
+    }
+
+    /// The attach ended: every live room of it fails through the gate (cause `Shutdown`). Returns
+    /// the rooms failed.
+    pub fn end_attach(&self, attach: u64) -> u32 {
+        let keys: Vec<RoomKey> = lock(&self.state)
+            .rooms
+            .iter()
+            .filter(|(_, r)| {
+                r.attach == attach
+                    && !matches!(
+                        r.room.state(),
+                        ReceiverState::ReleasePending
+                            | ReceiverState::Quarantined
+                            | ReceiverState::ReleaseSafe(_)
+                    )
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        for key in &keys {
+            self.fail(*key, FailureCause::Shutdown);
+        }
+        keys.len() as u32
+    }
+}

@@ -1,0 +1,137 @@
+//! The engine API, server side (DESIGN §3.1): the one seam between a serving engine and the worker.
+//!
+//! An engine (SGLang, vLLM, or [`crate::sim_engine`]) talks `tandem.engine.v1`
+//! (`worker/interfaces/proto/tandem/engine/v1/engine.proto`, where every message and unit is
+//! documented) over gRPC on a UNIX socket. Host KV pools are memfd-backed shared-memory ranges
+//! allocated in the configured allocator domain through [`crate::memory`] and registered through
+//! [`crate::registration`]; their fds cross a second UNIX socket once, by SCM_RIGHTS
+//! ([`fd_pass`]); afterwards messages carry page indices only.
+//!
+//! - [`identity`]: the Attach identity check against the worker config (typed refusal, no side effect);
+//! - [`pools`]: the pools of an attach — domain check, allocation, transactional registration, fds;
+//! - [`fd_pass`]: the pools socket (claim protocol, one delivery per attach, liveness of the attach);
+//! - [`decode`]: Reserve / AwaitKv / Finish / Abort / SafeToReuse over the release gate of
+//!   [`crate::release::receiver`] (contract 3) and the spec guard (contract 8);
+//! - [`prefill`]: PrefillWork / PagesReady / SourceFree over the sender room table of
+//!   [`crate::release::sender`];
+//! - [`local`]: a same-host link between a prefill side and a decode side (copies between pools; the
+//!   serving path replaces it by the TCP/RDMA transfer);
+//! - [`tiers`]: the seam for Lookup / Load / Store (contract 5, 7);
+//! - [`service`]: the API state and the tonic services; [`server`]: the UNIX-socket server and
+//!   deadlines; [`client`]: the Rust client the simulated engine and the tests use;
+//! - [`error`]: typed refusals.
+
+pub mod client;
+pub mod decode;
+pub mod error;
+pub mod fd_pass;
+pub mod hub;
+pub mod identity;
+pub mod local;
+pub mod pools;
+pub mod prefill;
+pub mod server;
+pub mod service;
+pub mod tiers;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::config::{WorkerConfig, WorkerRole};
+use crate::pool::PoolLayout;
+
+pub use error::ApiError;
+
+/// Generated protobuf types, clients and servers of `tandem.engine.v1`.
+#[allow(missing_docs, clippy::all, clippy::pedantic)]
+pub mod pb {
+    tonic::include_proto!("tandem.engine.v1");
+}
+
+/// File name of the gRPC socket inside the socket directory.
+pub const ENGINE_SOCKET: &str = "engine.sock";
+
+/// File name of the pools (fd-passing) socket inside the socket directory.
+pub const POOLS_SOCKET: &str = "pools.sock";
+
+/// Default tokens per page when the worker has no CacheTier (the CacheTier default, DESIGN §2).
+pub const DEFAULT_PAGE_TOKENS: u32 = 512;
+
+/// Settings of the engine-API server that the worker config does not carry.
+#[derive(Debug, Clone)]
+pub struct EngineApiConfig {
+    /// Directory holding [`ENGINE_SOCKET`] and [`POOLS_SOCKET`] (the pod's shared emptyDir).
+    pub socket_dir: PathBuf,
+    /// Tokens per page (the CacheTier's `pageTokens` when there is one).
+    pub page_tokens: u32,
+    /// Chunk order of every pool.
+    pub layout: PoolLayout,
+    /// This engine's `(tp_rank, cp_rank)` when the worker knows its ordinal; Attach checks it.
+    pub ranks: Option<(u32, u32)>,
+    /// Longest a unary call may take regardless of the client's deadline.
+    pub max_call: Duration,
+    /// Longest KV deadline a Reserve may ask for.
+    pub max_kv_deadline: Duration,
+    /// How long after Attach the engine has to claim its fds.
+    pub claim_deadline: Duration,
+    /// How long a failed room waits for acks or proof before its pages are quarantined (contract 3).
+    pub ack_timeout: Duration,
+    /// This worker's decode rank (abort acks are addressed to it).
+    pub decode_rank: u32,
+    /// This worker's prefill rank (its acks carry it).
+    pub prefill_rank: u32,
+    /// First room id this worker hands out (distinct per decode worker so that prefill tables of
+    /// shared peers never see two decode workers' rooms collide).
+    pub room_base: u64,
+    /// Negative control: free a failed room's pages at once instead of waiting for the gate's proof.
+    #[cfg(feature = "negative-controls")]
+    pub unsafe_release_on_abort: bool,
+}
+
+impl EngineApiConfig {
+    /// Settings for `cfg` with sockets in `socket_dir`: the CacheTier's page size (else
+    /// [`DEFAULT_PAGE_TOKENS`]), page-first layout (the transfer layout), a 30 s call maximum,
+    /// a 120 s KV deadline maximum, 10 s to claim fds, a 5 s ack timeout.
+    pub fn for_worker(cfg: &WorkerConfig, socket_dir: &Path) -> Self {
+        Self {
+            socket_dir: socket_dir.to_path_buf(),
+            page_tokens: cfg
+                .cache
+                .as_ref()
+                .map_or(DEFAULT_PAGE_TOKENS, |c| c.page_tokens),
+            layout: PoolLayout::PageFirst,
+            ranks: None,
+            max_call: Duration::from_secs(30),
+            max_kv_deadline: Duration::from_secs(120),
+            claim_deadline: Duration::from_secs(10),
+            ack_timeout: Duration::from_secs(5),
+            decode_rank: 0,
+            prefill_rank: 0,
+            room_base: (xxhash_rust::xxh3::xxh3_64(
+                format!("{}/{}/{}", cfg.namespace, cfg.pool, std::process::id()).as_bytes(),
+            ) & 0x7FFF_FFFF)
+                << 32
+                | 1,
+            #[cfg(feature = "negative-controls")]
+            unsafe_release_on_abort: false,
+        }
+    }
+
+    /// Path of the gRPC socket.
+    pub fn engine_socket(&self) -> PathBuf {
+        self.socket_dir.join(ENGINE_SOCKET)
+    }
+
+    /// Path of the pools socket.
+    pub fn pools_socket(&self) -> PathBuf {
+        self.socket_dir.join(POOLS_SOCKET)
+    }
+}
+
+/// The role name the API reports (`prefill`, `decode`).
+pub fn role_name(role: WorkerRole) -> &'static str {
+    match role {
+        WorkerRole::Prefill => "prefill",
+        WorkerRole::Decode => "decode",
+    }
+}

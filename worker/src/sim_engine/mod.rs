@@ -1,0 +1,567 @@
+//! The simulated engine as its own process (`tandem-worker sim-engine`): a client of the engine API
+//! and nothing else (DESIGN §3.1). It stands in for SGLang or vLLM exactly where they plug in.
+//!
+//! It attaches with the identity of the worker config it is given, maps the pools, and then, by the
+//! role the worker reports:
+//! - **prefill**: takes each PrefillWork, allocates source pages itself (as an engine's allocator
+//!   does), writes the room's KV — bytes that are a deterministic function of (request, layer, token),
+//!   [`crate::engine::content`] — in two layer halves with a PagesReady each, and reuses a page only
+//!   after its SourceFree;
+//! - **decode**: reserves pages per request, waits for the KV, verifies every row of every page of
+//!   every pool it reads (a page holding another request's, layer's or token's bytes is counted
+//!   corrupt, never guessed), reports accept counts per verification step, finishes, and reuses pages
+//!   only after their SafeToReuse.
+//!
+//! It prints one JSON [`Summary`] line on stdout and exits non-zero when a page was corrupt, a room
+//! failed, or the run did not finish within its bound.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio_stream::StreamExt;
+
+use crate::config::WorkerConfig;
+use crate::engine::content::{ChunkSpec, TAG_BYTES, fill_chunk, verify_chunk};
+use crate::engine_api::client::{Attached, ClientError, EngineClient, MappedPool};
+use crate::engine_api::identity::{
+    configured_bytes, fingerprint, kind_to_proto, layout_to_proto, model_to_proto,
+};
+use crate::engine_api::pb;
+use crate::pool::{PoolLayout, PoolRole};
+use crate::release::RoomKey;
+
+/// Command-line arguments of `tandem-worker sim-engine`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// Directory of the worker's `engine.sock` and `pools.sock`.
+    #[arg(long)]
+    pub socket_dir: PathBuf,
+    /// The worker config (the engine presents its model, parallelism and pools).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Pod ordinal in the group (gives the TP/CP ranks).
+    #[arg(long, default_value_t = 0)]
+    pub ordinal: u32,
+    /// Tokens per page (default: the CacheTier's, else 512).
+    #[arg(long)]
+    pub page_tokens: Option<u32>,
+    /// Pool layout: `page-first` or `layer-first`.
+    #[arg(long, default_value = "page-first")]
+    pub layout: String,
+    /// Rooms to serve (prefill) or requests to run (decode).
+    #[arg(long, default_value_t = 8)]
+    pub requests: u32,
+    /// Prompt tokens per request (decode; default two pages and three tokens).
+    #[arg(long)]
+    pub tokens: Option<u32>,
+    /// Verification steps reported per request (decode; 0 = none).
+    #[arg(long, default_value_t = 4)]
+    pub spec_steps: u32,
+    /// First request id (decode).
+    #[arg(long, default_value_t = 1)]
+    pub request_base: u64,
+    /// KV deadline per request, milliseconds (decode).
+    #[arg(long, default_value_t = 10_000)]
+    pub kv_deadline_ms: u64,
+    /// Deadline of each unary call, milliseconds.
+    #[arg(long, default_value_t = 10_000)]
+    pub call_timeout_ms: u64,
+    /// Bound of the whole run, seconds.
+    #[arg(long, default_value_t = 120)]
+    pub run_timeout_s: u64,
+}
+
+/// What a run did (printed as one JSON line).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Summary {
+    /// `prefill` or `decode`.
+    pub role: String,
+    /// The attach id.
+    pub attach_id: u64,
+    /// Pools mapped.
+    pub pools: Vec<String>,
+    /// Rooms served (prefill) or requests run (decode).
+    pub rooms: u32,
+    /// Decode: rooms whose KV completed.
+    pub completed: u32,
+    /// Decode: rooms that failed.
+    pub failed: u32,
+    /// Pages written (prefill) or read and verified (decode), over all pools.
+    pub pages: u64,
+    /// Chunks (page × layer × pool) written or verified.
+    pub chunks: u64,
+    /// Decode: chunks that failed verification (must be 0).
+    pub corrupt_chunks: u64,
+    /// PagesReady calls (prefill).
+    pub pages_ready_calls: u32,
+    /// SafeToReuse (decode) or SourceFree (prefill) events received.
+    pub releases: u32,
+    /// Verification steps reported (decode).
+    pub spec_steps: u32,
+    /// Rooms the spec guard tripped (decode).
+    pub spec_trips: u32,
+}
+
+/// Why a run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// Setup failed (config, identity, geometry).
+    #[error("{0}")]
+    Setup(String),
+    /// An API call failed.
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    /// The run did not finish in time.
+    #[error("the run did not finish within {0:?}")]
+    Timeout(Duration),
+    /// Pages were corrupt or rooms failed; the summary says how many.
+    #[error("verification failed: {corrupt} corrupt chunks, {failed} failed rooms")]
+    Verification {
+        /// Corrupt chunks.
+        corrupt: u64,
+        /// Failed rooms.
+        failed: u32,
+        /// The summary.
+        summary: Box<Summary>,
+    },
+}
+
+/// The request key of a pool's content: target KV is keyed by the request id itself, draft and
+/// indexer by distinct derivations, so a page of one pool copied into another is detected.
+pub fn content_key(role: PoolRole, request: u64) -> u64 {
+    match role {
+        PoolRole::Target => request,
+        PoolRole::Draft => request ^ (1 << 63),
+        PoolRole::Indexer => request ^ (1 << 62),
+    }
+}
+
+/// The chunk of page `k` (of the room) on `layer` of `pool`: rows of the tokens the page holds.
+pub fn chunk_spec(pool: &MappedPool, request: u64, tokens: u32, k: u32, layer: u32) -> ChunkSpec {
+    let pt = pool.geometry().page_tokens;
+    let first = k * pt;
+    ChunkSpec {
+        request: content_key(pool.role, request),
+        layer,
+        first_token: first,
+        tokens: tokens.saturating_sub(first).min(pt),
+        token_bytes: pool.geometry().bytes_per_token_layer as usize,
+    }
+}
+
+/// The identity a simulated engine of `cfg` presents (ordinal `ordinal`, the given page size and
+/// layout), asking for every configured pool.
+pub fn identity_from_config(
+    cfg: &WorkerConfig,
+    page_tokens: u32,
+    layout: PoolLayout,
+    ordinal: u32,
+) -> pb::EngineIdentity {
+    let (tp, cp) = cfg.parallelism.ranks_of(ordinal).unwrap_or((0, 0));
+    let mut pools = vec![pb::PoolRequest {
+        kind: kind_to_proto(PoolRole::Target) as i32,
+        ..pb::PoolRequest::default()
+    }];
+    if let Some(s) = &cfg.speculative
+        && configured_bytes(cfg, PoolRole::Draft) > 0
+    {
+        pools.push(pb::PoolRequest {
+            kind: kind_to_proto(PoolRole::Draft) as i32,
+            draft_model: Some(model_to_proto(&s.draft_model)),
+            ..pb::PoolRequest::default()
+        });
+    }
+    if let Some(g) = &cfg.indexer
+        && configured_bytes(cfg, PoolRole::Indexer) > 0
+    {
+        pools.push(pb::PoolRequest {
+            kind: kind_to_proto(PoolRole::Indexer) as i32,
+            indexer: Some(pb::IndexerGeometry {
+                head_dim: g.head_dim,
+                dtype_bytes: g.dtype_bytes,
+            }),
+            ..pb::PoolRequest::default()
+        });
+    }
+    pb::EngineIdentity {
+        engine: format!("simulated/{}", env!("CARGO_PKG_VERSION")),
+        model: Some(model_to_proto(&cfg.model)),
+        model_fingerprint: fingerprint(&cfg.model),
+        page_tokens,
+        layout: layout_to_proto(layout) as i32,
+        tp_rank: tp,
+        tp_size: cfg.parallelism.tensor,
+        cp_rank: cp,
+        cp_size: cfg.parallelism.context,
+        pools,
+    }
+}
+
+/// Runs the simulated engine to completion on its own runtime (the subcommand's entry point).
+///
+/// # Errors
+/// [`SimError`].
+pub fn run_blocking(args: Args) -> Result<Summary, SimError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| SimError::Setup(format!("runtime: {e}")))?;
+    let summary = rt.block_on(run(args));
+    match &summary {
+        Ok(s) => println!("{}", serde_json::to_string(s).unwrap_or_default()),
+        Err(SimError::Verification { summary, .. }) => {
+            println!("{}", serde_json::to_string(summary).unwrap_or_default());
+        }
+        Err(_) => {}
+    }
+    summary
+}
+
+/// Runs the simulated engine (attach, then the role's loop) within `args.run_timeout_s`.
+///
+/// # Errors
+/// [`SimError`].
+pub async fn run(args: Args) -> Result<Summary, SimError> {
+    let bound = Duration::from_secs(args.run_timeout_s);
+    match tokio::time::timeout(bound, run_inner(args)).await {
+        Ok(r) => r,
+        Err(_) => Err(SimError::Timeout(bound)),
+    }
+}
+
+async fn run_inner(args: Args) -> Result<Summary, SimError> {
+    let cfg = <WorkerConfig as crate::config::LoadConfig>::load(&args.config)
+        .map_err(|e| SimError::Setup(e.to_string()))?;
+    let layout = match args.layout.as_str() {
+        "page-first" => PoolLayout::PageFirst,
+        "layer-first" => PoolLayout::LayerFirst,
+        other => return Err(SimError::Setup(format!("unknown layout {other:?}"))),
+    };
+    let page_tokens = args.page_tokens.unwrap_or_else(|| {
+        cfg.cache
+            .as_ref()
+            .map_or(crate::engine_api::DEFAULT_PAGE_TOKENS, |c| c.page_tokens)
+    });
+    let call = Duration::from_millis(args.call_timeout_ms);
+    let mut client = EngineClient::connect(&args.socket_dir, call).await?;
+    let identity = identity_from_config(&cfg, page_tokens, layout, args.ordinal);
+    let attached = client.attach(identity).await?;
+    for p in &attached.pools {
+        if (p.geometry().bytes_per_token_layer as usize) < TAG_BYTES {
+            return Err(SimError::Setup(format!(
+                "the {} pool has {} B per token and layer; the simulated engine's content needs at least {TAG_BYTES}",
+                p.role,
+                p.geometry().bytes_per_token_layer
+            )));
+        }
+    }
+    let mut summary = Summary {
+        role: attached.reply.role.clone(),
+        attach_id: attached.id(),
+        pools: attached.pools.iter().map(|p| p.role.to_string()).collect(),
+        ..Summary::default()
+    };
+    match attached.reply.role.as_str() {
+        "decode" => decode_loop(&args, &mut client, &attached, &mut summary).await?,
+        "prefill" => prefill_loop(&args, &mut client, &attached, &mut summary).await?,
+        other => return Err(SimError::Setup(format!("unknown worker role {other:?}"))),
+    }
+    if summary.corrupt_chunks > 0 || summary.failed > 0 {
+        return Err(SimError::Verification {
+            corrupt: summary.corrupt_chunks,
+            failed: summary.failed,
+            summary: Box::new(summary),
+        });
+    }
+    Ok(summary)
+}
+
+fn key_of(r: Option<pb::RoomRef>) -> Option<RoomKey> {
+    r.map(RoomKey::from)
+}
+
+async fn decode_loop(
+    args: &Args,
+    client: &mut EngineClient,
+    att: &Attached,
+    s: &mut Summary,
+) -> Result<(), SimError> {
+    let id = att.id();
+    let target = att
+        .pool(PoolRole::Target)
+        .ok_or_else(|| SimError::Setup("no target pool".into()))?;
+    let pt = target.geometry().page_tokens;
+    let tokens = args.tokens.unwrap_or(2 * pt + 3);
+    let req = client.req_within(
+        pb::WatchReleasesRequest { attach_id: id },
+        Duration::from_secs(args.run_timeout_s),
+    );
+    let mut releases = client
+        .decode
+        .watch_releases(req)
+        .await
+        .map_err(ClientError::from)?
+        .into_inner();
+    let mut released: HashMap<RoomKey, pb::SafeToReuse> = HashMap::new();
+    for i in 0..args.requests {
+        let request = args.request_base + u64::from(i);
+        // Reserve, waiting for a release when the pools are full.
+        let reply = loop {
+            let r = client.req(pb::ReserveRequest {
+                attach_id: id,
+                request_id: request,
+                tokens,
+                kv_deadline_ms: args.kv_deadline_ms,
+            });
+            match client.decode.reserve(r).await {
+                Ok(r) => break r.into_inner(),
+                Err(st) => {
+                    let e = ClientError::from(st);
+                    if e.api()
+                        .is_some_and(|a| a.reason == pb::ErrorReason::NoFreePages)
+                    {
+                        let ev = releases
+                            .next()
+                            .await
+                            .ok_or_else(|| SimError::Setup("release stream ended".into()))?
+                            .map_err(ClientError::from)?;
+                        s.releases += 1;
+                        if let Some(k) = key_of(ev.room) {
+                            released.insert(k, ev);
+                        }
+                        continue;
+                    }
+                    return Err(e.into());
+                }
+            }
+        };
+        let key =
+            key_of(reply.room).ok_or_else(|| SimError::Setup("Reserve named no room".into()))?;
+        s.rooms += 1;
+        let wait = client.req_within(
+            pb::AwaitKvRequest {
+                attach_id: id,
+                room: reply.room,
+            },
+            Duration::from_millis(args.kv_deadline_ms + args.call_timeout_ms),
+        );
+        let outcome = client
+            .decode
+            .await_kv(wait)
+            .await
+            .map_err(ClientError::from)?
+            .into_inner();
+        match outcome.outcome {
+            Some(pb::await_kv_reply::Outcome::Complete(c)) => {
+                s.completed += 1;
+                verify_room(att, request, tokens, &c.pages, s);
+                let mut tripped = false;
+                if args.spec_steps > 0 {
+                    let steps: Vec<pb::SpecStep> = (0..args.spec_steps)
+                        .map(|k| pb::SpecStep {
+                            proposed: 4,
+                            accepted: 1 + (k + i) % 3,
+                        })
+                        .collect();
+                    s.spec_steps += args.spec_steps;
+                    let r = client.req(pb::SpecStepsRequest {
+                        attach_id: id,
+                        room: reply.room,
+                        steps,
+                    });
+                    let rep = client
+                        .spec
+                        .report_steps(r)
+                        .await
+                        .map_err(ClientError::from)?
+                        .into_inner();
+                    tripped = rep.tripped;
+                    s.spec_trips += u32::from(tripped);
+                }
+                // A tripped guard already aborted the room through the gate.
+                if !tripped {
+                    let r = client.req(pb::FinishRequest {
+                        attach_id: id,
+                        room: reply.room,
+                    });
+                    client.decode.finish(r).await.map_err(ClientError::from)?;
+                }
+            }
+            Some(pb::await_kv_reply::Outcome::Failed(f)) => {
+                s.failed += 1;
+                tracing::warn!(%key, reason = f.reason, message = %f.message, "room failed");
+            }
+            None => return Err(SimError::Setup("AwaitKv answered no outcome".into())),
+        }
+        // The room's pages are reused only after its SafeToReuse.
+        while !released.contains_key(&key) {
+            let ev = releases
+                .next()
+                .await
+                .ok_or_else(|| SimError::Setup("release stream ended".into()))?
+                .map_err(ClientError::from)?;
+            s.releases += 1;
+            if let Some(k) = key_of(ev.room) {
+                released.insert(k, ev);
+            }
+        }
+        let ev = &released[&key];
+        let mut got = ev.pages.clone();
+        got.sort_unstable();
+        let mut want = reply.pages.clone();
+        want.sort_unstable();
+        if got != want {
+            return Err(SimError::Setup(format!(
+                "SafeToReuse of {key} names pages {got:?}, reserved {want:?}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn verify_room(att: &Attached, request: u64, tokens: u32, pages: &[u32], s: &mut Summary) {
+    for pool in &att.pools {
+        let g = *pool.geometry();
+        for (k, &page) in pages.iter().enumerate() {
+            s.pages += 1;
+            for layer in 0..g.layers {
+                let spec = chunk_spec(pool, request, tokens, k as u32, layer);
+                let mut buf = vec![0u8; spec.bytes()];
+                s.chunks += 1;
+                let bad = match pool.read(page, layer, 0, &mut buf) {
+                    Ok(()) => verify_chunk(&buf, &spec).err().map(|c| c.to_string()),
+                    Err(e) => Some(e.to_string()),
+                };
+                if let Some(why) = bad {
+                    s.corrupt_chunks += 1;
+                    tracing::error!(pool = %pool.role, request, page, layer, error = %why, "corrupt KV chunk read");
+                }
+            }
+        }
+    }
+}
+
+async fn prefill_loop(
+    args: &Args,
+    client: &mut EngineClient,
+    att: &Attached,
+    s: &mut Summary,
+) -> Result<(), SimError> {
+    let id = att.id();
+    let target = att
+        .pool(PoolRole::Target)
+        .ok_or_else(|| SimError::Setup("no target pool".into()))?;
+    let g = *target.geometry();
+    let stream_deadline = Duration::from_secs(args.run_timeout_s);
+    let mut work = client
+        .prefill
+        .watch_work(client.req_within(pb::WatchWorkRequest { attach_id: id }, stream_deadline))
+        .await
+        .map_err(ClientError::from)?
+        .into_inner();
+    let mut freed = client
+        .prefill
+        .watch_source_free(client.req_within(
+            pb::WatchSourceFreeRequest { attach_id: id },
+            stream_deadline,
+        ))
+        .await
+        .map_err(ClientError::from)?
+        .into_inner();
+    let mut free: BTreeSet<u32> = (0..g.pages).collect();
+    let mut queue: VecDeque<pb::PrefillWork> = VecDeque::new();
+    let started = Instant::now();
+    while s.rooms < args.requests || free.len() < g.pages as usize {
+        // Serve queued work whose pages are available.
+        if let Some(w) = queue.front() {
+            let need = w.tokens.div_ceil(g.page_tokens).max(1) as usize;
+            if need > g.pages as usize {
+                return Err(SimError::Setup(format!(
+                    "work of {} tokens exceeds the pool",
+                    w.tokens
+                )));
+            }
+            if free.len() >= need {
+                let w = queue.pop_front().unwrap_or_default();
+                let pages: Vec<u32> = free.iter().copied().take(need).collect();
+                for p in &pages {
+                    free.remove(p);
+                }
+                compute_and_send(client, att, id, &w, &pages, s).await?;
+                s.rooms += 1;
+                continue;
+            }
+        }
+        tokio::select! {
+            w = work.next(), if s.rooms + (queue.len() as u32) < args.requests => {
+                let w = w.ok_or_else(|| SimError::Setup("work stream ended".into()))?.map_err(ClientError::from)?;
+                queue.push_back(w);
+            }
+            f = freed.next() => {
+                let f = f.ok_or_else(|| SimError::Setup("SourceFree stream ended".into()))?.map_err(ClientError::from)?;
+                s.releases += 1;
+                free.extend(f.pages);
+            }
+        }
+        if started.elapsed() > stream_deadline {
+            return Err(SimError::Timeout(stream_deadline));
+        }
+    }
+    Ok(())
+}
+
+async fn compute_and_send(
+    client: &mut EngineClient,
+    att: &Attached,
+    id: u64,
+    w: &pb::PrefillWork,
+    pages: &[u32],
+    s: &mut Summary,
+) -> Result<(), SimError> {
+    let layers = att
+        .pool(PoolRole::Target)
+        .map_or(1, |p| p.geometry().layers);
+    let halves = if layers >= 2 {
+        vec![(0, layers / 2, false), (layers / 2, layers, true)]
+    } else {
+        vec![(0, layers, true)]
+    };
+    for (start, end, last) in halves {
+        for pool in &att.pools {
+            let top = pool.geometry().layers;
+            for (k, &page) in pages.iter().enumerate() {
+                for layer in start.min(top)..end.min(top) {
+                    let spec = chunk_spec(pool, w.request_id, w.tokens, k as u32, layer);
+                    let mut buf = vec![0u8; spec.bytes()];
+                    fill_chunk(&mut buf, &spec);
+                    pool.write(page, layer, 0, &buf)?;
+                    s.chunks += 1;
+                }
+            }
+        }
+        let r = client.req(pb::PagesReadyRequest {
+            attach_id: id,
+            room: w.room,
+            pages: pages.to_vec(),
+            first_page: 0,
+            layers: Some(pb::LayerRange { start, end }),
+            last,
+        });
+        s.pages_ready_calls += 1;
+        let accepted = client
+            .prefill
+            .pages_ready(r)
+            .await
+            .map_err(ClientError::from)?
+            .into_inner()
+            .accepted;
+        if !accepted {
+            break;
+        }
+    }
+    s.pages += (pages.len() * att.pools.len()) as u64;
+    Ok(())
+}

@@ -1,0 +1,186 @@
+//! Seed 000 through the engine API, across processes: a speculative decode worker with a Standalone
+//! store client. A real `tandem-worker store-client` process owns the memfd segments; the worker maps
+//! them (fds over the sidecar's socket), carves the target and draft pools in them, registers both
+//! with the sidecar, and passes the same memfds on to the engine. An engine draft pool on plain mmap
+//! is refused before anything is allocated or registered in the sidecar; teardown leaves no
+//! registration behind.
+
+mod engine_api_support;
+
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engine_api_support::*;
+use tandem_worker::config::WorkerRole;
+use tandem_worker::engine_api::pb;
+use tandem_worker::engine_api::service::Backend;
+use tandem_worker::pool::{PageId, PoolRole};
+use tandem_worker::store_client::ClientMode;
+use tandem_worker::store_client::standalone::StandaloneClient;
+use tonic::Code;
+
+struct Sidecar {
+    child: Child,
+    socket: PathBuf,
+    prefix: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Sidecar {
+    fn spawn() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("sc.sock");
+        let prefix = format!("tandem-eapi-{}", std::process::id());
+        let child = Command::new(BIN)
+            .args([
+                "store-client",
+                "--backend",
+                "memfd",
+                "--budget-bytes",
+                "16777216",
+            ])
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--name-prefix")
+            .arg(&prefix)
+            .spawn()
+            .unwrap();
+        let end = Instant::now() + Duration::from_secs(20);
+        // The socket path appears only once the sidecar accepts.
+        while !socket.exists() {
+            assert!(Instant::now() < end, "the store client did not bind");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Self {
+            child,
+            socket,
+            prefix,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for Sidecar {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn memfd_name(fd: std::os::fd::BorrowedFd<'_>) -> String {
+    use std::os::fd::AsRawFd;
+    std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .unwrap()
+        .to_string_lossy()
+        .into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draft_pool_lives_in_the_sidecar_segment_and_mmap_is_refused_first() {
+    let sc = Sidecar::spawn();
+    let client = Arc::new(StandaloneClient::connect(&sc.socket, "engine-api-it").unwrap());
+    let w = start_worker(
+        worker_config(
+            WorkerRole::Decode,
+            Shape {
+                pages: 4,
+                draft: true,
+                cache: Some(ClientMode::Standalone),
+                ..Shape::default()
+            },
+        ),
+        Backend::Decode(Arc::new(ManualSource::default())),
+        Options {
+            standalone: Some(client.clone()),
+            ..Options::default()
+        },
+    );
+    assert_eq!(
+        client.remote_stats().unwrap(),
+        (1, 0),
+        "one segment, nothing registered"
+    );
+    let mut c = w.client().await;
+
+    // Negative control first: the engine's draft pool on plain mmap.
+    let mut id = identity(&w.cfg);
+    id.pools[1].source = pb::PoolSource::Engine as i32;
+    id.pools[1].engine_domain = pb::Domain::Mmap as i32;
+    let e = client_err(c.attach_only(id).await);
+    assert_eq!(
+        (e.code, e.reason),
+        (
+            Code::FailedPrecondition,
+            pb::ErrorReason::PoolDomainMismatch
+        )
+    );
+    assert_eq!(
+        client.remote_stats().unwrap(),
+        (1, 0),
+        "nothing registered in the sidecar"
+    );
+    assert_eq!(
+        client.host_allocator_live(),
+        0,
+        "nothing carved from its segment"
+    );
+
+    // The worker allocates both pools inside the sidecar's segment and registers them there.
+    let att = c.attach(identity(&w.cfg)).await.unwrap();
+    assert_eq!(client.remote_stats().unwrap(), (1, 2));
+    for p in &att.pools {
+        assert_eq!(
+            p.descriptor.registration,
+            pb::RegistrationState::Committed as i32
+        );
+        assert_eq!(p.descriptor.domain, pb::Domain::SharedMemory as i32);
+        // The engine maps the sidecar's own memfd.
+        let name = memfd_name(p.fd());
+        assert!(name.starts_with(&format!("/memfd:{}", sc.prefix)), "{name}");
+    }
+    // Same bytes on both sides in the draft pool.
+    let draft = att.pool(PoolRole::Draft).unwrap();
+    let chunk = draft.geometry().chunk_bytes() as usize;
+    let pattern: Vec<u8> = (0..chunk).map(|i| (i % 251) as u8).collect();
+    draft.write(3, 1, 0, &pattern).unwrap();
+    let pool = w.api.pools().pool(PoolRole::Draft).unwrap();
+    let region = pool.chunk_region(PageId(3), 1).unwrap();
+    // SAFETY: inside the pool's live mapping; the engine wrote it above and nothing writes now.
+    let seen = unsafe {
+        std::slice::from_raw_parts(pool.buffer().host_ptr().unwrap().add(region.offset), chunk)
+    };
+    assert_eq!(seen, &pattern[..]);
+    let h = c.health().await.unwrap();
+    assert!(
+        h.pools
+            .iter()
+            .all(|p| p.registration == pb::RegistrationState::Committed as i32)
+    );
+    drop(pool);
+
+    // Teardown: the attach ends, the pools are deregistered from the sidecar and freed.
+    drop(att);
+    let mut w = w;
+    w.server.stop().await;
+    let errors = w.api.release_pools();
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(
+        client.remote_stats().unwrap(),
+        (1, 0),
+        "no registration left in the sidecar"
+    );
+    assert_eq!(client.host_allocator_live(), 0);
+}
+
+trait Live {
+    fn host_allocator_live(&self) -> u64;
+}
+
+impl Live for StandaloneClient {
+    fn host_allocator_live(&self) -> u64 {
+        use tandem_worker::store_client::StoreClient;
+        self.host_allocator().stats().live_buffers
+    }
+}
