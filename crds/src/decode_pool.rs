@@ -134,6 +134,11 @@ impl Default for FrontDoorSpec {
     validation = Rule::new("self.metadata.name.size() <= 40").message("a DecodePool name must be at most 40 characters (it prefixes its StatefulSet and pod names)")
 )]
 #[kube(printcolumn(name = "Desired", type_ = "integer", json_path = ".spec.replicas"))]
+#[kube(printcolumn(
+    name = "Admitted",
+    type_ = "integer",
+    json_path = ".status.admittedReplicas"
+))]
 #[kube(printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyReplicas"))]
 #[kube(printcolumn(name = "Ratio", type_ = "string", json_path = ".spec.prefill.ratio"))]
 #[kube(printcolumn(

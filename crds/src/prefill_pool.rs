@@ -42,7 +42,12 @@ pub(crate) const NO_GPU_IN_RESOURCES_MESSAGE: &str = "resources must not set nvi
 /// Prefill instances. One replica is one group of `tensor × context` pods; groups roll as units.
 ///
 /// When a DecodePool pairs with this pool through `spec.prefill.poolRef`, the DecodePool's ratio
-/// derives the replica count and `spec.replicas` here is ignored (status says who owns it).
+/// derives the replica count and `spec.replicas` here is ignored, as is an autoscaler writing
+/// `/scale`: `status.replicasOwner` says who owns the count, the condition `ReplicasIgnored` says
+/// that `spec.replicas` is ignored (the `Spec-Ignored` column of `kubectl get`), and `/scale`
+/// reports the groups that exist (`status.replicas`). When that DecodePool is deleted the pool
+/// keeps the count and revision the ratio last set until its own spec changes (no scale or
+/// restart caused by the release itself).
 #[allow(clippy::duplicated_attributes)] // typed printcolumn(..) entries trip this lint
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
@@ -68,6 +73,12 @@ pub(crate) const NO_GPU_IN_RESOURCES_MESSAGE: &str = "resources must not set nvi
     json_path = ".status.desiredReplicas"
 ))]
 #[kube(printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyReplicas"))]
+#[kube(printcolumn(name = "Spec", type_ = "integer", json_path = ".spec.replicas"))]
+#[kube(printcolumn(
+    name = "Spec-Ignored",
+    type_ = "string",
+    json_path = ".status.conditions[?(@.type==\"ReplicasIgnored\")].status"
+))]
 #[kube(printcolumn(name = "Owner", type_ = "string", json_path = ".status.replicasOwner"))]
 #[kube(printcolumn(
     name = "TP",
@@ -158,7 +169,8 @@ pub struct PoolStatus {
     /// The `metadata.generation` this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// `Ready`, `Progressing`, `Degraded`, `PolicyConflict`, `InsufficientCapacity`.
+    /// `Ready`, `Progressing`, `Degraded`, `PolicyConflict`, `InsufficientCapacity`; a PrefillPool
+    /// also `ReplicasIgnored` (see `tandem_crds::conditions`).
     #[serde(default)]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
@@ -174,6 +186,11 @@ pub struct PoolStatus {
     /// Groups the operator is converging to (from the ratio for a paired PrefillPool).
     #[serde(default)]
     pub desired_replicas: i32,
+    /// DecodePool only: the decode groups the scaling transaction admitted
+    /// (`scaling.applied.decode`). Below `spec.replicas` while a target is refused for capacity
+    /// (the `InsufficientCapacity` condition says why).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admitted_replicas: Option<i32>,
     /// Who owns the replica count: `spec.replicas`, or `DecodePool/<name> ratio P:D`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas_owner: Option<String>,
