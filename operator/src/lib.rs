@@ -1,5 +1,6 @@
 //! Tandem operator (DESIGN §4): one controller per kind, each
-//! `read → validate (pure) → build desired objects (pure) → server-side apply → status`.
+//! `read → validate (pure) → the desired set (pure) → server-side apply → status (pure)`; the two
+//! pool kinds share one staged path ([`controller::pool`]).
 //!
 //! Pure parts, unit-tested with no API server:
 //! - [`labels`]: names and labels of everything the operator creates;
@@ -8,7 +9,7 @@
 //!   across reconciles (shrink before grow, unschedulable rollback);
 //! - [`render`]: the worker and tier configs and the Kubernetes objects of a pool or tier;
 //! - [`rollout`]: the rolling-restart state machine; [`teardown`]: the teardown step planner;
-//! - [`status`]: conditions whose transition time moves only on a flip.
+//! - [`status`]: typed conditions whose transition time moves only on a flip.
 //!
 //! I/O: [`controller`] (the reconcilers, tested against a mock API with tower-test),
 //! [`metrics`] (Prometheus), and the `tandem-operator` binary (`src/main.rs`).

@@ -11,6 +11,12 @@
 //! cannot lead while the old one holds the Lease, and the old one is not stopped until the new one
 //! is Ready (found by the e2e `helm upgrade` suite). Leadership is the `tandem_operator_leading`
 //! gauge's business, not readiness.
+//!
+//! `/readyz` is 503 while a watch of the running controllers fails (e.g. a kind whose CRD was
+//! deleted), with one line per failing watch: its error, how long and how often it failed, and
+//! the delay before its next retry. An operator that cannot see its kinds is not ready, and it
+//! says why; each failure is also logged as a warning with its back-off. `/healthz` stays 200 (a
+//! restart would not bring a deleted CRD back; the watches retry every few seconds).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -28,6 +34,7 @@ use kube::Client;
 use kube_lease_manager::LeaseManagerBuilder;
 use tandem_operator::controller::Context;
 use tandem_operator::controller::run::{Scope, run};
+use tandem_operator::controller::watches::WatchHealth;
 use tandem_operator::metrics::Metrics;
 
 /// Log line format.
@@ -72,6 +79,7 @@ struct Args {
 struct Http {
     metrics: Metrics,
     ready: Arc<AtomicBool>,
+    watches: WatchHealth,
 }
 
 async fn serve_metrics(State(s): State<Http>) -> impl IntoResponse {
@@ -85,13 +93,17 @@ async fn serve_metrics(State(s): State<Http>) -> impl IntoResponse {
 }
 
 async fn readyz(State(s): State<Http>) -> impl IntoResponse {
-    if s.ready.load(Ordering::Relaxed) {
-        (StatusCode::OK, "ok")
-    } else {
-        (
+    if !s.ready.load(Ordering::Relaxed) {
+        return (
             StatusCode::SERVICE_UNAVAILABLE,
-            "not leading or not started",
-        )
+            "not leading or not started".to_owned(),
+        );
+    }
+    let failing = s.watches.report();
+    if failing.is_empty() {
+        (StatusCode::OK, "ok".to_owned())
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, failing)
     }
 }
 
@@ -133,9 +145,11 @@ async fn main() -> anyhow::Result<()> {
         .context("building a Kubernetes client (in-cluster or KUBECONFIG)")?;
     let metrics = Metrics::new();
     let ready = Arc::new(AtomicBool::new(false));
+    let watches = WatchHealth::with_gauge(metrics.watches_failing.clone());
     let http = Http {
         metrics: metrics.clone(),
         ready: ready.clone(),
+        watches: watches.clone(),
     };
     let app = Router::new()
         .route("/metrics", get(serve_metrics))
@@ -211,6 +225,7 @@ async fn main() -> anyhow::Result<()> {
     metrics.leading.set(1);
     let mut ctx = Context::new(client, metrics);
     ctx.probe_reports = true;
+    ctx.watches = watches;
     let scope = Scope {
         namespace: (!args.watch_namespace.is_empty()).then(|| args.watch_namespace.clone()),
     };

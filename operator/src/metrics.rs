@@ -6,7 +6,9 @@
 //!   `Progressing`, `PolicyConflict`, `InsufficientCapacity`, `Terminating`, `NotReady`), set on
 //!   every reconcile;
 //! - `tandem_operator_writes_total{kind,verb}` — API writes by verb (`apply`, `patch`, `delete`,
-//!   `status`), the figure a steady state keeps at zero growth.
+//!   `status`), the figure a steady state keeps at zero growth;
+//! - `tandem_operator_watches_failing` — watches failing now (each retried with back-off; `/readyz`
+//!   names them).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -66,6 +68,8 @@ pub struct Metrics {
     pub writes: Family<WriteLabels, Counter>,
     /// 1 while this replica holds the leader-election Lease (or runs without election), else 0.
     pub leading: Gauge,
+    /// Watches failing now.
+    pub watches_failing: Gauge,
     /// State of each resource, `(kind, namespace/name) → state`, to recompute the gauge.
     states: Arc<Mutex<BTreeMap<(String, String), String>>>,
 }
@@ -87,6 +91,12 @@ impl Metrics {
         let resources = Family::<StateLabels, Gauge>::default();
         let writes = Family::<WriteLabels, Counter>::default();
         let leading = Gauge::default();
+        let watches_failing = Gauge::default();
+        registry.register(
+            "watches_failing",
+            "Watches failing now (retried with back-off; /readyz names them)",
+            watches_failing.clone(),
+        );
         registry.register(
             "leading",
             "1 while this replica holds the leader-election Lease, else 0",
@@ -119,6 +129,7 @@ impl Metrics {
             resources,
             writes,
             leading,
+            watches_failing,
             states: Arc::default(),
         }
     }

@@ -6,6 +6,7 @@
 //! shared-memory target pool, in Standalone mode) cannot be expressed. What can still go wrong is a
 //! pool whose model differs from the tier's: that is a [`PolicyConflict`], and nothing rolls out.
 
+use tandem_crds::conditions::Reason;
 use tandem_crds::{
     AllocatorDomain as TierAllocator, CacheTierSpec, ClientMode as TierClientMode, ModelSpec,
     RegistrationFailurePolicy, WritePolicy as TierWritePolicy,
@@ -79,13 +80,13 @@ pub enum PolicyConflict {
 }
 
 impl PolicyConflict {
-    /// The condition reason (CamelCase, stable).
-    pub fn reason(&self) -> &'static str {
+    /// The condition reason (one per variant).
+    pub fn reason(&self) -> Reason {
         match self {
-            PolicyConflict::TierNotFound(_) => "CacheTierNotFound",
-            PolicyConflict::ModelMismatch { .. } => "ModelMismatch",
-            PolicyConflict::StandaloneNeedsSharedMemory { .. } => "AllocatorMismatch",
-            PolicyConflict::TierTerminating(_) => "CacheTierTerminating",
+            PolicyConflict::TierNotFound(_) => Reason::CacheTierNotFound,
+            PolicyConflict::ModelMismatch { .. } => Reason::ModelMismatch,
+            PolicyConflict::StandaloneNeedsSharedMemory { .. } => Reason::AllocatorMismatch,
+            PolicyConflict::TierTerminating(_) => Reason::CacheTierTerminating,
         }
     }
 }
@@ -245,7 +246,7 @@ mod tests {
             },
         )
         .unwrap_err();
-        assert_eq!(err.reason(), "ModelMismatch");
+        assert_eq!(err.reason().as_str(), "ModelMismatch");
         assert!(
             err.to_string().contains("head_dim: Some(64) vs Some(128)"),
             "{err}"
@@ -268,7 +269,7 @@ mod tests {
             },
         )
         .unwrap_err();
-        assert_eq!(err.reason(), "AllocatorMismatch");
+        assert_eq!(err.reason().as_str(), "AllocatorMismatch");
     }
 
     #[test]
@@ -277,7 +278,8 @@ mod tests {
         assert_eq!(
             resolve(&model, TierLookup::Missing("x"))
                 .unwrap_err()
-                .reason(),
+                .reason()
+                .as_str(),
             "CacheTierNotFound"
         );
         let t = tier(&format!("{{model: {MODEL}, memory: 1Gi}}"));
@@ -290,7 +292,7 @@ mod tests {
             },
         )
         .unwrap_err();
-        assert_eq!(err.reason(), "CacheTierTerminating");
+        assert_eq!(err.reason().as_str(), "CacheTierTerminating");
         let none = resolve(&model, TierLookup::None).unwrap();
         assert_eq!((none.allocator, none.l3), (AllocatorDomain::Mmap, None));
     }

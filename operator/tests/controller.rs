@@ -465,13 +465,14 @@ async fn a_restart_rolls_prefill_first_then_decode_one_group_at_a_time() {
 
 /// A scale-up whose new pods stay unschedulable past the deadline is rolled back to the last
 /// fully scheduled counts, with `InsufficientCapacity` and an event; the extra groups go.
-#[tokio::test]
-async fn an_unschedulable_scale_up_is_rolled_back_with_insufficient_capacity() {
+/// The sample stack with `unschedulableDeadlineSeconds: deadline`, converged, then scaled from 1
+/// to 2 decode groups (prefill 4 → 8) with the pods `pending` left unschedulable.
+async fn scale_up_with_pending(deadline: i64, pending: &[String]) -> (FakeApi, Arc<Context>) {
     let (fake, client) = FakeApi::start();
     seed(&fake);
     fake.edit(paths::DECODES, DECODE, |o| {
-        // Admission needs ≥ 10 s; the fake has no admission, and the test no time to wait.
-        o["spec"]["unschedulableDeadlineSeconds"] = json!(0);
+        // Admission needs ≥ 10 s; the fake has no admission.
+        o["spec"]["unschedulableDeadlineSeconds"] = json!(deadline);
     });
     let ctx = context(client);
     converge(&fake, &ctx).await;
@@ -482,13 +483,24 @@ async fn an_unschedulable_scale_up_is_rolled_back_with_insufficient_capacity() {
     reconcile_decode(&ctx).await; // step: decode 1 → 2, prefill 4 → 8
     reconcile_prefill(&ctx).await;
     fake.materialize_pods();
-    for p in ["llama70b-decode-g1-0", "llama70b-prefill-g4-0"] {
+    for p in pending {
         fake.edit(paths::PODS, p, |o| {
             o["spec"]["nodeName"] = Value::Null;
             o["status"]["conditions"] = json!([
                 {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]);
         });
     }
+    (fake, ctx)
+}
+
+#[tokio::test]
+async fn an_unschedulable_scale_up_is_rolled_back_with_insufficient_capacity() {
+    // The test has no time to wait for a deadline: 0 s.
+    let pending = [
+        "llama70b-decode-g1-0".into(),
+        "llama70b-prefill-g4-0".into(),
+    ];
+    let (fake, ctx) = scale_up_with_pending(0, &pending).await;
     fake.clear_calls();
     reconcile_decode(&ctx).await;
     let d = fake.get(paths::DECODES, DECODE).unwrap();
@@ -643,4 +655,242 @@ async fn two_decode_pools_on_one_prefill_pool_are_refused_with_a_reason() {
     let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
     let pc = condition(&p, "PolicyConflict");
     assert_eq!(pc["status"].as_str(), Some("False"), "{pc}");
+}
+
+fn prefill_writes(calls: &[Call]) -> Vec<String> {
+    let writes: Vec<Call> = calls
+        .iter()
+        .filter(|c| c.is_write())
+        .filter(|c| {
+            (c.path.starts_with(paths::STS) || c.path.starts_with(paths::PODS))
+                && c.path.contains(PREFILL)
+        })
+        .cloned()
+        .collect();
+    summary(&writes)
+}
+
+fn status_of(cond: &Value) -> (Option<&str>, Option<&str>) {
+    (cond["status"].as_str(), cond["reason"].as_str())
+}
+
+/// Issue 19 item 3: while the scale-up's prefill groups are Pending, the DecodePool is neither
+/// Ready nor Settled (its own decode groups all being Ready is not enough); after the rollback it
+/// says what was admitted (`status.admittedReplicas`) and why.
+#[tokio::test]
+async fn a_pending_scale_up_is_progressing_and_a_rollback_says_what_was_admitted() {
+    // Every new prefill group Pending; the new decode group scheduled and Ready.
+    let pending_prefill: Vec<String> = (4..8).map(|g| format!("{PREFILL}-g{g}-0")).collect();
+    let (fake, ctx) = scale_up_with_pending(3600, &pending_prefill).await;
+    reconcile_decode(&ctx).await;
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(
+        d["status"]["readyReplicas"],
+        json!(2),
+        "both decode groups Ready"
+    );
+    let ready = condition(&d, "Ready");
+    assert_eq!(
+        status_of(&ready),
+        (Some("False"), Some("GroupsNotReady")),
+        "{ready}"
+    );
+    assert!(
+        ready["message"].as_str().unwrap().contains("4/8"),
+        "{ready}"
+    );
+    let progressing = condition(&d, "Progressing");
+    assert_eq!(
+        status_of(&progressing),
+        (Some("True"), Some("ScaleUpPending")),
+        "{progressing}"
+    );
+    assert_eq!(
+        status_of(&condition(&d, "InsufficientCapacity")),
+        (Some("False"), Some("ScaleUpPending"))
+    );
+    assert_eq!(d["status"]["admittedReplicas"], json!(2));
+
+    // Past the deadline: rolled back to 1 / 4; the extra groups and their pods go.
+    fake.edit(paths::DECODES, DECODE, |o| {
+        o["spec"]["unschedulableDeadlineSeconds"] = json!(0);
+    });
+    reconcile_decode(&ctx).await;
+    reconcile_prefill(&ctx).await;
+    for p in pending_prefill.iter().chain([&format!("{DECODE}-g1-0")]) {
+        fake.remove(paths::PODS, p);
+    }
+    reconcile_decode(&ctx).await;
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(d["spec"]["replicas"], json!(2));
+    assert_eq!(d["status"]["admittedReplicas"], json!(1));
+    let ready = condition(&d, "Ready");
+    assert_eq!(status_of(&ready), (Some("True"), Some("AllGroupsReady")));
+    assert!(
+        ready["message"]
+            .as_str()
+            .unwrap()
+            .contains("1 of 2 decode groups admitted"),
+        "{ready}"
+    );
+    let progressing = condition(&d, "Progressing");
+    assert_eq!(
+        status_of(&progressing),
+        (Some("False"), Some("CapacityLimited")),
+        "{progressing}"
+    );
+    let msg = progressing["message"].as_str().unwrap();
+    assert!(
+        msg.contains("decode 1 / prefill 4") && msg.contains("decode 2 / prefill 8"),
+        "{msg}"
+    );
+    assert_eq!(
+        status_of(&condition(&d, "InsufficientCapacity")),
+        (Some("True"), Some("Unschedulable"))
+    );
+}
+
+/// Issue 19 item 4: a PrefillPool whose count the ratio owns says that `spec.replicas` (and so an
+/// autoscaler on `/scale`) is ignored — a condition, and one event — and `/scale`'s status
+/// (`status.replicas`) reports the groups that exist.
+#[tokio::test]
+async fn a_ratio_owned_prefill_pool_says_spec_replicas_is_ignored() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    let ctx = context(client);
+    reconcile_tier(&ctx).await;
+    reconcile_decode(&ctx).await;
+    reconcile_prefill(&ctx).await;
+    reconcile_prefill(&ctx).await;
+    let ignored_events = |calls: &[Call]| {
+        event_reasons(calls)
+            .iter()
+            .filter(|r| *r == "ReplicasIgnored")
+            .count()
+    };
+    assert_eq!(
+        ignored_events(&fake.calls()),
+        1,
+        "one event, not one per reconcile"
+    );
+    converge(&fake, &ctx).await;
+    let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
+    let ri = condition(&p, "ReplicasIgnored");
+    assert_eq!(
+        status_of(&ri),
+        (Some("True"), Some("DecodePoolRatio")),
+        "{ri}"
+    );
+
+    // `kubectl scale prefillpool --replicas=6`, or an HPA on /scale: nothing moves, status says so.
+    fake.edit(paths::PREFILLS, PREFILL, |o| {
+        o["spec"]["replicas"] = json!(6);
+        o["metadata"]["generation"] = json!(2);
+    });
+    fake.clear_calls();
+    reconcile_prefill(&ctx).await;
+    assert_eq!(prefill_writes(&fake.calls()), Vec::<String>::new());
+    assert_eq!(ignored_events(&fake.calls()), 0, "still the same decision");
+    let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
+    let ri = condition(&p, "ReplicasIgnored");
+    let msg = ri["message"].as_str().unwrap();
+    assert!(
+        msg.contains("spec.replicas (6)") && msg.contains("/scale") && msg.contains(DECODE),
+        "{msg}"
+    );
+    assert_eq!(
+        p["status"]["replicas"],
+        json!(4),
+        "/scale reports what runs"
+    );
+    assert_eq!(p["status"]["desiredReplicas"], json!(4));
+
+    // An unpaired pool's count is its spec.
+    let mut lone = sample("prefillpool.yaml");
+    lone["metadata"]["name"] = json!("lone-prefill");
+    fake.insert(paths::PREFILLS, lone);
+    let api: Api<PrefillPool> = Api::namespaced(ctx.client.clone(), "default");
+    let lone = api.get("lone-prefill").await.unwrap();
+    prefill_pool::reconcile(Arc::new(lone), ctx.clone())
+        .await
+        .unwrap();
+    let l = fake.get(paths::PREFILLS, "lone-prefill").unwrap();
+    assert_eq!(
+        status_of(&condition(&l, "ReplicasIgnored")),
+        (Some("False"), Some("SpecReplicas"))
+    );
+}
+
+/// Issue 19 item 5: deleting the DecodePool releases its PrefillPool, which keeps the count and
+/// revision the ratio last set — no scale to its own `spec.replicas`, no rolling restart — until
+/// its own spec changes.
+#[tokio::test]
+async fn a_released_prefill_pool_keeps_its_count_and_revision_until_its_spec_changes() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    let ctx = context(client);
+    converge(&fake, &ctx).await;
+    // An HPA (or `kubectl scale`) set spec.replicas while the ratio owned the count.
+    fake.edit(paths::PREFILLS, PREFILL, |o| {
+        o["spec"]["replicas"] = json!(6);
+        o["metadata"]["generation"] = json!(2);
+    });
+    reconcile_prefill(&ctx).await;
+    let before = fake.get(paths::PREFILLS, PREFILL).unwrap();
+    let revision = before["status"]["updateRevision"].clone();
+    assert_eq!(before["status"]["desiredReplicas"], json!(4));
+
+    // Teardown of the DecodePool alone.
+    mark_deleting(&fake, paths::DECODES, DECODE);
+    for _ in 0..4 {
+        reconcile_decode(&ctx).await;
+        reconcile_prefill(&ctx).await; // it follows the draining DecodePool meanwhile
+        fake.materialize_pods();
+    }
+    assert!(fake.get(paths::DECODES, DECODE).is_none(), "released");
+
+    fake.clear_calls();
+    reconcile_prefill(&ctx).await;
+    reconcile_prefill(&ctx).await;
+    assert_eq!(
+        prefill_writes(&fake.calls()),
+        Vec::<String>::new(),
+        "the release alone scales and restarts nothing"
+    );
+    let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
+    assert_eq!(p["status"]["desiredReplicas"], json!(4));
+    assert_eq!(p["status"]["updateRevision"], revision);
+    assert_eq!(
+        p["status"]["replicasOwner"],
+        json!("held from DecodePool/llama70b-decode ratio 4:1")
+    );
+    let ri = condition(&p, "ReplicasIgnored");
+    assert_eq!(
+        status_of(&ri),
+        (Some("True"), Some("ReleasedByDecodePool")),
+        "{ri}"
+    );
+    assert!(
+        ri["message"]
+            .as_str()
+            .unwrap()
+            .contains("until its own spec changes"),
+        "{ri}"
+    );
+
+    // The user changes the pool's own spec: now spec.replicas and its own revision apply.
+    fake.edit(paths::PREFILLS, PREFILL, |o| {
+        o["spec"]["replicas"] = json!(3);
+        o["metadata"]["generation"] = json!(3);
+    });
+    reconcile_prefill(&ctx).await;
+    let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
+    assert_eq!(p["status"]["desiredReplicas"], json!(3));
+    assert_ne!(p["status"]["updateRevision"], revision);
+    assert_eq!(p["status"]["replicasOwner"], json!("spec.replicas"));
+    assert_eq!(
+        status_of(&condition(&p, "ReplicasIgnored")),
+        (Some("False"), Some("SpecReplicas"))
+    );
+    assert!(fake.get(paths::STS, &format!("{PREFILL}-g3")).is_none());
 }

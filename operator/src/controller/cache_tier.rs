@@ -13,18 +13,19 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use kube::api::ListParams;
 use kube::runtime::controller::Action;
 use kube::{Api, Resource, ResourceExt};
-use tandem_crds::conditions as cond;
+use tandem_crds::conditions::TIER_CONDITIONS;
 use tandem_crds::{CacheTier, CacheTierStatus, DecodePool, PrefillPool};
 
-use super::children::{self, need, normal, warning};
-use super::pool::apply_child;
-use super::pool_teardown::run_teardown_step;
+use super::blocked::{self, Block, Reported, blocked_conditions, previous_conditions};
+use super::children::{self, need, normal};
+use super::pool::apply::apply_child;
 use super::probe;
-use super::{BUSY, Context, RESYNC, Result};
+use super::refusal::Refusal;
+use super::{BUSY, Context, RESYNC, Result, teardown};
 use crate::labels::{self, Role};
 use crate::render::tier::{self, L3_PORT};
-use crate::status::{self, Decided};
-use crate::teardown::{self, TeardownObservation, TeardownStep};
+use crate::status::{self, ConditionType, Decided, Reason};
+use crate::teardown::TeardownObservation;
 
 /// Kind name for metrics and logs.
 pub const KIND: &str = "CacheTier";
@@ -74,9 +75,9 @@ pub async fn reconcile(ct: Arc<CacheTier>, ctx: Arc<Context>) -> Result<Action> 
     let pods = children::list(&pods_api, &name, Role::Cache).await?;
     let prev = ct.status.as_ref();
 
-    if children::terminating(ct.as_ref()) && !ctx.unsafe_modes.reconcile_while_deleting {
+    if children::terminating(ct.as_ref()) && !ctx.reconcile_while_deleting() {
         ctx.metrics.set_state(KIND, &key, Some("Terminating"));
-        if !ct.finalizers().iter().any(|f| f == super::FINALIZER) {
+        if !teardown::holds_finalizer(ct.as_ref()) {
             return Ok(Action::await_change());
         }
         let obs = TeardownObservation {
@@ -84,31 +85,12 @@ pub async fn reconcile(ct: Arc<CacheTier>, ctx: Arc<Context>) -> Result<Action> 
             front_door_present: false,
             scaled_up: sts
                 .iter()
-                .filter(|s| !children::terminating(*s) && s.spec.replicas.unwrap_or(1) > 0)
+                .filter(|s| teardown::still_scaled(s))
                 .map(|_| store.clone())
                 .collect(),
             pods_left: pods.len() as u32,
         };
-        let step = teardown::next_step(&obs);
-        run_teardown_step(&ctx, KIND, &parent, &ns, &name, &step).await?;
-        if step == TeardownStep::RemoveFinalizer {
-            children::remove_finalizer(&ctx, KIND, &api, ct.as_ref()).await?;
-            return Ok(Action::await_change());
-        }
-        let msg = super::pool_teardown::teardown_message(&step);
-        let status = tier_status(
-            prev,
-            ct.metadata.generation,
-            &[
-                Decided::new(cond::READY, false, "Terminating", msg.clone()),
-                Decided::new(cond::PROGRESSING, false, "Terminating", msg.clone()),
-                Decided::new(cond::DEGRADED, true, "Terminating", msg),
-                cache_warm_of(prev),
-            ],
-            prev.cloned().unwrap_or_default(),
-        );
-        children::patch_status_if_changed(&ctx, KIND, &api, &name, prev, &status).await?;
-        return Ok(Action::requeue(BUSY));
+        return teardown::advance(&ctx, &api, ct.as_ref(), &obs, |b| blocked_status(&ct, b)).await;
     }
     children::ensure_finalizer(&ctx, KIND, &api, ct.as_ref()).await?;
     let owner = need(ct.controller_owner_ref(&()), "metadata.uid")?;
@@ -116,35 +98,9 @@ pub async fn reconcile(ct: Arc<CacheTier>, ctx: Arc<Context>) -> Result<Action> 
     let cfg = match tier::tier_config(&ct) {
         Ok(c) => c,
         Err(e) => {
-            let reason = "RenderFailed";
-            if !prev
-                .and_then(|s| status::find(&s.conditions, cond::DEGRADED))
-                .is_some_and(|c| c.status == "True" && c.reason == reason)
-            {
-                ctx.event(
-                    &parent,
-                    warning(),
-                    reason,
-                    "Block",
-                    format!("{e}; no child is created or updated"),
-                )
-                .await;
-            }
-            let msg = e.to_string();
-            let status = tier_status(
-                prev,
-                ct.metadata.generation,
-                &[
-                    Decided::new(cond::READY, false, reason, msg.clone()),
-                    Decided::new(cond::PROGRESSING, false, reason, msg.clone()),
-                    Decided::new(cond::DEGRADED, true, reason, msg),
-                    cache_warm_of(prev),
-                ],
-                prev.cloned().unwrap_or_default(),
-            );
-            ctx.metrics.set_state(KIND, &key, Some("NotReady"));
-            children::patch_status_if_changed(&ctx, KIND, &api, &name, prev, &status).await?;
-            return Ok(Action::requeue(RESYNC));
+            let block = Block::from(&Refusal::Render(e));
+            let status = blocked_status(&ct, &block);
+            return blocked::report(&ctx, &api, ct.as_ref(), &block, status).await;
         }
     };
     let replicas = ct.spec.replicas.max(0);
@@ -212,25 +168,22 @@ pub async fn reconcile(ct: Arc<CacheTier>, ctx: Arc<Context>) -> Result<Action> 
     let warm = cache_warm(replicas, ready_n, &reports);
     let decided = [
         if ready_n >= replicas {
-            Decided::new(
-                cond::READY,
-                true,
-                "AllReplicasReady",
+            Decided::yes(
+                ConditionType::Ready,
+                Reason::AllReplicasReady,
                 format!("{ready_n}/{replicas} store replicas ready"),
             )
         } else {
-            Decided::new(
-                cond::READY,
-                false,
-                "ReplicasNotReady",
+            Decided::no(
+                ConditionType::Ready,
+                Reason::ReplicasNotReady,
                 format!("{ready_n}/{replicas} store replicas ready"),
             )
         },
         if ready_n < replicas || updated < replicas || live.len() as i32 != replicas {
-            Decided::new(
-                cond::PROGRESSING,
-                true,
-                "RollingOut",
+            Decided::yes(
+                ConditionType::Progressing,
+                Reason::RollingOut,
                 format!(
                     "{} replicas, {ready_n} ready, {updated} at revision {}",
                     live.len(),
@@ -238,25 +191,21 @@ pub async fn reconcile(ct: Arc<CacheTier>, ctx: Arc<Context>) -> Result<Action> 
                 ),
             )
         } else {
-            Decided::new(
-                cond::PROGRESSING,
-                false,
-                "Settled",
+            Decided::no(
+                ConditionType::Progressing,
+                Reason::Settled,
                 "every replica is ready at the current revision",
             )
         },
-        Decided::new(
-            cond::DEGRADED,
-            false,
-            "AsExpected",
+        Decided::no(
+            ConditionType::Degraded,
+            Reason::AsExpected,
             "no degradation observed",
         ),
         warm.clone(),
     ];
-    if warm.status
-        && prev
-            .and_then(|s| status::find(&s.conditions, cond::CACHE_WARM))
-            .is_none_or(|c| c.status != "True")
+    if warm.is_true()
+        && !status::is_true(previous_conditions(ct.as_ref()), ConditionType::CacheWarm)
     {
         ctx.event(
             &parent,
@@ -293,27 +242,20 @@ pub async fn reconcile(ct: Arc<CacheTier>, ctx: Arc<Context>) -> Result<Action> 
         })
         .collect();
     let status = tier_status(prev, ct.metadata.generation, &decided, base);
-    ctx.metrics.set_state(
-        KIND,
-        &key,
-        Some(if status::is_true(&status.conditions, cond::READY) {
-            "Ready"
-        } else {
-            "Progressing"
-        }),
-    );
+    ctx.metrics
+        .set_state(KIND, &key, Some(CacheTier::state(&status)));
     children::patch_status_if_changed(&ctx, KIND, &api, &name, prev, &status).await?;
-    let busy = ready_n < replicas || !warm.status;
+    let busy = ready_n < replicas || !warm.is_true();
     Ok(Action::requeue(if busy { BUSY } else { RESYNC }))
 }
 
 /// `CacheWarm` from the replicas' reports (`None` = unreachable, judged by readiness).
 pub fn cache_warm(replicas: i32, ready: i32, reports: &[Option<probe::CacheReport>]) -> Decided {
+    let cw = ConditionType::CacheWarm;
     if ready < replicas {
-        return Decided::new(
-            cond::CACHE_WARM,
-            false,
-            "ReplicasNotReady",
+        return Decided::no(
+            cw,
+            Reason::ReplicasNotReady,
             format!("{ready}/{replicas} store replicas ready"),
         );
     }
@@ -322,45 +264,37 @@ pub fn cache_warm(replicas: i32, ready: i32, reports: &[Option<probe::CacheRepor
         .filter(|r| r.is_some_and(|r| !r.warm))
         .count();
     if cold > 0 {
-        return Decided::new(
-            cond::CACHE_WARM,
-            false,
-            "LoadingBack",
+        return Decided::no(
+            cw,
+            Reason::LoadingBack,
             format!("{cold} replica(s) still loading objects back"),
         );
     }
     if reports.iter().any(Option::is_none) {
-        Decided::new(
-            cond::CACHE_WARM,
-            true,
-            "ReadyApproximation",
+        Decided::yes(
+            cw,
+            Reason::ReadyApproximation,
             "every replica is Ready; at least one /report was unreachable, so warmth is judged by readiness",
         )
     } else {
-        Decided::new(
-            cond::CACHE_WARM,
-            true,
-            "AllReplicasWarm",
+        Decided::yes(
+            cw,
+            Reason::AllReplicasWarm,
             "every replica reports loadback finished",
         )
     }
 }
 
-fn cache_warm_of(prev: Option<&CacheTierStatus>) -> Decided {
-    match prev.and_then(|s| status::find(&s.conditions, cond::CACHE_WARM)) {
-        Some(c) => Decided::new(
-            cond::CACHE_WARM,
-            c.status == "True",
-            c.reason.clone(),
-            c.message.clone(),
-        ),
-        None => Decided::new(
-            cond::CACHE_WARM,
-            false,
-            "NotStarted",
-            "no replica reported yet",
-        ),
-    }
+/// The status of a tier that does not roll out now (render failure, teardown).
+fn blocked_status(ct: &CacheTier, block: &Block) -> CacheTierStatus {
+    let prev = ct.status.as_ref();
+    let decided = blocked_conditions(block, previous_conditions(ct), &TIER_CONDITIONS);
+    tier_status(
+        prev,
+        ct.metadata.generation,
+        &decided,
+        prev.cloned().unwrap_or_default(),
+    )
 }
 
 fn tier_status(

@@ -15,6 +15,7 @@ use sha2::{Digest, Sha256};
 
 use super::{Context, DESIRED_HASH, Error, FINALIZER, Result};
 use crate::labels::{self, FIELD_MANAGER, Role};
+use crate::status::ConditionStatus;
 
 /// Hash of a desired object (its JSON), written as [`DESIRED_HASH`].
 pub fn desired_hash<K: Serialize>(obj: &K) -> Result<String> {
@@ -80,7 +81,7 @@ where
             _ => None,
         },
     };
-    let reason = match (reason, ctx.unsafe_modes.always_apply) {
+    let reason = match (reason, ctx.always_apply()) {
         (None, true) => Some(ApplyReason::Changed),
         (r, _) => r,
     };
@@ -222,7 +223,7 @@ pub fn group_of<K: Resource>(obj: &K) -> Option<u32> {
 
 /// Pod facts the controllers use.
 pub fn pod_ready(p: &Pod) -> bool {
-    condition(p, "Ready") == Some("True")
+    condition(p, "Ready").is_some_and(ConditionStatus::is_true)
 }
 
 /// `PodScheduled=False` with reason `Unschedulable`.
@@ -233,7 +234,7 @@ pub fn pod_unschedulable(p: &Pod) -> bool {
         .is_some_and(|cs| {
             cs.iter().any(|c| {
                 c.type_ == "PodScheduled"
-                    && c.status == "False"
+                    && ConditionStatus::parse(&c.status) == ConditionStatus::False
                     && c.reason.as_deref() == Some("Unschedulable")
             })
         })
@@ -242,17 +243,18 @@ pub fn pod_unschedulable(p: &Pod) -> bool {
 /// The pod is bound to a node.
 pub fn pod_scheduled(p: &Pod) -> bool {
     p.spec.as_ref().is_some_and(|s| s.node_name.is_some())
-        || condition(p, "PodScheduled") == Some("True")
+        || condition(p, "PodScheduled").is_some_and(ConditionStatus::is_true)
 }
 
-fn condition<'a>(p: &'a Pod, type_: &str) -> Option<&'a str> {
+/// The status of the pod condition `type_` (a core/v1 pod condition type such as `Ready`).
+fn condition(p: &Pod, type_: &str) -> Option<ConditionStatus> {
     p.status
         .as_ref()?
         .conditions
         .as_ref()?
         .iter()
         .find(|c| c.type_ == type_)
-        .map(|c| c.status.as_str())
+        .map(|c| ConditionStatus::parse(&c.status))
 }
 
 /// The object has a deletion timestamp.

@@ -1,26 +1,30 @@
-//! DecodePool controller: the decode groups, the front door, and the owner of the P:D scaling
-//! transaction (its `status.scaling.applied.prefill` is the PrefillPool's group count).
+//! DecodePool: the decode groups and the front door, through the pool stages of
+//! [`super::pool`]; and the owner of the P:D scaling transaction (its
+//! `status.scaling.applied.prefill` is the PrefillPool's group count), decided in the pure
+//! desired stage by [`crate::capacity::decide`].
 
 use std::sync::Arc;
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::runtime::controller::Action;
-use kube::{Api, Resource, ResourceExt};
-use tandem_crds::conditions as cond;
-use tandem_crds::{DecodePool, PoolStatus, PrefillPool};
+use kube::{Api, ResourceExt};
+use tandem_crds::{DecodePool, PrefillPool};
 
-use super::children::{self, need, normal, warning};
-use super::pool::{self, Block, PoolChildren, StatusFacts, policy_message, state_of};
-use super::pool_teardown::{run_teardown_step, scaled_up, teardown_message};
-use super::revision::{self, Blocked};
-use super::{BUSY, Context, RESYNC, Result};
+use super::children::{self, normal, warning};
+use super::pool::observe::{self, PoolChildren};
+use super::pool::status::{CapacityState, PairProgress, resolved_conditions};
+use super::pool::{self, Desired, Note, PoolKind, SPEC_REPLICAS};
+use super::prefill_pool::pairing_decode_pools;
+use super::refusal::Refusal;
+use super::revision::{self, Resolved, TierRead};
+use super::{Context, Result};
 use crate::capacity::{self, CapacityInput, CapacityObservation, CapacityOutcome};
 use crate::labels::Role;
 use crate::policy::model_difference;
 use crate::render::PoolView;
-use crate::rollout::{GroupState, phase};
+use crate::rollout::GroupState;
 use crate::scaling::{self, Counts, GroupSizes};
-use crate::status::Decided;
-use crate::teardown::{self, TeardownObservation, TeardownStep};
+use crate::status::{self, ConditionType, Decided, Reason};
 
 /// Kind name for metrics and logs.
 pub const KIND: &str = "DecodePool";
@@ -30,234 +34,189 @@ pub const KIND: &str = "DecodePool";
 /// # Errors
 /// API failures; they are retried with backoff.
 pub async fn reconcile(dp: Arc<DecodePool>, ctx: Arc<Context>) -> Result<Action> {
-    let ns = need(dp.namespace(), "metadata.namespace")?;
-    let name = dp.name_any();
-    let api: Api<DecodePool> = Api::namespaced(ctx.client.clone(), &ns);
-    // The scaling transaction lives in this object's status. The copy a reconcile is handed comes
-    // from the reflector and can predate our own last status write (a child's event triggers the
-    // reconcile before the watch delivers that write); deciding from it replays a finished step,
-    // deleting the new groups and re-creating them. So decide from a fresh (quorum) read.
-    let dp = if ctx.unsafe_modes.trust_cached_status {
-        dp
-    } else {
-        match api.get_opt(&name).await? {
-            Some(fresh) => Arc::new(fresh),
-            None => return Ok(Action::await_change()),
-        }
-    };
-    let parent = dp.object_ref(&());
-    let observed = pool::observe(&ctx, &ns, &name, Role::Decode).await?;
-    let key = format!("{ns}/{name}");
+    pool::reconcile(dp, ctx).await
+}
 
-    if children::terminating(dp.as_ref()) && !ctx.unsafe_modes.reconcile_while_deleting {
-        ctx.metrics.set_state(KIND, &key, Some("Terminating"));
-        return teardown(&ctx, &api, &dp, &observed).await;
+/// What a DecodePool's reconcile reads besides the pool.
+#[derive(Debug, Clone, Default)]
+pub struct DecodeWorld {
+    /// The PrefillPool named by `spec.prefill.poolRef`, if it exists.
+    pub prefill: Option<PrefillPool>,
+    /// Other live DecodePools pairing with that PrefillPool.
+    pub rivals: Vec<String>,
+    /// The pool's tier.
+    pub tier: TierRead,
+    /// The PrefillPool's tier.
+    pub prefill_tier: TierRead,
+    /// The PrefillPool's children.
+    pub prefill_children: PoolChildren,
+}
+
+/// A DecodePool that may roll out.
+#[derive(Debug, Clone)]
+pub struct DecodeValidated {
+    /// The pool resolved against its tier.
+    pub own: Resolved,
+    /// The PrefillPool's own revision.
+    pub prefill_revision: String,
+    /// Pods per prefill group.
+    pub prefill_group_size: u32,
+}
+
+impl PoolKind for DecodePool {
+    const ROLE: Role = Role::Decode;
+    type World = DecodeWorld;
+    type Validated = DecodeValidated;
+
+    fn view(&self) -> PoolView<'_> {
+        PoolView::decode(self)
     }
-    children::ensure_finalizer(&ctx, KIND, &api, dp.as_ref()).await?;
-    let prev = dp.status.as_ref();
-    let owner = need(dp.controller_owner_ref(&()), "metadata.uid")?;
-    let view = PoolView::decode(&dp);
 
-    let prefill_name = &dp.spec.prefill.pool_ref.name;
-    let prefill_api: Api<PrefillPool> = Api::namespaced(ctx.client.clone(), &ns);
-    let Some(prefill) = prefill_api.get_opt(prefill_name).await? else {
-        let msg = format!(
-            "PrefillPool {prefill_name:?} does not exist in {ns}; nothing rolls out until it does"
-        );
-        return blocked(
-            &ctx,
-            &api,
-            &dp,
-            &observed,
-            Block::new(cond::DEGRADED, "PrefillPoolNotFound", msg),
-        )
-        .await;
-    };
-    // Another live DecodePool pairing with the same PrefillPool: the PrefillPool refuses both
-    // (`MultipleDecodePools`), so a scale-up here would wait forever for prefill groups. Say so.
-    let rivals: Vec<String> = super::prefill_pool::pairing_decode_pools(&ctx, &ns, prefill_name)
-        .await?
-        .iter()
-        .filter(|d| !children::terminating(*d) && d.name_any() != name)
-        .map(|d| d.name_any())
-        .collect();
-    if !rivals.is_empty() {
-        let msg = format!(
-            "PrefillPool {prefill_name:?} is also paired with DecodePool {}; one prefill pool \
-             serves one DecodePool",
-            rivals.join(", ")
-        );
-        return blocked(
-            &ctx,
-            &api,
-            &dp,
-            &observed,
-            Block::new(cond::POLICY_CONFLICT, "MultipleDecodePools", msg),
-        )
-        .await;
-    }
-    let resolved = match revision::resolve(&ctx, &view).await? {
-        Ok(r) => r,
-        Err(Blocked::Conflict(c)) => {
-            return blocked(
-                &ctx,
-                &api,
-                &dp,
-                &observed,
-                Block::new(cond::POLICY_CONFLICT, c.reason(), c.to_string()),
-            )
-            .await;
+    async fn read(ctx: &Context, ns: &str, dp: &Self) -> Result<DecodeWorld> {
+        let name = dp.name_any();
+        let prefill_name = &dp.spec.prefill.pool_ref.name;
+        let prefill_api: Api<PrefillPool> = Api::namespaced(ctx.client.clone(), ns);
+        let mut world = DecodeWorld {
+            prefill: prefill_api.get_opt(prefill_name).await?,
+            tier: revision::read_tier(ctx, &dp.view()).await?,
+            ..DecodeWorld::default()
+        };
+        if let Some(p) = &world.prefill {
+            world.rivals = pairing_decode_pools(ctx, ns, prefill_name)
+                .await?
+                .iter()
+                .filter(|d| !children::terminating(*d) && d.name_any() != name)
+                .map(|d| d.name_any())
+                .collect();
+            world.prefill_tier = revision::read_tier(ctx, &PoolView::prefill(p)).await?;
+            world.prefill_children = observe::observe(ctx, ns, prefill_name, Role::Prefill).await?;
         }
-        Err(Blocked::Render(e)) => {
-            return blocked(
-                &ctx,
-                &api,
-                &dp,
-                &observed,
-                Block::new(cond::DEGRADED, "RenderFailed", e.to_string()),
-            )
-            .await;
-        }
-    };
-    if let Some(detail) = model_difference(&dp.spec.model, &prefill.spec.model) {
-        let msg = format!(
-            "model differs from PrefillPool {prefill_name:?} ({detail}); KV pages cannot move between different geometries"
-        );
-        return blocked(
-            &ctx,
-            &api,
-            &dp,
-            &observed,
-            Block::new(cond::POLICY_CONFLICT, "PrefillModelMismatch", msg),
-        )
-        .await;
+        Ok(world)
     }
-    let pview = PoolView::prefill(&prefill);
-    let presolved = match revision::resolve(&ctx, &pview).await? {
-        Ok(r) => r,
-        Err(b) => {
-            let msg = format!("PrefillPool {prefill_name:?} cannot roll out: {b}");
-            return blocked(
-                &ctx,
-                &api,
-                &dp,
-                &observed,
-                Block::new(cond::DEGRADED, "PrefillPoolBlocked", msg),
-            )
-            .await;
+
+    fn validate(dp: &Self, world: &DecodeWorld) -> Result<DecodeValidated, Refusal> {
+        let prefill_name = &dp.spec.prefill.pool_ref.name;
+        let Some(prefill) = &world.prefill else {
+            return Err(Refusal::PrefillPoolNotFound {
+                name: prefill_name.clone(),
+                namespace: dp.namespace().unwrap_or_default(),
+            });
+        };
+        // Another live DecodePool pairing with the same PrefillPool: the PrefillPool refuses
+        // both, so a scale-up here would wait forever for prefill groups. Say so.
+        if !world.rivals.is_empty() {
+            return Err(Refusal::SharedPrefillPool {
+                prefill: prefill_name.clone(),
+                others: world.rivals.clone(),
+            });
         }
-    };
-    let rev = revision::pair_revision(&presolved.own_revision, &resolved.own_revision);
-    let mut cfg = resolved.config;
-    cfg.revision = rev.clone();
-
-    // The scaling transaction.
-    let pchildren = pool::observe(&ctx, &ns, prefill_name, Role::Prefill).await?;
-    let sizes = GroupSizes {
-        decode: view.group_size(),
-        prefill: pview.group_size(),
-    };
-    let prev_applied = prev
-        .and_then(|s| s.scaling.as_ref())
-        .map(|s| capacity::counts(s.applied));
-    let observation = capacity_observation(&observed, &pchildren, prev_applied, sizes);
-    let budget = dp
-        .spec
-        .budget
-        .as_ref()
-        .map(|b| u64::try_from(b.gpus).unwrap_or(0));
-    let (scaling, outcome) = capacity::decide(&CapacityInput {
-        decode_replicas: u32::try_from(dp.spec.replicas).unwrap_or(0),
-        ratio: dp.spec.prefill.ratio,
-        sizes,
-        budget,
-        deadline_seconds: i64::from(dp.spec.unschedulable_deadline_seconds),
-        status: prev.and_then(|s| s.scaling.as_ref()),
-        observed: observation,
-        now: jiff::Timestamp::now(),
-    });
-    let capacity_condition = capacity_condition(prev, &outcome, sizes, budget);
-    capacity_events(&ctx, &parent, prev, &outcome, &capacity_condition).await;
-    let applied = capacity::counts(scaling.applied);
-
-    // Gate: a decode group restarts only once a prefill group of the same revision is Ready.
-    let gate_open = pchildren
-        .observations(applied.prefill, pview.group_size())
-        .iter()
-        .any(|g| g.state(&rev) == GroupState::Updated);
-    let plan = pool::converge(
-        &ctx,
-        KIND,
-        &parent,
-        &view,
-        &cfg,
-        applied.decode,
-        &owner,
-        &observed,
-        gate_open,
-    )
-    .await?;
-
-    let ready = observed
-        .observations(applied.decode, view.group_size())
-        .iter()
-        .filter(|g| g.ready())
-        .count() as u32;
-    let facts = StatusFacts {
-        previous: prev,
-        generation: dp.metadata.generation,
-        role: Role::Decode,
-        name: &name,
-        desired: applied.decode,
-        existing: observed.groups_in_range(applied.decode),
-        ready,
-        rollout: Some(&plan),
-        revision: Some(&rev),
-        replicas_owner: "spec.replicas".into(),
-        scaling: Some(scaling),
-        extra: vec![
-            Decided::new(
-                cond::DEGRADED,
-                false,
-                "AsExpected",
-                "no degradation observed",
-            ),
-            Decided::new(
-                cond::POLICY_CONFLICT,
-                false,
-                "PolicyResolved",
-                policy_message(&resolved.policy),
-            ),
-            capacity_condition,
-        ],
-        blocked: None,
-    };
-    let status = pool::pool_status(&facts);
-    if prev
-        .and_then(|p| p.rollout.as_ref())
-        .is_some_and(|r| r.phase != phase::IDLE)
-        && plan.phase == phase::IDLE
-    {
-        ctx.event(
-            &parent,
-            normal(),
-            "RolloutComplete",
-            "Rollout",
-            format!("every group runs revision {rev}"),
-        )
-        .await;
+        let own = revision::resolve(&dp.view(), &world.tier)?;
+        if let Some(detail) = model_difference(&dp.spec.model, &prefill.spec.model) {
+            return Err(Refusal::PrefillModelMismatch {
+                prefill: prefill_name.clone(),
+                detail,
+            });
+        }
+        let pview = PoolView::prefill(prefill);
+        let theirs = revision::resolve(&pview, &world.prefill_tier).map_err(|cause| {
+            Refusal::PrefillPoolBlocked {
+                name: prefill_name.clone(),
+                cause,
+            }
+        })?;
+        Ok(DecodeValidated {
+            own,
+            prefill_revision: theirs.own_revision,
+            prefill_group_size: pview.group_size(),
+        })
     }
-    ctx.metrics.set_state(KIND, &key, Some(state_of(&status)));
-    children::patch_status_if_changed(&ctx, KIND, &api, &name, prev, &status).await?;
-    let busy = plan.phase != phase::IDLE
-        || ready < applied.decode
-        || matches!(
+
+    fn desire(
+        dp: &Self,
+        world: &DecodeWorld,
+        v: DecodeValidated,
+        observed: &PoolChildren,
+        now: jiff::Timestamp,
+    ) -> Desired {
+        let prev = dp.status.as_ref();
+        let previous = prev.map(|s| s.conditions.as_slice()).unwrap_or_default();
+        let pchildren = &world.prefill_children;
+        let sizes = GroupSizes {
+            decode: dp.view().group_size(),
+            prefill: v.prefill_group_size,
+        };
+        let prev_applied = prev
+            .and_then(|s| s.scaling.as_ref())
+            .map(|s| capacity::counts(s.applied));
+        let budget = dp
+            .spec
+            .budget
+            .as_ref()
+            .map(|b| u64::try_from(b.gpus).unwrap_or(0));
+        let (scaling, outcome) = capacity::decide(&CapacityInput {
+            decode_replicas: u32::try_from(dp.spec.replicas).unwrap_or(0),
+            ratio: dp.spec.prefill.ratio,
+            sizes,
+            budget,
+            deadline_seconds: i64::from(dp.spec.unschedulable_deadline_seconds),
+            status: prev.and_then(|s| s.scaling.as_ref()),
+            observed: capacity_observation(observed, pchildren, prev_applied, sizes),
+            now,
+        });
+        let ic = capacity_condition(previous, &outcome, sizes, budget);
+        let notes = capacity_notes(previous, &outcome, &ic);
+        let applied = capacity::counts(scaling.applied);
+        let rev = revision::pair_revision(&v.prefill_revision, &v.own.own_revision);
+
+        // Gate: a decode group restarts only once a prefill group of the same revision is Ready.
+        let prefill_groups = pchildren.observations(applied.prefill, sizes.prefill);
+        let gate_open = prefill_groups
+            .iter()
+            .any(|g| g.state(&rev) == GroupState::Updated);
+        let pair = PairProgress {
+            name: dp.spec.prefill.pool_ref.name.clone(),
+            desired: applied.prefill,
+            existing: pchildren.groups_in_range(applied.prefill),
+            ready: prefill_groups.iter().filter(|g| g.ready()).count() as u32,
+        };
+        let capacity = match scaling.refused.map(capacity::counts) {
+            Some(target) if target != applied => CapacityState::Limited {
+                admitted: applied,
+                target,
+            },
+            _ if outcome == CapacityOutcome::Pending => CapacityState::Pending { applied },
+            _ => CapacityState::Steady,
+        };
+        let busy = matches!(
             outcome,
             CapacityOutcome::Step { .. }
                 | CapacityOutcome::Pending
                 | CapacityOutcome::WaitingForShrink
-        );
-    Ok(Action::requeue(if busy { BUSY } else { RESYNC }))
+        ) || pair.ready < pair.desired
+            || pair.existing != pair.desired;
+        let [degraded, policy] = resolved_conditions(&v.own.policy);
+        Desired {
+            groups: applied.decode,
+            resolved: v.own.with_revision(rev),
+            gate_open,
+            replicas_owner: SPEC_REPLICAS.into(),
+            scaling: Some(scaling),
+            admitted: Some(applied.decode),
+            pair: Some(pair),
+            capacity,
+            conditions: vec![degraded, policy, ic],
+            notes,
+            busy,
+        }
+    }
+
+    fn replicas_owner(_dp: &Self, _world: &DecodeWorld) -> String {
+        SPEC_REPLICAS.into()
+    }
+
+    async fn teardown_blockers(_ctx: &Context, _dp: &Self) -> Result<Vec<String>> {
+        Ok(Vec::new())
+    }
 }
 
 fn capacity_observation(
@@ -283,20 +242,20 @@ fn capacity_observation(
     }
 }
 
-fn capacity_condition(
-    prev: Option<&PoolStatus>,
+/// `InsufficientCapacity` for what the transaction did.
+pub fn capacity_condition(
+    previous: &[Condition],
     outcome: &CapacityOutcome,
     sizes: GroupSizes,
     budget: Option<u64>,
 ) -> Decided {
-    let ic = cond::INSUFFICIENT_CAPACITY;
+    let ic = ConditionType::InsufficientCapacity;
     if let Some(b) = budget
         && b < scaling::minimum_budget(sizes)
     {
-        return Decided::new(
+        return Decided::yes(
             ic,
-            true,
-            "BudgetTooSmall",
+            Reason::BudgetTooSmall,
             format!(
                 "budget.gpus {b} cannot hold one decode group ({} GPUs) and one prefill group ({} GPUs)",
                 sizes.decode, sizes.prefill
@@ -304,159 +263,76 @@ fn capacity_condition(
         );
     }
     match outcome {
-        CapacityOutcome::OverBudget { needed, budget } => Decided::new(
+        CapacityOutcome::OverBudget { needed, budget } => Decided::yes(
             ic,
-            true,
-            "OverBudget",
+            Reason::OverBudget,
             format!(
                 "the target needs {needed} GPUs but budget.gpus is {budget}; the current counts are kept"
             ),
         ),
-        CapacityOutcome::RolledBack { from, to } => Decided::new(
+        CapacityOutcome::RolledBack { from, to } => Decided::yes(
             ic,
-            true,
-            "Unschedulable",
+            Reason::Unschedulable,
             format!(
                 "pods of the scale-up to decode {} / prefill {} stayed unschedulable past unschedulableDeadlineSeconds; rolled back to decode {} / prefill {}",
                 from.decode, from.prefill, to.decode, to.prefill
             ),
         ),
-        CapacityOutcome::Unschedulable { counts } => Decided::new(
+        CapacityOutcome::Unschedulable { counts } => Decided::yes(
             ic,
-            true,
-            "Unschedulable",
+            Reason::Unschedulable,
             format!(
                 "pods of decode {} / prefill {} groups stayed unschedulable past unschedulableDeadlineSeconds; nothing was fully scheduled before, so the counts are kept",
                 counts.decode, counts.prefill
             ),
         ),
-        CapacityOutcome::Refused => match pool::previous_condition(prev, ic) {
-            Some(c) if c.status == "True" => {
-                Decided::new(ic, true, c.reason.clone(), c.message.clone())
-            }
-            _ => Decided::new(
-                ic,
-                true,
-                "Refused",
-                "the target was refused for capacity; change spec.replicas or the ratio to retry",
-            ),
-        },
-        CapacityOutcome::Pending => Decided::new(
+        CapacityOutcome::Refused => status::read(previous, ic)
+            .filter(Decided::is_true)
+            .unwrap_or_else(|| {
+                Decided::yes(
+                    ic,
+                    Reason::Refused,
+                    "the target was refused for capacity; change spec.replicas or the ratio to retry",
+                )
+            }),
+        CapacityOutcome::Pending => Decided::no(
             ic,
-            false,
-            "ScaleUpPending",
+            Reason::ScaleUpPending,
             "scale-up applied; waiting for its pods to be scheduled",
         ),
-        _ => Decided::new(
+        _ => Decided::no(
             ic,
-            false,
-            "WithinCapacity",
+            Reason::WithinCapacity,
             "the applied counts fit the budget",
         ),
     }
 }
 
-async fn capacity_events(
-    ctx: &Context,
-    parent: &k8s_openapi::api::core::v1::ObjectReference,
-    prev: Option<&PoolStatus>,
-    outcome: &CapacityOutcome,
-    condition: &Decided,
-) {
+/// The events of a transaction step: `Scaled` for each step, `InsufficientCapacity` (Warning)
+/// once per refusal.
+fn capacity_notes(previous: &[Condition], outcome: &CapacityOutcome, ic: &Decided) -> Vec<Note> {
     match outcome {
-        CapacityOutcome::Step { from, to } => {
-            ctx.event(
-                parent,
-                normal(),
-                "Scaled",
-                "Scale",
-                format!(
-                    "decode {} → {}, prefill {} → {} (one budget-safe step, shrink before grow)",
-                    from.decode, to.decode, from.prefill, to.prefill
-                ),
-            )
-            .await;
-        }
+        CapacityOutcome::Step { from, to } => vec![Note {
+            type_: normal(),
+            reason: "Scaled",
+            action: "Scale",
+            message: format!(
+                "decode {} → {}, prefill {} → {} (one budget-safe step, shrink before grow)",
+                from.decode, to.decode, from.prefill, to.prefill
+            ),
+        }],
         CapacityOutcome::RolledBack { .. }
         | CapacityOutcome::OverBudget { .. }
         | CapacityOutcome::Unschedulable { .. }
-            if pool::newly_true(prev, cond::INSUFFICIENT_CAPACITY, &condition.reason) =>
+            if status::newly_true(previous, ic) =>
         {
-            ctx.event(
-                parent,
-                warning(),
-                "InsufficientCapacity",
-                "Scale",
-                condition.message.clone(),
-            )
-            .await;
+            vec![Note {
+                type_: warning(),
+                reason: "InsufficientCapacity",
+                action: "Scale",
+                message: ic.message.clone(),
+            }]
         }
-        _ => {}
+        _ => Vec::new(),
     }
-}
-
-/// Reports `block` on this DecodePool (it owns its `spec.replicas`).
-async fn blocked(
-    ctx: &Context,
-    api: &Api<DecodePool>,
-    dp: &DecodePool,
-    observed: &PoolChildren,
-    block: Block,
-) -> Result<Action> {
-    let prev = dp.status.as_ref();
-    let owner = "spec.replicas".to_owned();
-    pool::report_blocked(
-        ctx,
-        KIND,
-        api,
-        dp,
-        prev,
-        Role::Decode,
-        observed,
-        block,
-        owner,
-    )
-    .await
-}
-
-/// Teardown (DESIGN §5): stop routing → scale groups to 0 → wait for pods → release.
-async fn teardown(
-    ctx: &Context,
-    api: &Api<DecodePool>,
-    dp: &DecodePool,
-    observed: &PoolChildren,
-) -> Result<Action> {
-    if !dp.finalizers().iter().any(|f| f == super::FINALIZER) {
-        return Ok(Action::await_change());
-    }
-    let name = dp.name_any();
-    let ns = dp.namespace().unwrap_or_default();
-    let parent = dp.object_ref(&());
-    let obs = TeardownObservation {
-        blocking: vec![],
-        front_door_present: observed
-            .services
-            .get(&name)
-            .is_some_and(|s| !children::terminating(s)),
-        scaled_up: scaled_up(observed),
-        pods_left: observed.pods.len() as u32,
-    };
-    let step = teardown::next_step(&obs);
-    run_teardown_step(ctx, KIND, &parent, &ns, &name, &step).await?;
-    if step == TeardownStep::RemoveFinalizer {
-        children::remove_finalizer(ctx, KIND, api, dp).await?;
-        return Ok(Action::await_change());
-    }
-    let prev = dp.status.as_ref();
-    let status = pool::blocked_status(
-        prev,
-        dp.metadata.generation,
-        &name,
-        Role::Decode,
-        observed,
-        &Block::new(cond::DEGRADED, "Terminating", teardown_message(&step)),
-        "spec.replicas".into(),
-    );
-    children::patch_status_if_changed(ctx, KIND, api, &name, prev, &status).await?;
-    Ok(Action::requeue(BUSY))
 }

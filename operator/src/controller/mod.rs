@@ -1,6 +1,19 @@
-//! The three controllers (I/O). Each reconcile is
-//! `read → validate (pure) → build (pure) → server-side apply → status`, and:
+//! The three controllers (I/O). Module map:
 //!
+//! - [`pool`]: the one staged reconcile of both pool kinds — read ([`pool::observe`], the kind's
+//!   reads) → validate (pure, a typed [`refusal::Refusal`]) → the desired set as a value (pure,
+//!   [`pool::Desired`]) → apply ([`pool::apply`]) → status (pure, [`pool::status`]);
+//!   [`prefill_pool`] and [`decode_pool`] supply what differs ([`pool::PoolKind`]);
+//! - [`cache_tier`]: the CacheTier;
+//! - shared by all three: [`blocked`] (the report of a refused or terminating resource),
+//!   [`teardown`] (the writes of each teardown step), [`children`] (every read and write of
+//!   children, with the skip-when-unchanged rules), [`revision`] (tier read, policy resolution,
+//!   pair revision), [`probe`] (a cache replica's `/report`);
+//! - [`run`]: wiring of the controllers and their watches ([`watches`]: failures are warnings
+//!   with their back-off and show in `/readyz`), and the error policy ([`backoff`]: per object,
+//!   exponential with a cap, reset on success).
+//!
+//! Every reconcile:
 //! - applies a child only when it is missing, its `serving.tandem.dev/desired-hash` annotation
 //!   differs from the hash of the desired object, or (StatefulSets) its `spec.replicas` drifted;
 //!   patches status only when the recomputed status differs; publishes events only for decisions
@@ -12,22 +25,29 @@
 //! Children are read with label-selected LIST calls on every reconcile (no informer caches of
 //! children): simple and exact, at the cost of a few reads per reconcile.
 
+pub mod backoff;
+pub mod blocked;
 pub mod cache_tier;
 pub mod children;
 pub mod decode_pool;
 pub mod pool;
-pub mod pool_teardown;
 pub mod prefill_pool;
 pub mod probe;
+pub mod refusal;
 pub mod revision;
 pub mod run;
+pub mod teardown;
+pub mod watches;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::Client;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 
+use self::backoff::ErrorBackoff;
+use self::watches::WatchHealth;
 use crate::metrics::Metrics;
 
 /// The finalizer that holds a resource until its teardown steps are done (DESIGN §5).
@@ -40,17 +60,19 @@ pub const RESYNC: Duration = Duration::from_secs(300);
 /// Requeue interval while something is moving (rollout, teardown, pending scale-up, warming).
 pub const BUSY: Duration = Duration::from_secs(5);
 
-/// Test-only behaviours that remove a safety mechanism, for negative controls: tests assert that
-/// each one makes the corresponding test fail. All false in production.
+/// Behaviours that remove a safety mechanism, for negative controls: tests assert that each one
+/// makes the corresponding test fail. Compiled only with the cargo feature `negative-controls`,
+/// which the crate's tests enable (a dev-dependency of the crate on itself) and a release build
+/// of the binary does not.
+#[cfg(feature = "negative-controls")]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct UnsafeModes {
     /// Apply every child on every reconcile, skipping the desired-hash comparison.
     pub always_apply: bool,
     /// Ignore `deletionTimestamp` and run the normal reconcile.
     pub reconcile_while_deleting: bool,
-    /// Decide the DecodePool's scaling transaction from the object the reconcile was handed (the
-    /// reflector's copy, possibly older than the operator's last status write) instead of a fresh
-    /// read.
+    /// Decide from the object the reconcile was handed (the reflector's copy, possibly older
+    /// than the operator's last status write) instead of a fresh read.
     pub trust_cached_status: bool,
 }
 
@@ -65,7 +87,12 @@ pub struct Context {
     pub metrics: Metrics,
     /// Probe cache replicas' `/report` for `CacheWarm` (off in tests without a network).
     pub probe_reports: bool,
+    /// Per-object failure counts for the error policy.
+    pub error_backoff: Arc<ErrorBackoff>,
+    /// Which watches are failing (read by `/readyz`).
+    pub watches: WatchHealth,
     /// Negative-control switches (tests only).
+    #[cfg(feature = "negative-controls")]
     pub unsafe_modes: UnsafeModes,
 }
 
@@ -79,10 +106,37 @@ impl Context {
         Self {
             recorder: Recorder::new(client.clone(), reporter),
             client,
+            watches: WatchHealth::with_gauge(metrics.watches_failing.clone()),
             metrics,
             probe_reports: true,
+            error_backoff: Arc::default(),
+            #[cfg(feature = "negative-controls")]
             unsafe_modes: UnsafeModes::default(),
         }
+    }
+
+    /// Negative control: apply children even when unchanged (always false in a release build).
+    pub fn always_apply(&self) -> bool {
+        #[cfg(feature = "negative-controls")]
+        return self.unsafe_modes.always_apply;
+        #[cfg(not(feature = "negative-controls"))]
+        false
+    }
+
+    /// Negative control: reconcile as usual while deleting (always false in a release build).
+    pub fn reconcile_while_deleting(&self) -> bool {
+        #[cfg(feature = "negative-controls")]
+        return self.unsafe_modes.reconcile_while_deleting;
+        #[cfg(not(feature = "negative-controls"))]
+        false
+    }
+
+    /// Negative control: decide from the handed copy (always false in a release build).
+    pub fn trust_cached_status(&self) -> bool {
+        #[cfg(feature = "negative-controls")]
+        return self.unsafe_modes.trust_cached_status;
+        #[cfg(not(feature = "negative-controls"))]
+        false
     }
 
     /// Publishes an event about `object`; a failure to publish is logged, never fatal.
@@ -131,7 +185,7 @@ impl Context {
     }
 }
 
-/// Why a reconcile failed (it is retried with backoff).
+/// Why a reconcile failed (it is retried per object along [`backoff::RECONCILE`]).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// An API call failed.

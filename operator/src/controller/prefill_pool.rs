@@ -1,26 +1,34 @@
-//! PrefillPool controller: the prefill groups. When a DecodePool pairs with the pool, the group
-//! count is that DecodePool's `status.scaling.applied.prefill` (the ratio transaction) and the
-//! revision is the pair's; `spec.replicas` is then ignored and `status.replicasOwner` says so.
+//! PrefillPool: the prefill groups, through the pool stages of [`super::pool`].
+//!
+//! Who owns the group count (DESIGN §2):
+//! - a DecodePool pairs with the pool: its `status.scaling.applied.prefill` (the ratio
+//!   transaction), and the revision is the pair's; `spec.replicas` and any autoscaler writing
+//!   `/scale` are ignored — `status.replicasOwner` names the DecodePool and the condition
+//!   `ReplicasIgnored=True, DecodePoolRatio` (with a one-time event) says so;
+//! - the DecodePool that owned it is gone (deleted, or pointed elsewhere): the pool **keeps** the
+//!   count and revision the ratio last set (`ReplicasIgnored=True, ReleasedByDecodePool`) until
+//!   its own spec changes (`metadata.generation` moves past the `observedGeneration` of that
+//!   status), so a release — typically a teardown — never scales or restarts it by itself;
+//! - otherwise `spec.replicas` and the pool's own revision (`ReplicasIgnored=False`).
 
 use std::sync::Arc;
 
 use kube::api::ListParams;
 use kube::runtime::controller::Action;
-use kube::{Api, Resource, ResourceExt};
-use tandem_crds::conditions as cond;
+use kube::{Api, ResourceExt};
 use tandem_crds::{DecodePool, PrefillPool};
 
-use super::children::{self, need};
-use super::pool::{self, Block, PoolChildren, StatusFacts, policy_message, state_of};
-use super::pool_teardown::{run_teardown_step, scaled_up, teardown_message};
-use super::revision::{self, Blocked};
-use super::{BUSY, Context, RESYNC, Result};
+use super::children::{self, normal};
+use super::pool::observe::{PoolChildren, observe_pods};
+use super::pool::status::{CapacityState, resolved_conditions};
+use super::pool::{self, Desired, Note, PoolKind, SPEC_REPLICAS};
+use super::refusal::Refusal;
+use super::revision::{self, Resolved, TierRead};
+use super::{Context, Result};
 use crate::capacity;
 use crate::labels::Role;
 use crate::render::PoolView;
-use crate::rollout::phase;
-use crate::status::Decided;
-use crate::teardown::{self, TeardownObservation, TeardownStep};
+use crate::status::{self, ConditionType, Decided, Reason};
 
 /// Kind name for metrics and logs.
 pub const KIND: &str = "PrefillPool";
@@ -44,270 +52,270 @@ pub async fn pairing_decode_pools(ctx: &Context, ns: &str, name: &str) -> Result
 /// # Errors
 /// API failures; they are retried with backoff.
 pub async fn reconcile(pp: Arc<PrefillPool>, ctx: Arc<Context>) -> Result<Action> {
-    let ns = need(pp.namespace(), "metadata.namespace")?;
-    let name = pp.name_any();
-    let api: Api<PrefillPool> = Api::namespaced(ctx.client.clone(), &ns);
-    let parent = pp.object_ref(&());
-    let observed = pool::observe(&ctx, &ns, &name, Role::Prefill).await?;
-    let pairs = pairing_decode_pools(&ctx, &ns, &name).await?;
-    let key = format!("{ns}/{name}");
+    pool::reconcile(pp, ctx).await
+}
 
-    if children::terminating(pp.as_ref()) && !ctx.unsafe_modes.reconcile_while_deleting {
-        ctx.metrics.set_state(KIND, &key, Some("Terminating"));
-        return teardown(&ctx, &api, &pp, &observed, &pairs).await;
+/// What a PrefillPool's reconcile reads besides the pool.
+#[derive(Debug, Clone, Default)]
+pub struct PrefillWorld {
+    /// The DecodePools pairing with the pool, by name.
+    pub pairs: Vec<DecodePool>,
+    /// The pool's tier.
+    pub tier: TierRead,
+    /// The tier of [`PrefillWorld::pair`], when there is one.
+    pub pair_tier: TierRead,
+}
+
+impl PrefillWorld {
+    /// The DecodePool the pool follows: the live one, else a terminating one (its ratio still
+    /// owns the count while it drains).
+    pub fn pair(&self) -> Option<&DecodePool> {
+        self.pairs
+            .iter()
+            .find(|d| !children::terminating(*d))
+            .or(self.pairs.first())
     }
-    children::ensure_finalizer(&ctx, KIND, &api, pp.as_ref()).await?;
-    let prev = pp.status.as_ref();
-    let owner = need(pp.controller_owner_ref(&()), "metadata.uid")?;
-    let view = PoolView::prefill(&pp);
-    // The pair's restart.id restarts prefill too: it is part of the pair revision below.
-    let pair = pairs
-        .iter()
-        .find(|d| !children::terminating(*d))
-        .or(pairs.first());
-    let replicas_owner = match pair {
-        Some(d) => format!("DecodePool/{} ratio {}", d.name_any(), d.spec.prefill.ratio),
-        None => "spec.replicas".to_owned(),
-    };
-    // Two live DecodePools pairing with one PrefillPool would each run a ratio transaction on the
-    // same prefill groups. Admission cannot see across objects, so refuse here: nothing of this
-    // pool changes until one of them points elsewhere.
-    let live: Vec<String> = pairs
-        .iter()
-        .filter(|d| !children::terminating(*d))
-        .map(|d| d.name_any())
-        .collect();
-    if live.len() > 1 {
-        let msg = format!(
-            "DecodePools {} all pair with this PrefillPool; one prefill pool serves one DecodePool \
-             (its group count follows that pool's ratio)",
-            live.join(", ")
-        );
-        return blocked(
-            &ctx,
-            &api,
-            &pp,
-            &observed,
-            Block::new(cond::POLICY_CONFLICT, "MultipleDecodePools", msg),
-            replicas_owner,
-        )
-        .await;
+}
+
+/// A PrefillPool that may roll out.
+#[derive(Debug, Clone)]
+pub struct PrefillValidated {
+    /// The pool resolved against its tier.
+    pub own: Resolved,
+    /// The DecodePool it follows and that pool's own revision.
+    pub pair: Option<(DecodePool, String)>,
+}
+
+impl PoolKind for PrefillPool {
+    const ROLE: Role = Role::Prefill;
+    type World = PrefillWorld;
+    type Validated = PrefillValidated;
+
+    fn view(&self) -> PoolView<'_> {
+        PoolView::prefill(self)
     }
-    let resolved = match revision::resolve(&ctx, &view).await? {
-        Ok(r) => r,
-        Err(Blocked::Conflict(c)) => {
-            return blocked(
-                &ctx,
-                &api,
-                &pp,
-                &observed,
-                Block::new(cond::POLICY_CONFLICT, c.reason(), c.to_string()),
-                replicas_owner,
-            )
-            .await;
+
+    async fn read(ctx: &Context, ns: &str, pp: &Self) -> Result<PrefillWorld> {
+        let mut world = PrefillWorld {
+            pairs: pairing_decode_pools(ctx, ns, &pp.name_any()).await?,
+            tier: revision::read_tier(ctx, &pp.view()).await?,
+            pair_tier: TierRead::None,
+        };
+        let pair_tier = match world.pair() {
+            Some(d) => revision::read_tier(ctx, &PoolView::decode(d)).await?,
+            None => TierRead::None,
+        };
+        world.pair_tier = pair_tier;
+        Ok(world)
+    }
+
+    fn validate(pp: &Self, world: &PrefillWorld) -> Result<PrefillValidated, Refusal> {
+        let live: Vec<String> = world
+            .pairs
+            .iter()
+            .filter(|d| !children::terminating(*d))
+            .map(|d| d.name_any())
+            .collect();
+        if live.len() > 1 {
+            return Err(Refusal::MultipleDecodePools { pools: live });
         }
-        Err(Blocked::Render(e)) => {
-            return blocked(
-                &ctx,
-                &api,
-                &pp,
-                &observed,
-                Block::new(cond::DEGRADED, "RenderFailed", e.to_string()),
-                replicas_owner,
-            )
-            .await;
-        }
-    };
-    let (rev, groups, capacity_condition) = match pair {
-        Some(d) => {
-            let dview = PoolView::decode(d);
-            let dresolved = match revision::resolve(&ctx, &dview).await? {
-                Ok(r) => r,
-                Err(b) => {
-                    let msg = format!("paired DecodePool {:?} cannot roll out: {b}", d.name_any());
-                    return blocked(
-                        &ctx,
-                        &api,
-                        &pp,
-                        &observed,
-                        Block::new(cond::DEGRADED, "DecodePoolBlocked", msg),
-                        replicas_owner,
-                    )
-                    .await;
+        let own = revision::resolve(&pp.view(), &world.tier)?;
+        let pair =
+            match world.pair() {
+                None => None,
+                Some(d) => {
+                    let theirs = revision::resolve(&PoolView::decode(d), &world.pair_tier)
+                        .map_err(|cause| Refusal::DecodePoolBlocked {
+                            name: d.name_any(),
+                            cause,
+                        })?;
+                    Some((d.clone(), theirs.own_revision))
                 }
             };
-            let rev = revision::pair_revision(&resolved.own_revision, &dresolved.own_revision);
-            let dstatus = d.status.as_ref();
-            // Until the DecodePool admitted a count, keep what exists.
-            let groups = dstatus
-                .and_then(|s| s.scaling.as_ref())
-                .map_or(observed.groups_existing(), |s| {
-                    capacity::counts(s.applied).prefill
-                });
-            let ic = dstatus
-                .and_then(|s| crate::status::find(&s.conditions, cond::INSUFFICIENT_CAPACITY))
-                .map_or_else(
-                    || {
-                        Decided::new(
-                            cond::INSUFFICIENT_CAPACITY,
-                            false,
-                            "WithinCapacity",
-                            "no scale-up pending",
-                        )
-                    },
-                    |c| {
-                        Decided::new(
-                            cond::INSUFFICIENT_CAPACITY,
-                            c.status == "True",
-                            c.reason.clone(),
-                            format!("from DecodePool {}: {}", d.name_any(), c.message),
-                        )
-                    },
-                );
-            (rev, groups, ic)
-        }
-        None => (
-            resolved.own_revision.clone(),
-            u32::try_from(pp.spec.replicas).unwrap_or(0),
-            Decided::new(
-                cond::INSUFFICIENT_CAPACITY,
-                false,
-                "WithinCapacity",
-                "no budget applies to an unpaired pool",
-            ),
-        ),
-    };
-    let mut cfg = resolved.config.clone();
-    cfg.revision = rev.clone();
-
-    let plan = pool::converge(
-        &ctx, KIND, &parent, &view, &cfg, groups, &owner, &observed, true,
-    )
-    .await?;
-    let ready = observed
-        .observations(groups, view.group_size())
-        .iter()
-        .filter(|g| g.ready())
-        .count() as u32;
-    let status = pool::pool_status(&StatusFacts {
-        previous: prev,
-        generation: pp.metadata.generation,
-        role: Role::Prefill,
-        name: &name,
-        desired: groups,
-        existing: observed.groups_in_range(groups),
-        ready,
-        rollout: Some(&plan),
-        revision: Some(&rev),
-        replicas_owner,
-        scaling: None,
-        extra: vec![
-            Decided::new(
-                cond::DEGRADED,
-                false,
-                "AsExpected",
-                "no degradation observed",
-            ),
-            Decided::new(
-                cond::POLICY_CONFLICT,
-                false,
-                "PolicyResolved",
-                policy_message(&resolved.policy),
-            ),
-            capacity_condition,
-        ],
-        blocked: None,
-    });
-    if prev
-        .and_then(|p| p.rollout.as_ref())
-        .is_some_and(|r| r.phase != phase::IDLE)
-        && plan.phase == phase::IDLE
-    {
-        ctx.event(
-            &parent,
-            children::normal(),
-            "RolloutComplete",
-            "Rollout",
-            format!("every group runs revision {rev}"),
-        )
-        .await;
+        Ok(PrefillValidated { own, pair })
     }
-    ctx.metrics.set_state(KIND, &key, Some(state_of(&status)));
-    children::patch_status_if_changed(&ctx, KIND, &api, &name, prev, &status).await?;
-    let busy = plan.phase != phase::IDLE || ready < groups;
-    Ok(Action::requeue(if busy { BUSY } else { RESYNC }))
-}
 
-/// Reports `block` on this PrefillPool; `replicas_owner` as in its status.
-async fn blocked(
-    ctx: &Context,
-    api: &Api<PrefillPool>,
-    pp: &PrefillPool,
-    observed: &PoolChildren,
-    block: Block,
-    replicas_owner: String,
-) -> Result<Action> {
-    let prev = pp.status.as_ref();
-    pool::report_blocked(
-        ctx,
-        KIND,
-        api,
-        pp,
-        prev,
-        Role::Prefill,
-        observed,
-        block,
-        replicas_owner,
-    )
-    .await
-}
-
-/// Teardown (DESIGN §5): wait while a pairing DecodePool still has pods → scale to 0 → wait for
-/// pods → release.
-async fn teardown(
-    ctx: &Context,
-    api: &Api<PrefillPool>,
-    pp: &PrefillPool,
-    observed: &PoolChildren,
-    pairs: &[DecodePool],
-) -> Result<Action> {
-    if !pp.finalizers().iter().any(|f| f == super::FINALIZER) {
-        return Ok(Action::await_change());
-    }
-    let name = pp.name_any();
-    let ns = pp.namespace().unwrap_or_default();
-    let mut blocking = Vec::new();
-    for d in pairs {
-        let dpods = pool::observe_pods(ctx, &ns, &d.name_any(), Role::Decode).await?;
-        if dpods > 0 {
-            blocking.push(format!("DecodePool/{} ({dpods} pods left)", d.name_any()));
+    fn desire(
+        pp: &Self,
+        _world: &PrefillWorld,
+        v: PrefillValidated,
+        observed: &PoolChildren,
+        _now: jiff::Timestamp,
+    ) -> Desired {
+        let prev = pp.status.as_ref();
+        let count = count_owner(pp, v.pair.as_ref(), &v.own.own_revision, observed);
+        let previous = prev.map(|s| s.conditions.as_slice()).unwrap_or_default();
+        let notes = status::newly_true(previous, &count.ignored)
+            .then(|| Note {
+                type_: normal(),
+                reason: ConditionType::ReplicasIgnored.as_str(),
+                action: "Scale",
+                message: count.ignored.message.clone(),
+            })
+            .into_iter()
+            .collect();
+        let [degraded, policy] = resolved_conditions(&v.own.policy);
+        Desired {
+            groups: count.groups,
+            conditions: vec![degraded, policy, count.capacity, count.ignored],
+            resolved: v.own.with_revision(count.revision),
+            gate_open: true,
+            replicas_owner: count.owner,
+            scaling: None,
+            admitted: None,
+            pair: None,
+            capacity: CapacityState::Steady,
+            notes,
+            busy: false,
         }
     }
-    let obs = TeardownObservation {
-        blocking,
-        front_door_present: false,
-        scaled_up: scaled_up(observed),
-        pods_left: observed.pods.len() as u32,
-    };
-    let step = teardown::next_step(&obs);
-    run_teardown_step(ctx, KIND, &pp.object_ref(&()), &ns, &name, &step).await?;
-    if step == TeardownStep::RemoveFinalizer {
-        children::remove_finalizer(ctx, KIND, api, pp).await?;
-        return Ok(Action::await_change());
+
+    fn replicas_owner(pp: &Self, world: &PrefillWorld) -> String {
+        match world.pair() {
+            Some(d) => ratio_owner(d),
+            None => pp
+                .status
+                .as_ref()
+                .and_then(|s| s.replicas_owner.clone())
+                .filter(|_| held(pp).is_some())
+                .unwrap_or_else(|| SPEC_REPLICAS.into()),
+        }
     }
-    let prev = pp.status.as_ref();
-    let owner = prev
-        .and_then(|p| p.replicas_owner.clone())
-        .unwrap_or_else(|| "spec.replicas".into());
-    let status = pool::blocked_status(
-        prev,
-        pp.metadata.generation,
-        &name,
-        Role::Prefill,
-        observed,
-        &Block::new(cond::DEGRADED, "Terminating", teardown_message(&step)),
-        owner,
+
+    async fn teardown_blockers(ctx: &Context, pp: &Self) -> Result<Vec<String>> {
+        // Decode drains first: wait while a pairing DecodePool still has pods.
+        let ns = pp.namespace().unwrap_or_default();
+        let mut blocking = Vec::new();
+        for d in pairing_decode_pools(ctx, &ns, &pp.name_any()).await? {
+            let dpods = observe_pods(ctx, &ns, &d.name_any(), Role::Decode).await?;
+            if dpods > 0 {
+                blocking.push(format!("DecodePool/{} ({dpods} pods left)", d.name_any()));
+            }
+        }
+        Ok(blocking)
+    }
+}
+
+/// `status.replicasOwner` of a pool whose count a DecodePool's ratio owns.
+fn ratio_owner(d: &DecodePool) -> String {
+    format!("DecodePool/{} ratio {}", d.name_any(), d.spec.prefill.ratio)
+}
+
+/// Who owns a PrefillPool's count, and what follows from it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CountOwner {
+    /// Groups to run.
+    pub groups: u32,
+    /// Revision to run.
+    pub revision: String,
+    /// `status.replicasOwner`.
+    pub owner: String,
+    /// `InsufficientCapacity` (mirrored from the DecodePool that owns the count).
+    pub capacity: Decided,
+    /// `ReplicasIgnored`.
+    pub ignored: Decided,
+}
+
+/// The count and revision a released PrefillPool keeps: those of its last status, while that
+/// status said a DecodePool's ratio set them and the pool's spec has not changed since.
+pub fn held(pp: &PrefillPool) -> Option<(u32, String)> {
+    let s = pp.status.as_ref()?;
+    let ignored = status::read(&s.conditions, ConditionType::ReplicasIgnored)?;
+    let unchanged =
+        s.observed_generation.is_some() && s.observed_generation == pp.metadata.generation;
+    let revision = s.update_revision.clone()?;
+    (ignored.is_true() && unchanged)
+        .then(|| (u32::try_from(s.desired_replicas).unwrap_or(0), revision))
+}
+
+/// Decides who owns the count of `pp` (module docs): the DecodePool `pair` (with its own
+/// revision), the count a released pool holds, or `spec.replicas`.
+pub fn count_owner(
+    pp: &PrefillPool,
+    pair: Option<&(DecodePool, String)>,
+    own_revision: &str,
+    observed: &PoolChildren,
+) -> CountOwner {
+    let ic = ConditionType::InsufficientCapacity;
+    let ri = ConditionType::ReplicasIgnored;
+    let spec = pp.spec.replicas;
+    if let Some((d, decode_revision)) = pair {
+        let dstatus = d.status.as_ref();
+        // Until the DecodePool admitted a count, keep what exists.
+        let groups = dstatus
+            .and_then(|s| s.scaling.as_ref())
+            .map_or(observed.groups_existing(), |s| {
+                capacity::counts(s.applied).prefill
+            });
+        let capacity = dstatus
+            .and_then(|s| status::read(&s.conditions, ic))
+            .map_or_else(
+                || Decided::no(ic, Reason::WithinCapacity, "no scale-up pending"),
+                |c| {
+                    let message = format!("from DecodePool {}: {}", d.name_any(), c.message);
+                    Decided { message, ..c }
+                },
+            );
+        return CountOwner {
+            groups,
+            revision: revision::pair_revision(own_revision, decode_revision),
+            owner: ratio_owner(d),
+            capacity,
+            ignored: Decided::yes(
+                ri,
+                Reason::DecodePoolRatio,
+                format!(
+                    "DecodePool {} owns the group count through its ratio {} ({groups} groups): \
+                     spec.replicas ({spec}) and any autoscaler writing /scale are ignored",
+                    d.name_any(),
+                    d.spec.prefill.ratio
+                ),
+            ),
+        };
+    }
+    let unpaired = Decided::no(
+        ic,
+        Reason::WithinCapacity,
+        "no budget applies to an unpaired pool",
     );
-    children::patch_status_if_changed(ctx, KIND, api, &name, prev, &status).await?;
-    Ok(Action::requeue(BUSY))
+    if let Some((groups, revision)) = held(pp) {
+        let prev = pp.status.as_ref();
+        let last = prev
+            .and_then(|s| s.replicas_owner.clone())
+            .unwrap_or_default();
+        let was_ratio = prev
+            .and_then(|s| status::read(&s.conditions, ri))
+            .is_some_and(|c| c.reason == Reason::DecodePoolRatio);
+        let owner = if was_ratio {
+            format!("held from {last}")
+        } else {
+            last
+        };
+        return CountOwner {
+            groups,
+            ignored: Decided::yes(
+                ri,
+                Reason::ReleasedByDecodePool,
+                format!(
+                    "the DecodePool that owned the count is gone ({owner}): the pool keeps its \
+                     {groups} groups at revision {revision} until its own spec changes; \
+                     spec.replicas ({spec}) is ignored until then"
+                ),
+            ),
+            revision,
+            owner,
+            capacity: unpaired,
+        };
+    }
+    CountOwner {
+        groups: u32::try_from(spec).unwrap_or(0),
+        revision: own_revision.to_owned(),
+        owner: SPEC_REPLICAS.into(),
+        capacity: unpaired,
+        ignored: Decided::no(
+            ri,
+            Reason::SpecReplicas,
+            format!("the group count is spec.replicas ({spec})"),
+        ),
+    }
 }

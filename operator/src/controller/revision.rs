@@ -23,10 +23,24 @@ use crate::render::{PoolView, workload};
 pub struct Resolved {
     /// The memory policy from its tier.
     pub policy: MemoryPolicy,
-    /// The worker config, `revision` still empty.
+    /// The worker config; its `revision` is empty until [`Resolved::with_revision`] sets the
+    /// revision the pool rolls out (its pair's, its own, or the one it holds).
     pub config: WorkerConfig,
     /// The pool's own revision (not yet combined with its pair's).
     pub own_revision: String,
+}
+
+impl Resolved {
+    /// This resolution with the config's `revision` set to `revision`.
+    pub fn with_revision(mut self, revision: String) -> Self {
+        self.config.revision = revision;
+        self
+    }
+
+    /// The config's revision (empty until set).
+    pub fn revision(&self) -> &str {
+        &self.config.revision
+    }
 }
 
 /// Why a pool cannot roll out.
@@ -40,34 +54,65 @@ pub enum Blocked {
     Render(#[from] RenderError),
 }
 
-/// Reads the pool's tier, resolves its policy and renders its config.
-///
-/// # Errors
-/// API failures reading the tier; a policy conflict or render failure is the inner `Err`.
-pub async fn resolve(
-    ctx: &Context,
-    view: &PoolView<'_>,
-) -> Result<std::result::Result<Resolved, Blocked>> {
-    let tier = match view.cache_tier_ref {
-        None => None,
-        Some(r) => {
-            let api: Api<CacheTier> = Api::namespaced(ctx.client.clone(), view.namespace);
-            Some((r.name.as_str(), api.get_opt(&r.name).await?))
-        }
-    };
-    let lookup = match &tier {
-        None => TierLookup::None,
-        Some((name, None)) => TierLookup::Missing(name),
-        Some((name, Some(t))) => TierLookup::Found {
-            name,
-            spec: &t.spec,
-            terminating: t.metadata.deletion_timestamp.is_some(),
-        },
-    };
-    Ok(resolve_with(view, lookup))
+/// A pool's `cacheTierRef` as the read stage found it.
+#[derive(Debug, Clone, Default)]
+pub enum TierRead {
+    /// The pool names no tier.
+    #[default]
+    None,
+    /// The pool names `name`; `tier` is the object, when it exists.
+    Named {
+        /// The referenced name.
+        name: String,
+        /// The tier, if found (boxed: a CacheTier is large beside the empty variant).
+        tier: Option<Box<CacheTier>>,
+    },
 }
 
-/// The pure part of [`resolve`].
+impl TierRead {
+    /// The lookup [`resolve_with`] takes.
+    pub fn lookup(&self) -> TierLookup<'_> {
+        match self {
+            TierRead::None => TierLookup::None,
+            TierRead::Named { name, tier: None } => TierLookup::Missing(name),
+            TierRead::Named {
+                name,
+                tier: Some(t),
+            } => TierLookup::Found {
+                name,
+                spec: &t.spec,
+                terminating: t.metadata.deletion_timestamp.is_some(),
+            },
+        }
+    }
+}
+
+/// Reads the tier a pool names (the I/O half of resolving a pool).
+///
+/// # Errors
+/// API failures reading the tier (a missing tier is `Named { tier: None }`, not an error).
+pub async fn read_tier(ctx: &Context, view: &PoolView<'_>) -> Result<TierRead> {
+    Ok(match view.cache_tier_ref {
+        None => TierRead::None,
+        Some(r) => {
+            let api: Api<CacheTier> = Api::namespaced(ctx.client.clone(), view.namespace);
+            TierRead::Named {
+                name: r.name.clone(),
+                tier: api.get_opt(&r.name).await?.map(Box::new),
+            }
+        }
+    })
+}
+
+/// Resolves a pool against the tier read for it: its policy, config and own revision.
+///
+/// # Errors
+/// [`Blocked`] when the tier contradicts the pool or the config cannot be rendered.
+pub fn resolve(view: &PoolView<'_>, tier: &TierRead) -> std::result::Result<Resolved, Blocked> {
+    resolve_with(view, tier.lookup())
+}
+
+/// Resolves a pool against a tier lookup (pure).
 pub fn resolve_with(
     view: &PoolView<'_>,
     lookup: TierLookup<'_>,

@@ -1,28 +1,35 @@
-//! Teardown writes shared by the PrefillPool and DecodePool controllers (DESIGN §5): which groups
-//! still run, the `Degraded=True, reason Terminating` message of each step, and the step's writes.
-//! The step itself is planned by the pure [`crate::teardown`].
+//! Teardown writes shared by the three controllers (DESIGN §5): which workloads still run, the
+//! `Degraded=True, reason Terminating` message of each step, and the step's writes. The step
+//! itself is planned by the pure [`crate::teardown`].
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Service;
-use kube::Api;
+use kube::runtime::controller::Action;
+use kube::{Api, Resource, ResourceExt};
 
+use super::blocked::{Block, Reported};
 use super::children::{self, normal};
-use super::pool::PoolChildren;
-use super::{Context, Result};
-use crate::teardown::TeardownStep;
+use super::pool::observe::PoolChildren;
+use super::{BUSY, Context, Result};
+use crate::teardown::{TeardownObservation, TeardownStep, next_step};
+
+/// Whether a StatefulSet still counts as running for teardown: scaled above zero, not terminating.
+pub fn still_scaled(s: &StatefulSet) -> bool {
+    !children::terminating(s) && s.spec.replicas.unwrap_or(1) > 0
+}
 
 /// Group StatefulSets still scaled above zero and not terminating.
 pub fn scaled_up(observed: &PoolChildren) -> Vec<String> {
     observed
         .statefulsets
         .iter()
-        .filter(|(_, s)| !children::terminating(*s) && s.spec.replicas.unwrap_or(1) > 0)
+        .filter(|(_, s)| still_scaled(s))
         .map(|(n, _)| n.clone())
         .collect()
 }
 
 /// The `Degraded=True, reason Terminating` message for a step.
-pub fn teardown_message(step: &TeardownStep) -> String {
+pub fn message(step: &TeardownStep) -> String {
     match step {
         TeardownStep::WaitForDependents(d) => format!("teardown: waiting for {}", d.join(", ")),
         TeardownStep::StopRouting => "teardown: front door removed, routing stopped".into(),
@@ -35,7 +42,7 @@ pub fn teardown_message(step: &TeardownStep) -> String {
 }
 
 /// Executes one teardown step's writes (none of which creates or applies a child).
-pub async fn run_teardown_step(
+pub async fn run_step(
     ctx: &Context,
     kind: &str,
     parent: &k8s_openapi::api::core::v1::ObjectReference,
@@ -86,4 +93,35 @@ pub async fn run_teardown_step(
         TeardownStep::WaitForDependents(_) | TeardownStep::WaitForPods(_) => {}
     }
     Ok(())
+}
+
+/// Whether `obj` still carries the operator's finalizer (its teardown is not finished).
+pub fn holds_finalizer<K: Resource>(obj: &K) -> bool {
+    obj.finalizers().iter().any(|f| f == super::FINALIZER)
+}
+
+/// Takes the next teardown step of `obj` for what was observed: runs its writes, then removes the
+/// finalizer when the step says so, else patches the status `status_of` builds for the step's
+/// `Degraded=True, Terminating` block and requeues soon.
+///
+/// # Errors
+/// API failures of the step, the finalizer patch or the status patch.
+pub async fn advance<K: Reported>(
+    ctx: &Context,
+    api: &Api<K>,
+    obj: &K,
+    observation: &TeardownObservation,
+    status_of: impl FnOnce(&Block) -> K::Status,
+) -> Result<Action> {
+    let name = obj.name_any();
+    let ns = obj.namespace().unwrap_or_default();
+    let step = next_step(observation);
+    run_step(ctx, K::KIND, &obj.object_ref(&()), &ns, &name, &step).await?;
+    if step == TeardownStep::RemoveFinalizer {
+        children::remove_finalizer(ctx, K::KIND, api, obj).await?;
+        return Ok(Action::await_change());
+    }
+    let status = status_of(&Block::terminating(&step));
+    children::patch_status_if_changed(ctx, K::KIND, api, &name, obj.status(), &status).await?;
+    Ok(Action::requeue(BUSY))
 }

@@ -1,0 +1,263 @@
+//! The one staged reconcile both pool kinds share (DESIGN §4); the kinds
+//! ([`super::prefill_pool`], [`super::decode_pool`]) supply only what differs, through
+//! [`PoolKind`]:
+//!
+//! 1. **read** (I/O): a fresh (quorum) copy of the pool, its children ([`observe`]), and what the
+//!    kind reads besides ([`PoolKind::read`]: the pair, the tiers);
+//! 2. **validate** (pure): [`PoolKind::validate`] gives the kind's validated value or a
+//!    [`Refusal`], which [`blocked::report`] turns into conditions and one event, touching no
+//!    child;
+//! 3. **desired** (pure): [`PoolKind::desire`] gives the desired set as a value, [`Desired`]:
+//!    group count, config at its revision, the rollout gate, the kind's conditions and the events
+//!    its decisions raise;
+//! 4. **apply** (I/O): [`apply::converge`] writes the children and acts on the rollout plan;
+//! 5. **status** (pure): [`status::pool_status`]; then the status patch (only when it changed).
+//!
+//! Once `deletionTimestamp` is set only the teardown steps run ([`crate::teardown`]).
+
+pub mod apply;
+pub mod observe;
+pub mod status;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use jiff::Timestamp;
+use kube::runtime::controller::Action;
+use kube::runtime::events::EventType;
+use kube::{Api, ResourceExt};
+use tandem_crds::{PoolStatus, ScalingStatus};
+
+use self::observe::PoolChildren;
+use self::status::{CapacityState, PairProgress, StatusFacts, blocked_status};
+use super::blocked::{self, Block, Reported};
+use super::children::{self, need, normal};
+use super::refusal::Refusal;
+use super::revision::Resolved;
+use super::{BUSY, Context, RESYNC, Result, teardown};
+use crate::labels::Role;
+use crate::render::PoolView;
+use crate::rollout::{RolloutPlan, phase};
+use crate::status::Decided;
+use crate::teardown::TeardownObservation;
+
+/// `status.replicasOwner` of a pool whose count is its own `spec.replicas`.
+pub const SPEC_REPLICAS: &str = "spec.replicas";
+
+/// An event a decision raises, decided by a pure stage and published by the reconcile.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Note {
+    /// Normal or Warning.
+    pub type_: EventType,
+    /// Event reason (CamelCase).
+    pub reason: &'static str,
+    /// Event action (CamelCase).
+    pub action: &'static str,
+    /// The note.
+    pub message: String,
+}
+
+/// The desired set of a pool, as a value: what the apply stage converges to and the status stage
+/// reports.
+#[derive(Debug, Clone)]
+pub struct Desired {
+    /// Groups to run.
+    pub groups: u32,
+    /// The pool's resolved policy and config, the config's `revision` set to the one to roll out.
+    pub resolved: Resolved,
+    /// Whether a stale group may be restarted now (a DecodePool waits for a Ready prefill group
+    /// of the revision).
+    pub gate_open: bool,
+    /// `status.replicasOwner`.
+    pub replicas_owner: String,
+    /// The scaling transaction (DecodePool).
+    pub scaling: Option<ScalingStatus>,
+    /// Decode groups admitted (DecodePool).
+    pub admitted: Option<u32>,
+    /// The PrefillPool's progress (DecodePool).
+    pub pair: Option<PairProgress>,
+    /// Where the scaling transaction stands (DecodePool).
+    pub capacity: CapacityState,
+    /// The kind's conditions after `Ready` and `Progressing`.
+    pub conditions: Vec<Decided>,
+    /// Events the decisions raise (published before the apply stage).
+    pub notes: Vec<Note>,
+    /// Something is moving besides the rollout (requeue soon).
+    pub busy: bool,
+}
+
+/// What distinguishes a pool kind; the stages that are the same for both live in this module.
+pub trait PoolKind: Reported<Status = PoolStatus> {
+    /// The role of the pool's workers.
+    const ROLE: Role;
+    /// What the read stage fetches besides the pool and its children.
+    type World: Send + Sync;
+    /// The validated pool: what the desired stage needs from validation.
+    type Validated: Send;
+
+    /// The pool as the render layer sees it.
+    fn view(&self) -> PoolView<'_>;
+
+    /// The read stage's kind-specific reads (the pool lives in `ns`).
+    fn read(
+        ctx: &Context,
+        ns: &str,
+        pool: &Self,
+    ) -> impl Future<Output = Result<Self::World>> + Send;
+
+    /// The validate stage (pure).
+    ///
+    /// # Errors
+    /// The [`Refusal`] that keeps the pool from rolling out.
+    fn validate(pool: &Self, world: &Self::World) -> Result<Self::Validated, Refusal>;
+
+    /// The desired stage (pure).
+    fn desire(
+        pool: &Self,
+        world: &Self::World,
+        validated: Self::Validated,
+        observed: &PoolChildren,
+        now: Timestamp,
+    ) -> Desired;
+
+    /// `status.replicasOwner` while the pool is refused.
+    fn replicas_owner(pool: &Self, world: &Self::World) -> String;
+
+    /// What the pool's teardown waits for (e.g. `DecodePool/d (2 pods left)`).
+    fn teardown_blockers(
+        ctx: &Context,
+        pool: &Self,
+    ) -> impl Future<Output = Result<Vec<String>>> + Send;
+}
+
+/// Reconciles one pool of kind `K` through the stages of the module docs.
+///
+/// # Errors
+/// API failures; they are retried along [`super::backoff::RECONCILE`].
+pub async fn reconcile<K: PoolKind>(handed: Arc<K>, ctx: Arc<Context>) -> Result<Action> {
+    // Read.
+    let ns = need(handed.namespace(), "metadata.namespace")?;
+    let name = handed.name_any();
+    let key = format!("{ns}/{name}");
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &ns);
+    // The scaling transaction and the count a released PrefillPool holds live in status. The copy
+    // a reconcile is handed comes from the reflector and can predate our own last status write (a
+    // child's event triggers the reconcile before the watch delivers that write); deciding from it
+    // replays a finished step. So decide from a fresh (quorum) read.
+    let pool = if ctx.trust_cached_status() {
+        handed
+    } else {
+        match api.get_opt(&name).await? {
+            Some(fresh) => Arc::new(fresh),
+            None => return Ok(Action::await_change()),
+        }
+    };
+    let observed = observe::observe(&ctx, &ns, &name, K::ROLE).await?;
+    if children::terminating(pool.as_ref()) && !ctx.reconcile_while_deleting() {
+        ctx.metrics.set_state(K::KIND, &key, Some("Terminating"));
+        return teardown_pool(&ctx, &api, pool.as_ref(), &observed).await;
+    }
+    children::ensure_finalizer(&ctx, K::KIND, &api, pool.as_ref()).await?;
+    let owner = need(pool.controller_owner_ref(&()), "metadata.uid")?;
+    let world = K::read(&ctx, &ns, &pool).await?;
+
+    // Validate.
+    let validated = match K::validate(&pool, &world) {
+        Ok(v) => v,
+        Err(refusal) => {
+            let block = Block::from(&refusal);
+            let owner = K::replicas_owner(&pool, &world);
+            let status = blocked_status(pool.as_ref(), &observed, &block, owner);
+            return blocked::report(&ctx, &api, pool.as_ref(), &block, status).await;
+        }
+    };
+
+    // Desired.
+    let desired = K::desire(&pool, &world, validated, &observed, Timestamp::now());
+    let parent = pool.object_ref(&());
+    for n in &desired.notes {
+        ctx.event(&parent, n.type_, n.reason, n.action, n.message.clone())
+            .await;
+    }
+
+    // Apply.
+    let view = pool.view();
+    let plan = apply::converge(&ctx, K::KIND, &parent, &view, &desired, &owner, &observed).await?;
+
+    // Status.
+    let prev = pool.status();
+    let ready = observed.ready_groups(desired.groups, view.group_size());
+    let status = status::pool_status(&StatusFacts {
+        previous: prev,
+        generation: pool.meta().generation,
+        role: K::ROLE,
+        name: &name,
+        desired: desired.groups,
+        existing: observed.groups_in_range(desired.groups),
+        ready,
+        rollout: &plan,
+        revision: desired.resolved.revision(),
+        replicas_owner: desired.replicas_owner.clone(),
+        scaling: desired.scaling.clone(),
+        admitted: desired.admitted,
+        pair: desired.pair.as_ref(),
+        capacity: desired.capacity,
+        extra: &desired.conditions,
+    });
+    if let Some(n) = rollout_complete(prev, &plan, desired.resolved.revision()) {
+        ctx.event(&parent, n.type_, n.reason, n.action, n.message)
+            .await;
+    }
+    ctx.metrics
+        .set_state(K::KIND, &key, Some(K::state(&status)));
+    children::patch_status_if_changed(&ctx, K::KIND, &api, &name, prev, &status).await?;
+    let busy = desired.busy || plan.phase != phase::IDLE || ready < desired.groups;
+    Ok(Action::requeue(if busy { BUSY } else { RESYNC }))
+}
+
+/// `RolloutComplete` when the previous status had a rollout under way and this plan is idle.
+pub fn rollout_complete(
+    prev: Option<&PoolStatus>,
+    plan: &RolloutPlan,
+    revision: &str,
+) -> Option<Note> {
+    let was_rolling = prev
+        .and_then(|p| p.rollout.as_ref())
+        .is_some_and(|r| r.phase != phase::IDLE);
+    (was_rolling && plan.phase == phase::IDLE).then(|| Note {
+        type_: normal(),
+        reason: "RolloutComplete",
+        action: "Rollout",
+        message: format!("every group runs revision {revision}"),
+    })
+}
+
+/// Teardown (DESIGN §5): wait for what the kind waits for → stop routing (a DecodePool's front
+/// door) → scale groups to 0 → wait for pods → release.
+async fn teardown_pool<K: PoolKind>(
+    ctx: &Context,
+    api: &Api<K>,
+    pool: &K,
+    observed: &PoolChildren,
+) -> Result<Action> {
+    if !teardown::holds_finalizer(pool) {
+        return Ok(Action::await_change());
+    }
+    let obs = TeardownObservation {
+        blocking: K::teardown_blockers(ctx, pool).await?,
+        front_door_present: observed
+            .services
+            .get(&pool.name_any())
+            .is_some_and(|s| !children::terminating(s)),
+        scaled_up: teardown::scaled_up(observed),
+        pods_left: observed.pods.len() as u32,
+    };
+    let owner = pool
+        .status()
+        .and_then(|p| p.replicas_owner.clone())
+        .unwrap_or_else(|| SPEC_REPLICAS.into());
+    teardown::advance(ctx, api, pool, &obs, |b| {
+        blocked_status(pool, observed, b, owner)
+    })
+    .await
+}

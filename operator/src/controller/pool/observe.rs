@@ -1,0 +1,101 @@
+//! The read stage of a pool: its children as listed now (label-selected LIST calls, no child
+//! informer caches), and what the rollout and teardown read from them.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
+use kube::{Api, ResourceExt};
+
+use super::super::children;
+use super::super::{Context, Result};
+use crate::labels::{self, Role};
+use crate::rollout::{GroupObservation, PodObservation};
+
+/// The children of a pool as listed now.
+#[derive(Debug, Default, Clone)]
+pub struct PoolChildren {
+    /// Group StatefulSets by name.
+    pub statefulsets: BTreeMap<String, StatefulSet>,
+    /// Services by name (peers, front door).
+    pub services: BTreeMap<String, Service>,
+    /// ConfigMaps by name.
+    pub config_maps: BTreeMap<String, ConfigMap>,
+    /// Pods of every group.
+    pub pods: Vec<Pod>,
+}
+
+impl PoolChildren {
+    /// Group StatefulSets that exist, not terminating, with index below `groups`.
+    pub fn groups_in_range(&self, groups: u32) -> u32 {
+        self.statefulsets
+            .values()
+            .filter(|s| !children::terminating(*s))
+            .filter(|s| children::group_of(*s).is_some_and(|g| g < groups))
+            .count() as u32
+    }
+
+    /// Group StatefulSets that exist and are not terminating (any index).
+    pub fn groups_existing(&self) -> u32 {
+        self.statefulsets
+            .values()
+            .filter(|s| !children::terminating(*s))
+            .count() as u32
+    }
+
+    /// Groups among `0..groups` (of `group_size` pods) all of whose pods are Ready.
+    pub fn ready_groups(&self, groups: u32, group_size: u32) -> u32 {
+        self.observations(groups, group_size)
+            .iter()
+            .filter(|g| g.ready())
+            .count() as u32
+    }
+
+    /// The group observations of groups `0..groups` of `group_size` pods.
+    pub fn observations(&self, groups: u32, group_size: u32) -> Vec<GroupObservation> {
+        (0..groups)
+            .map(|g| GroupObservation {
+                index: g,
+                desired_pods: group_size,
+                pods: self
+                    .pods
+                    .iter()
+                    .filter(|p| children::group_of(*p) == Some(g))
+                    .map(|p| PodObservation {
+                        name: p.name_any(),
+                        revision: p
+                            .labels()
+                            .get(labels::REVISION)
+                            .cloned()
+                            .unwrap_or_default(),
+                        ready: children::pod_ready(p),
+                        terminating: children::terminating(p),
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+}
+
+/// Lists the children of pool `name` with role `role`.
+pub async fn observe(ctx: &Context, ns: &str, name: &str, role: Role) -> Result<PoolChildren> {
+    let c = &ctx.client;
+    Ok(PoolChildren {
+        statefulsets: children::by_name(
+            children::list(&Api::<StatefulSet>::namespaced(c.clone(), ns), name, role).await?,
+        ),
+        services: children::by_name(
+            children::list(&Api::<Service>::namespaced(c.clone(), ns), name, role).await?,
+        ),
+        config_maps: children::by_name(
+            children::list(&Api::<ConfigMap>::namespaced(c.clone(), ns), name, role).await?,
+        ),
+        pods: children::list(&Api::<Pod>::namespaced(c.clone(), ns), name, role).await?,
+    })
+}
+
+/// Counts the pods of pool `name` with role `role`.
+pub async fn observe_pods(ctx: &Context, ns: &str, name: &str, role: Role) -> Result<u32> {
+    let pods = children::list(&Api::<Pod>::namespaced(ctx.client.clone(), ns), name, role).await?;
+    Ok(pods.len() as u32)
+}
