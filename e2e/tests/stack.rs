@@ -24,6 +24,15 @@
 //!    prefill, then the store; from deletion timestamps by role) and nothing is left but the CRDs;
 //!    `helm uninstall` removes the operator and keeps the CRDs.
 //!
+//! Issue 19, on the same stack: while the scale-up of suite 4 is pending the DecodePool never says
+//! Ready or not Progressing, and after the rollback `status.admittedReplicas` (the `Admitted`
+//! column) and `Progressing=False, CapacityLimited` say what was admitted and why (item 3);
+//! `kubectl scale prefillpool --replicas=6` on the ratio-owned pool changes nothing and the pool
+//! says `spec.replicas` is ignored — condition, event, `Spec-Ignored` column, and `/scale`
+//! reporting the groups that run (item 4); the teardown starts with a foreground deletion of the
+//! DecodePool alone, and the released PrefillPool neither scales to its `spec.replicas` nor
+//! restarts a pod (item 5).
+//!
 //! Skips with a printed reason when the control-plane binaries are not built, unless
 //! `TANDEM_E2E_REQUIRE_CLUSTER` is set.
 
@@ -34,8 +43,10 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::watcher;
 use kube::{Api, CustomResourceExt};
+use serde_json::Value;
 use support::{Harness, HarnessConfig, poll};
 use tandem_crds::labels::{GROUP, POOL, REVISION, ROLE, ROLE_DECODE, ROLE_PREFILL};
 use tandem_crds::{CacheTier, DecodePool, PrefillPool};
@@ -141,6 +152,7 @@ async fn scenario(h: &Harness) -> Result<(), String> {
         "-p",
         r#"{"spec":{"unschedulableDeadlineSeconds":15}}"#,
     ])?;
+    let history = StatusHistory::watch(h, "DecodePool", DECODE);
     h.kubectl(&["scale", "decodepool", DECODE, "--replicas=4"])?;
     wait_condition(h, "decodepool", DECODE, "InsufficientCapacity", "True", 180).await?;
     wait_groups(h, DECODE, 2, 120).await?;
@@ -158,8 +170,22 @@ async fn scenario(h: &Harness) -> Result<(), String> {
         return Err("pending pods remain after the InsufficientCapacity rollback".into());
     }
     wait_condition(h, "decodepool", DECODE, "Ready", "True", 180).await?;
+    let settled = |s: &Value| {
+        condition_of(s, "Ready").0 == "True" && s["scaling"]["applied"] == s["scaling"]["scheduled"]
+    };
+    check_pending_never_settled(&history.stop(settled).await?)?;
+    check_admitted(h).await?;
     println!(
-        "[{:>5.1}s] suite 4: scale to 4 refused for capacity and rolled back to 2",
+        "[{:>5.1}s] suite 4: scale to 4 refused for capacity and rolled back to 2 (status \
+         progressing while pending, admitted 2 after)",
+        t0.elapsed().as_secs_f64()
+    );
+
+    // Issue 19 item 4: `/scale` of a ratio-owned PrefillPool (what an HPA writes) is ignored,
+    // and the pool says so.
+    spec_replicas_ignored(h).await?;
+    println!(
+        "[{:>5.1}s] prefill spec.replicas 6 ignored under the ratio (condition, event, columns)",
         t0.elapsed().as_secs_f64()
     );
 
@@ -741,7 +767,14 @@ async fn teardown(h: &Harness) -> Result<(), String> {
         .await
         .map_err(|_| "the pod watch did not finish its initial list in 30 s".to_string())?
         .map_err(|_| "the pod watch ended before its initial list".to_string())?;
-    h.kubectl(&["delete", "-f", "manifests/samples/", "--wait=false"])?;
+    release_keeps_prefill(h).await?;
+    h.kubectl(&[
+        "delete",
+        "-f",
+        "manifests/samples/",
+        "--wait=false",
+        "--ignore-not-found",
+    ])?;
     let gone = poll(Duration::from_secs(300), || async {
         let left = h
             .kubectl(&["get", "cachetiers,prefillpools,decodepools", "-o", "name"])
@@ -845,4 +878,265 @@ fn ready(p: &Pod) -> bool {
         .as_ref()
         .and_then(|s| s.conditions.as_ref())
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// The status of one custom resource as each watch event delivered it.
+struct StatusHistory {
+    task: tokio::task::JoinHandle<()>,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<Value>>>,
+}
+
+impl StatusHistory {
+    fn watch(h: &Harness, kind: &str, name: &str) -> Self {
+        let gvk = GroupVersionKind::gvk("serving.tandem.dev", "v1alpha1", kind);
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(h.client.clone(), NS, &ApiResource::from_gvk(&gvk));
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let out = seen.clone();
+        let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+        let task = tokio::spawn(async move {
+            let mut stream = watcher(api, config).boxed();
+            while let Some(ev) = stream.next().await {
+                if let Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) = ev
+                    && let Ok(mut s) = out.lock()
+                {
+                    s.push(o.data["status"].clone());
+                }
+            }
+        });
+        Self { task, seen }
+    }
+
+    /// Stops once the watch has delivered a status for which `caught_up` holds (the state the
+    /// caller already observed: watch events arrive in order, so every earlier status is in the
+    /// history by then), or fails after 30 s.
+    async fn stop(self, caught_up: impl Fn(&Value) -> bool) -> Result<Vec<Value>, String> {
+        let reached = poll(Duration::from_secs(30), || async {
+            let seen = self.seen.lock().ok()?;
+            seen.iter().any(&caught_up).then_some(())
+        })
+        .await;
+        self.task.abort();
+        let seen = self.seen.lock().map(|s| s.clone()).unwrap_or_default();
+        match reached {
+            Some(()) => Ok(seen),
+            None => Err(format!(
+                "the status watch did not catch up in 30 s ({} statuses seen)",
+                seen.len()
+            )),
+        }
+    }
+}
+
+fn condition_of<'a>(status: &'a Value, ty: &str) -> (&'a str, &'a str) {
+    status["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == ty))
+        .map_or(("", ""), |c| {
+            (
+                c["status"].as_str().unwrap_or(""),
+                c["reason"].as_str().unwrap_or(""),
+            )
+        })
+}
+
+/// Issue 19 item 3: every DecodePool status written while the scale-up was not fully scheduled
+/// (`scaling.applied` above `scaling.scheduled`) says `Ready=False` and `Progressing=True`; and
+/// the watch did see such a status (the check cannot pass vacuously).
+fn check_pending_never_settled(history: &[Value]) -> Result<(), String> {
+    let above = |s: &Value, pool: &str| {
+        s["scaling"]["applied"][pool].as_i64() > s["scaling"]["scheduled"][pool].as_i64()
+    };
+    let pending: Vec<&Value> = history
+        .iter()
+        .filter(|s| above(s, "decode") || above(s, "prefill"))
+        .collect();
+    if pending.is_empty() {
+        return Err(format!(
+            "no DecodePool status with a pending scale-up was seen in {} statuses",
+            history.len()
+        ));
+    }
+    for s in &pending {
+        let ready = condition_of(s, "Ready");
+        let progressing = condition_of(s, "Progressing");
+        if ready.0 == "True" || progressing.0 == "False" {
+            return Err(format!(
+                "the DecodePool said Ready={ready:?}, Progressing={progressing:?} while its \
+                 scale-up was pending: scaling {}",
+                s["scaling"]
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The value of column `header` in the one-object table `kubectl get <kind> <name>` prints
+/// (columns are aligned: a value starts where its header does).
+fn column(table: &str, header: &str) -> Option<String> {
+    let mut lines = table.lines();
+    let head = lines.next()?;
+    let row = lines.next()?;
+    let starts: Vec<usize> = head
+        .char_indices()
+        .filter(|(i, c)| !c.is_whitespace() && (*i == 0 || head[..*i].ends_with(' ')))
+        .map(|(i, _)| i)
+        .collect();
+    let k = starts
+        .iter()
+        .position(|&i| head[i..].split_whitespace().next() == Some(header))?;
+    let end = starts
+        .get(k + 1)
+        .copied()
+        .unwrap_or(row.len())
+        .min(row.len());
+    row.get(starts[k].min(row.len())..end)
+        .map(|v| v.trim().to_owned())
+}
+
+#[test]
+fn column_reads_aligned_tables() {
+    let t = "NAME   DESIRED   OWNER                    AGE\n\
+             p      4         DecodePool/d ratio 2:1   5m\n";
+    assert_eq!(column(t, "DESIRED").as_deref(), Some("4"));
+    assert_eq!(
+        column(t, "OWNER").as_deref(),
+        Some("DecodePool/d ratio 2:1")
+    );
+    assert_eq!(column(t, "AGE").as_deref(), Some("5m"));
+    assert_eq!(column(t, "SPEC"), None);
+}
+
+/// Issue 19 item 3, after the rollback: what was admitted, and why.
+async fn check_admitted(h: &Harness) -> Result<(), String> {
+    let progressing = |field| condition_field(h, "decodepool", DECODE, "Progressing", field);
+    poll(Duration::from_secs(60), || async {
+        (progressing("reason")?.trim() == "CapacityLimited").then_some(())
+    })
+    .await
+    .ok_or("Progressing did not settle on CapacityLimited after the rollback")?;
+    let message = progressing("message").unwrap_or_default();
+    if !message.contains("refused for capacity") {
+        return Err(format!("Progressing does not say why: {message}"));
+    }
+    let admitted = jsonpath(
+        h,
+        "decodepool",
+        DECODE,
+        "{.spec.replicas} {.status.admittedReplicas}",
+    )?;
+    if admitted.trim() != "4 2" {
+        return Err(format!(
+            "spec.replicas and status.admittedReplicas: {admitted:?}, expected \"4 2\""
+        ));
+    }
+    let table = h.kubectl(&["get", "decodepool", DECODE])?;
+    if column(&table, "ADMITTED").as_deref() != Some("2") {
+        return Err(format!("kubectl get dcp shows no ADMITTED 2:\n{table}"));
+    }
+    Ok(())
+}
+
+/// Issue 19 item 4: `/scale` on the ratio-owned PrefillPool is ignored, and said so.
+async fn spec_replicas_ignored(h: &Harness) -> Result<(), String> {
+    h.kubectl(&["scale", "prefillpool", PREFILL, "--replicas=6"])?;
+    // The reconcile that saw the new spec.replicas wrote it into the message.
+    poll(Duration::from_secs(60), || async {
+        let m = condition_field(h, "prefillpool", PREFILL, "ReplicasIgnored", "message")?;
+        m.contains("spec.replicas (6)").then_some(())
+    })
+    .await
+    .ok_or("the PrefillPool never said that spec.replicas 6 is ignored")?;
+    assert_groups(h, PREFILL, 4).await?;
+    let scale: Value = serde_json::from_str(&h.kubectl(&[
+        "get",
+        "--raw",
+        &format!("/apis/serving.tandem.dev/v1alpha1/namespaces/{NS}/prefillpools/{PREFILL}/scale"),
+    ])?)
+    .map_err(|e| e.to_string())?;
+    let replicas = |part: &str| scale[part]["replicas"].as_i64();
+    if (replicas("spec"), replicas("status")) != (Some(6), Some(4)) {
+        return Err(format!("/scale must report the 4 groups that run: {scale}"));
+    }
+    let table = h.kubectl(&["get", "prefillpool", PREFILL])?;
+    for (col, want) in [("SPEC-IGNORED", "True"), ("SPEC", "6"), ("DESIRED", "4")] {
+        if column(&table, col).as_deref() != Some(want) {
+            return Err(format!("kubectl get pfp: {col} is not {want}:\n{table}"));
+        }
+    }
+    let described = h.kubectl(&["describe", "prefillpool", PREFILL])?;
+    if !described.contains("ReplicasIgnored") || !described.contains("/scale are ignored") {
+        return Err(format!("kubectl describe does not say it:\n{described}"));
+    }
+    let selector = format!("reason=ReplicasIgnored,involvedObject.name={PREFILL}");
+    let events = h.kubectl(&["get", "events", "--field-selector", &selector, "-o", "name"])?;
+    if events.trim().is_empty() {
+        return Err("no ReplicasIgnored event on the PrefillPool".into());
+    }
+    Ok(())
+}
+
+/// `kubectl get <kind> <name> -o jsonpath=<path>`.
+fn jsonpath(h: &Harness, kind: &str, name: &str, path: &str) -> Result<String, String> {
+    h.kubectl(&["get", kind, name, "-o", &format!("jsonpath={path}")])
+}
+
+/// The `field` (`reason`, `message`) of the condition `ty` of `kind/name`.
+fn condition_field(h: &Harness, kind: &str, name: &str, ty: &str, field: &str) -> Option<String> {
+    let path = format!("{{.status.conditions[?(@.type==\"{ty}\")].{field}}}");
+    jsonpath(h, kind, name, &path).ok()
+}
+
+/// Issue 19 item 5: a foreground deletion of the DecodePool alone; the released PrefillPool keeps
+/// its groups and revision (no scale to its spec.replicas 6, no pod restarted).
+async fn release_keeps_prefill(h: &Harness) -> Result<(), String> {
+    let revision = || jsonpath(h, "prefillpool", PREFILL, "{.status.updateRevision}");
+    let before = revision()?;
+    let deletions = PodDeletions::watch(h).await?;
+    h.kubectl(&[
+        "delete",
+        "decodepool",
+        DECODE,
+        "--cascade=foreground",
+        "--wait=false",
+    ])?;
+    let gone = [
+        "get",
+        "decodepool",
+        DECODE,
+        "--ignore-not-found",
+        "-o",
+        "name",
+    ];
+    poll(Duration::from_secs(180), || async {
+        h.kubectl(&gone).ok()?.trim().is_empty().then_some(())
+    })
+    .await
+    .ok_or("the DecodePool was not gone 180 s after its foreground deletion")?;
+    // The first reconcile after the release writes this reason: by then it would have scaled.
+    poll(Duration::from_secs(60), || async {
+        let r = condition_field(h, "prefillpool", PREFILL, "ReplicasIgnored", "reason")?;
+        (r.trim() == "ReleasedByDecodePool").then_some(())
+    })
+    .await
+    .ok_or("the PrefillPool did not report its release (ReleasedByDecodePool)")?;
+    let prefill_deleted: Vec<String> = deletions
+        .stop()
+        .await?
+        .into_iter()
+        .filter(|p| p.starts_with(PREFILL))
+        .collect();
+    if !prefill_deleted.is_empty() {
+        return Err(format!(
+            "the release restarted prefill pods: {prefill_deleted:?}"
+        ));
+    }
+    assert_groups(h, PREFILL, 4).await?;
+    let after = revision()?;
+    if after != before {
+        return Err(format!(
+            "the release moved the PrefillPool's revision {before} → {after}"
+        ));
+    }
+    Ok(())
 }

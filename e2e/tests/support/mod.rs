@@ -32,6 +32,41 @@ pub struct ClusterShape {
     pub kwok_gpus_per_node: u32,
 }
 
+impl ClusterShape {
+    /// etcd and the API server only (no controllers, no nodes), ports + `port_offset`.
+    pub fn api_only(port_offset: u16) -> Self {
+        Self {
+            port_offset,
+            controller_manager: false,
+            scheduler: false,
+            kwok_nodes: 0,
+            kwok_gpus_per_node: 0,
+        }
+    }
+}
+
+/// Runs `program` (the cached kubectl or helm) with `kubeconfig` from the repository root; stdout,
+/// or an error with stdout and stderr.
+pub fn run_tool(program: &Path, kubeconfig: &Path, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(program)
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .current_dir(repo())
+        .output()
+        .map_err(|e| format!("{}: {e}", program.display()))?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    if out.status.success() {
+        Ok(stdout)
+    } else {
+        Err(format!(
+            "{} {args:?} failed: {}{}",
+            program.file_name().unwrap_or_default().to_string_lossy(),
+            stdout,
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
 /// A suite's private control plane: state in a temp dir that lives as long as this value.
 pub struct PrivateCluster {
     /// The running cluster (its `config` has the state dir and ports).
@@ -165,23 +200,7 @@ impl Harness {
     }
 
     fn tool(&self, program: &Path, args: &[&str]) -> Result<String, String> {
-        let out = Command::new(program)
-            .args(args)
-            .env("KUBECONFIG", &self.cluster.kubeconfig)
-            .current_dir(repo())
-            .output()
-            .map_err(|e| format!("{}: {e}", program.display()))?;
-        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        if out.status.success() {
-            Ok(stdout)
-        } else {
-            Err(format!(
-                "{} {args:?} failed: {}{}",
-                program.file_name().unwrap_or_default().to_string_lossy(),
-                stdout,
-                String::from_utf8_lossy(&out.stderr)
-            ))
-        }
+        run_tool(program, &self.cluster.kubeconfig, args)
     }
 
     /// Pods in `default` matching a label selector.
