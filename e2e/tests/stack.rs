@@ -170,10 +170,10 @@ async fn scenario(h: &Harness) -> Result<(), String> {
         return Err("pending pods remain after the InsufficientCapacity rollback".into());
     }
     wait_condition(h, "decodepool", DECODE, "Ready", "True", 180).await?;
-    let settled = |s: &Value| {
-        condition_of(s, "Ready").0 == "True" && s["scaling"]["applied"] == s["scaling"]["scheduled"]
-    };
-    check_pending_never_settled(&history.stop(settled).await?)?;
+    // The state just observed: Ready again after the rollback, with the refused target recorded.
+    let rolled_back =
+        |s: &Value| condition_of(s, "Ready").0 == "True" && s["scaling"]["refused"]["decode"] == 4;
+    check_pending_never_settled(&history.stop(rolled_back).await?)?;
     check_admitted(h).await?;
     println!(
         "[{:>5.1}s] suite 4: scale to 4 refused for capacity and rolled back to 2 (status \

@@ -73,6 +73,9 @@ cargo run --quiet -p tandem-crds --bin crdgen -- --check
 step "the worker as shipped: library and binaries without negative controls, warnings denied"
 cargo clippy -p tandem-worker --lib --bins -- -D warnings
 
+step "the operator as shipped: library and binary without negative controls (UnsafeModes), warnings denied"
+cargo clippy -p tandem-operator --lib --bins -- -D warnings
+
 step "feature builds: cuda (dynamic loading, no toolkit needed), rdma (ibverbs), warnings denied"
 cargo clippy -p tandem-worker --features cuda --all-targets -- -D warnings
 cargo clippy -p tandem-worker --features rdma --all-targets -- -D warnings
