@@ -40,6 +40,6 @@ ENV NVIDIA_VISIBLE_DEVICES=all \
 USER 65532:65532
 WORKDIR /var/lib/tandem
 # 7000 control (gRPC), 7001 KV data (TCP), 8000 front door (decode), 7420 L3 store (cache),
-# 8080 health/metrics (INTERFACES §2).
+# 8080 health/metrics (worker/interfaces/README.md §2).
 EXPOSE 7000 7001 7420 8000 8080
 ENTRYPOINT ["/usr/local/bin/tandem-worker"]

@@ -53,38 +53,32 @@ pub fn resolve_path(path: &Path) -> std::path::PathBuf {
 mod tests {
     use super::*;
 
-    fn tier_json() -> serde_json::Value {
-        serde_json::json!({
-            "apiVersion": CACHE_TIER_CONFIG_API_VERSION,
-            "namespace": "serving",
-            "tier": "l3",
-            "model": {"name": "llama-3-8b", "layers": 32, "attention": "gqa",
-                      "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2},
-            "pageTokens": 512,
-            "memoryBytes": 1u64 << 30,
-            "diskBytes": 16u64 << 30,
-            "writePolicy": "writeThrough"
-        })
+    /// The samples of worker/interfaces/README.md §2.
+    fn sample(name: &str) -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("interfaces/samples")
+            .join(name)
     }
 
     #[test]
     fn configs_load_from_files_through_the_checked_path() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join(CACHE_TIER_CONFIG_FILE);
-        std::fs::write(&path, tier_json().to_string()).unwrap();
-        let cfg = CacheTierConfig::load(&path).unwrap();
-        assert_eq!(cfg.data_dir, Path::new(DEFAULT_CACHE_DATA_DIR));
+        let tier = CacheTierConfig::load(&sample("tier.json")).unwrap();
+        assert_eq!(tier.data_dir, Path::new(DEFAULT_CACHE_DATA_DIR));
+        let worker = WorkerConfig::load(&sample("decode-worker.json")).unwrap();
+        assert_eq!(worker.memory.segment_bytes, 1_503_133_696);
         // Unreadable, malformed and unchecked files are typed errors naming the file.
+        let dir = tempfile::tempdir().unwrap();
         assert!(matches!(
             CacheTierConfig::load(&dir.path().join("absent.json")),
             Err(ConfigError::Read { .. })
         ));
+        let path = dir.path().join(CACHE_TIER_CONFIG_FILE);
         std::fs::write(&path, "{").unwrap();
         match CacheTierConfig::load(&path) {
             Err(ConfigError::Parse { path: p, .. }) => assert_eq!(p, path),
             other => panic!("want a parse error, got {other:?}"),
         }
-        let mut v = tier_json();
+        let mut v = serde_json::to_value(&tier).unwrap();
         v["memoryBytes"] = serde_json::json!(0);
         std::fs::write(&path, v.to_string()).unwrap();
         assert!(matches!(

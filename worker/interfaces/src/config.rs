@@ -1,5 +1,5 @@
 //! The resolved configurations: the one file a worker reads at start ([`WorkerConfig`]) and the one
-//! a CacheTier store replica reads ([`CacheTierConfig`]) (README §2).
+//! a CacheTier store replica reads ([`CacheTierConfig`]) (worker/interfaces/README.md §2).
 //!
 //! The operator resolves a pool's spec, its CacheTier's policy and the cluster's topology into a
 //! [`WorkerConfig`] and writes it as JSON into the pool's ConfigMap (DESIGN §2: "workers read only
@@ -318,18 +318,38 @@ pub enum ConfigError {
     Inconsistent(String),
 }
 
+/// Parses `text` (the file `origin`) as a `T`, then runs `check` on it.
+fn parse_checked<T: serde::de::DeserializeOwned>(
+    text: &str,
+    origin: &Path,
+    check: fn(&T) -> Result<(), ConfigError>,
+) -> Result<T, ConfigError> {
+    let cfg: T = serde_json::from_str(text).map_err(|source| ConfigError::Parse {
+        path: origin.to_path_buf(),
+        source,
+    })?;
+    check(&cfg)?;
+    Ok(cfg)
+}
+
+/// [`ConfigError::Version`] unless `found` is `want`.
+fn check_version(found: &str, want: &str) -> Result<(), ConfigError> {
+    if found == want {
+        Ok(())
+    } else {
+        Err(ConfigError::Version {
+            found: found.to_owned(),
+        })
+    }
+}
+
 impl WorkerConfig {
     /// Parses and checks the text of a config file; `origin` names the file in errors.
     ///
     /// # Errors
     /// [`ConfigError`]: malformed, wrong version, or inconsistent.
     pub fn from_json(text: &str, origin: &Path) -> Result<Self, ConfigError> {
-        let cfg: Self = serde_json::from_str(text).map_err(|source| ConfigError::Parse {
-            path: origin.to_path_buf(),
-            source,
-        })?;
-        cfg.check()?;
-        Ok(cfg)
+        parse_checked(text, origin, Self::check)
     }
 
     /// Checks the invariants the operator guarantees: version, segment sum, owner-map length,
@@ -339,11 +359,7 @@ impl WorkerConfig {
     /// # Errors
     /// [`ConfigError::Version`] or [`ConfigError::Inconsistent`] naming the broken invariant.
     pub fn check(&self) -> Result<(), ConfigError> {
-        if self.api_version != CONFIG_API_VERSION {
-            return Err(ConfigError::Version {
-                found: self.api_version.clone(),
-            });
-        }
+        check_version(&self.api_version, CONFIG_API_VERSION)?;
         let bad = |m: String| Err(ConfigError::Inconsistent(m));
         let m = &self.memory;
         let sum = [
@@ -399,7 +415,7 @@ pub const CACHE_TIER_CONFIG_API_VERSION: &str = "tandem.dev/cache-tier-config/v1
 /// File name of the tier config inside the tier's ConfigMap volume (`/etc/tandem/tier.json`).
 pub const CACHE_TIER_CONFIG_FILE: &str = "tier.json";
 
-/// Default data directory of a store replica (the PVC mount; README §2).
+/// Default data directory of a store replica (the PVC mount; worker/interfaces/README.md §2).
 pub const DEFAULT_CACHE_DATA_DIR: &str = "/var/lib/tandem/cache";
 
 fn default_cache_data_dir() -> std::path::PathBuf {
@@ -479,7 +495,7 @@ impl Default for CachePorts {
 }
 
 /// The resolved configuration of one CacheTier store replica (`tandem-worker cache --config
-/// /etc/tandem/tier.json`; README §2, DESIGN §2 `CacheTier`, contract 7).
+/// /etc/tandem/tier.json`; worker/interfaces/README.md §2, DESIGN §2 `CacheTier`, contract 7).
 ///
 /// The operator renders it from the CacheTier spec into the tier's ConfigMap. Same rules as
 /// [`WorkerConfig`]: versioned `apiVersion`, unknown fields rejected, no Kubernetes dependency.
@@ -573,12 +589,7 @@ impl CacheTierConfig {
     /// # Errors
     /// [`ConfigError`]: malformed, wrong version, or inconsistent.
     pub fn from_json(text: &str, origin: &Path) -> Result<Self, ConfigError> {
-        let cfg: Self = serde_json::from_str(text).map_err(|source| ConfigError::Parse {
-            path: origin.to_path_buf(),
-            source,
-        })?;
-        cfg.check()?;
-        Ok(cfg)
+        parse_checked(text, origin, Self::check)
     }
 
     /// Checks version, identity, budgets and the watermark range.
@@ -586,11 +597,7 @@ impl CacheTierConfig {
     /// # Errors
     /// [`ConfigError::Version`] or [`ConfigError::Inconsistent`] naming the broken invariant.
     pub fn check(&self) -> Result<(), ConfigError> {
-        if self.api_version != CACHE_TIER_CONFIG_API_VERSION {
-            return Err(ConfigError::Version {
-                found: self.api_version.clone(),
-            });
-        }
+        check_version(&self.api_version, CACHE_TIER_CONFIG_API_VERSION)?;
         let bad = |m: String| Err(ConfigError::Inconsistent(m));
         if let Err(e) = self.model.validate() {
             return bad(format!("model: {e}"));
@@ -632,10 +639,10 @@ impl CacheTierConfig {
 }
 
 /// Resolves an absolute path a worker reads or writes under `root`, the value of `$TANDEM_ROOT`
-/// (README §2 and §5: the e2e process runner has no mount namespace): with root `/tmp/r`,
-/// `/etc/tandem/worker.json` becomes `/tmp/r/etc/tandem/worker.json`. Relative paths, and every
-/// path when the root is `None` or empty, are returned unchanged. Pure: the worker's
-/// `config::resolve_path` reads the variable.
+/// (worker/interfaces/README.md §2 and §5: the e2e process runner has no mount namespace): with
+/// root `/tmp/r`, `/etc/tandem/worker.json` becomes `/tmp/r/etc/tandem/worker.json`. Relative
+/// paths, and every path when the root is `None` or empty, are returned unchanged. Pure: the
+/// worker's `config::resolve_path` reads the variable.
 pub fn resolve_path_under(root: Option<&Path>, path: &Path) -> std::path::PathBuf {
     match root {
         Some(root) if !root.as_os_str().is_empty() && path.is_absolute() => {

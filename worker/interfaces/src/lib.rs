@@ -1,5 +1,5 @@
 //! Tandem's process boundaries: every type that one process writes and another reads
-//! (DESIGN §1; the document is `README.md` beside this crate, "README §n" below).
+//! (DESIGN §1; the document is `worker/interfaces/README.md`, the "§n" below).
 //!
 //! - [`config`]: the worker config the operator renders into a pool's ConfigMap and the cache-tier
 //!   config of a store replica (§2), with [`model`] (model identity and KV geometry) and

@@ -1,7 +1,7 @@
-//! The host-memory policy names the configs carry (README §2; DESIGN §2 `CacheTier`, contracts 1
-//! and 2): the allocator domain of every host pool, where the store client runs, what a failed L3
-//! registration does, and the chunk order of a pool. The worker implements them (`memory`,
-//! `store_client`, `registration`, `pool`); this crate only names them.
+//! The host-memory policy names the configs carry (worker/interfaces/README.md §2; DESIGN §2
+//! `CacheTier`, contracts 1 and 2): the allocator domain of every host pool, where the store client
+//! runs, what a failed L3 registration does, and the chunk order of a pool. The worker implements
+//! them (`memory`, `store_client`, `registration`, `pool`); this crate only names them.
 
 use std::fmt;
 

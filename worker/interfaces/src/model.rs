@@ -5,8 +5,9 @@
 //! sizes from it, so there is exactly one formula (DESIGN §2, "model identity"; reference/dataplane.md
 //! R-MEM-4: geometry is recomputed from the model descriptor, never copied by hand).
 //!
-//! The type is plain serde with no Kubernetes dependency: the operator embeds the same struct in the
-//! resolved pool config it renders, and the worker reads it back from that file (README §2).
+//! The type is plain serde with no Kubernetes dependency: the operator embeds the same struct in
+//! the resolved pool config it renders, and the worker reads it back from that file
+//! (worker/interfaces/README.md §2).
 //!
 //! The catalogue format is `/work/shared/data/models.json`:
 //! `{"models": [{"name": ..., "layers": 32, "attention": "gqa", "kv_heads": 8, "head_dim": 128,

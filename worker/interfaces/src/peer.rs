@@ -1,5 +1,6 @@
-//! The peer protocol between workers (README §6): gRPC package `tandem.transfer.v1`, compiled from
-//! `proto/tandem/transfer/v1/transfer.proto` by protox in `build.rs` (no `protoc`).
+//! The peer protocol between workers (worker/interfaces/README.md §6): gRPC package
+//! `tandem.transfer.v1`, compiled from `proto/tandem/transfer/v1/transfer.proto` by protox in
+//! `build.rs` (no `protoc`).
 //!
 //! Only the message types are generated here (prost, no tonic): the worker's `build.rs` generates
 //! the tonic client and server over them (`extern_path`) and its `control::pb` re-exports both,

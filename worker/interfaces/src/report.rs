@@ -1,5 +1,5 @@
-//! The `/report` document every worker role serves on its health port (README §4): readiness, the
-//! role's identity, its degradations and its monotonic counters.
+//! The `/report` document every worker role serves on its health port (worker/interfaces/README.md
+//! §4): readiness, the role's identity, its degradations and its monotonic counters.
 //!
 //! The counter names are defined once, by [`with_report_counters!`](crate::with_report_counters):
 //! this module builds [`ReportCounters`] (what readers parse) from it and the worker builds its
@@ -9,7 +9,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Calls the macro `$callback` with every `/report` counter, in declaration order, as
-/// `$(#[doc] name),*` — the one list of the counter names (README §4).
+/// `$(#[doc] name),*` — the one list of the counter names (worker/interfaces/README.md §4).
 ///
 /// Each counter is a monotonic `u64` that starts at 0 when the worker process starts.
 #[macro_export]
@@ -134,9 +134,9 @@ pub enum ReportPhase {
     Draining,
 }
 
-/// A worker's `/report` body (README §4). Readers ignore fields they do not know: a role adds its
-/// own (decode: `peers`, `refused_peers`, `kv_pages`, `spec_guard`), and every field has a default
-/// so an older or partial document still parses.
+/// A worker's `/report` body (worker/interfaces/README.md §4). Readers ignore fields they do not
+/// know: a role adds its own (decode: `peers`, `refused_peers`, `kv_pages`, `spec_guard`), and
+/// every field has a default so an older or partial document still parses.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct WorkerReport {

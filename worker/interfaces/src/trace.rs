@@ -1,4 +1,5 @@
-//! The one trace request type: a row of the Mooncake FAST'25 trace schema (README §7).
+//! The one trace request type: a row of the Mooncake FAST'25 trace schema
+//! (worker/interfaces/README.md §7).
 //!
 //! Schema (kvcache-ai/Mooncake, `FAST25-release/traces/`, e.g. `conversation_trace.jsonl`; the
 //! copy in `shared/data/mooncake/README.md`): one JSON object a line with four integer fields:

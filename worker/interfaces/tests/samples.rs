@@ -1,5 +1,5 @@
-//! The sample configs of README §2 (`samples/`) parse, pass the worker's checks and serialise back
-//! to the same document; a changed or unknown field is refused.
+//! The sample configs of worker/interfaces/README.md §2 (`samples/`) parse, pass the worker's
+//! checks and serialise back to the same document; a changed or unknown field is refused.
 
 use std::path::{Path, PathBuf};
 
