@@ -6,11 +6,10 @@
 //! registration behind.
 
 mod engine_api_support;
+mod serve_support;
 
 use std::path::PathBuf;
-use std::process::{Child, Command};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use engine_api_support::*;
 use tandem_worker::config::WorkerRole;
@@ -22,50 +21,48 @@ use tandem_worker::store_client::standalone::StandaloneClient;
 use tonic::Code;
 
 struct Sidecar {
-    child: Child,
+    _proc: serve_support::Proc,
     socket: PathBuf,
     prefix: String,
-    _dir: tempfile::TempDir,
+    _world: serve_support::World,
 }
 
 impl Sidecar {
+    /// `tandem-worker store-client --config` with memfd segments (a 16 MiB budget), started from
+    /// a pool's worker config as a pod's sidecar is; its segments are named `tandem-sc-<pid>-<id>`.
     fn spawn() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("sc.sock");
-        let prefix = format!("tandem-eapi-{}", std::process::id());
-        let child = Command::new(BIN)
-            .args([
-                "store-client",
-                "--backend",
-                "memfd",
-                "--budget-bytes",
-                "16777216",
-            ])
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--name-prefix")
-            .arg(&prefix)
-            .spawn()
-            .unwrap();
-        let end = Instant::now() + Duration::from_secs(20);
-        // The socket path appears only once the sidecar accepts.
-        while !socket.exists() {
-            assert!(Instant::now() < end, "the store client did not bind");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        use tandem_worker::config::{CONFIG_FILE, CacheConfig, WritePolicy};
+        use tandem_worker::memory::AllocatorDomain;
+        let world = serve_support::World::new(84);
+        let mut cfg = serve_support::config(WorkerRole::Prefill, "r1", world.ports);
+        cfg.memory.allocator = AllocatorDomain::SharedMemory;
+        cfg.memory.client_mode = Some(ClientMode::Standalone);
+        cfg.cache = Some(CacheConfig {
+            tier: "l3".into(),
+            service: "l3-store.serving.svc".into(),
+            replicas: 1,
+            page_tokens: 512,
+            write_policy: WritePolicy::WriteThrough,
+        });
+        // A 16 MiB segment budget: the pools' sum, as the operator resolves it.
+        cfg.memory.target_pool_bytes = 16 << 20;
+        cfg.memory.segment_bytes = 16 << 20;
+        let (proc, listening) = world.start_role(
+            2,
+            "store-client",
+            CONFIG_FILE,
+            &serde_json::to_vec(&cfg).unwrap(),
+            &[],
+            &["--backend", "memfd"],
+        );
+        let socket = PathBuf::from(listening);
+        let prefix = format!("tandem-sc-{}-", proc.0.id());
         Self {
-            child,
+            _proc: proc,
             socket,
             prefix,
-            _dir: dir,
+            _world: world,
         }
-    }
-}
-
-impl Drop for Sidecar {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

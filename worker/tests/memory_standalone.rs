@@ -139,7 +139,7 @@ fn registrar(client: Arc<StandaloneClient>) -> Arc<Registrar> {
 
 #[test]
 fn seed_000_across_two_processes_and_teardown_leaves_nothing_in_dev_shm() {
-    let mut sc = StoreClientProcess::spawn(71, false);
+    let mut sc = StoreClientProcess::spawn(81, false);
     let client = Arc::new(StandaloneClient::connect(&sc.socket, "it-worker").unwrap());
     assert_eq!(client.server_pid(), sc.proc.0.id());
     let plan =
@@ -229,7 +229,7 @@ fn seed_000_across_two_processes_and_teardown_leaves_nothing_in_dev_shm() {
 
 #[test]
 fn sigterm_with_a_connected_worker_still_removes_every_segment() {
-    let mut sc = StoreClientProcess::spawn(72, false);
+    let mut sc = StoreClientProcess::spawn(82, false);
     let client = StandaloneClient::connect(&sc.socket, "it-worker").unwrap();
     client.reserve(64 << 10).unwrap();
     client.reserve(64 << 10).unwrap();
@@ -250,7 +250,7 @@ fn sigterm_with_a_connected_worker_still_removes_every_segment() {
 
 #[test]
 fn negative_control_a_store_client_that_skips_unlink_is_detected() {
-    let mut sc = StoreClientProcess::spawn(73, true);
+    let mut sc = StoreClientProcess::spawn(83, true);
     let client = StandaloneClient::connect(&sc.socket, "it-worker").unwrap();
     client.reserve(64 << 10).unwrap();
     let status = sc.sigterm_and_wait();

@@ -105,7 +105,16 @@ async fn prefixes_hit_l2_then_l3_after_the_replica_and_the_prefill_restart() {
         (1024, 0),
         "shared prefix of two pages"
     );
-    let (_, pr) = get_json(w.addr(2, w.ports.health), "/report").await;
+    // The L3 writes of the last request land after its KV was sent: wait for the count (bounded),
+    // rather than read it the instant the response ends.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let pr = loop {
+        let (_, pr) = get_json(w.addr(2, w.ports.health), "/report").await;
+        if pr["counters"]["l3_pages_written"] == 4 || std::time::Instant::now() > deadline {
+            break pr;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert_eq!(pr["counters"]["l3_pages_written"], 4, "{pr}");
     assert_eq!(pr["counters"]["prefix_hit_tokens_l2"], 2560, "{pr}");
     assert_eq!(pr["degraded"], serde_json::json!([]), "{pr}");

@@ -189,7 +189,7 @@ mod tests {
         let mut names = COUNTER_NAMES.to_vec();
         names.sort_unstable();
         assert_eq!(keys, names);
-        assert_eq!(COUNTER_NAMES.len(), 19);
+        assert_eq!(COUNTER_NAMES.len(), 20);
         assert_eq!(COUNTER_NAMES[0], "requests_ok");
     }
 
