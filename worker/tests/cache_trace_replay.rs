@@ -23,6 +23,12 @@ fn trace_path() -> PathBuf {
 fn load() -> Option<Vec<TraceRequest>> {
     let path = trace_path();
     let Ok(file) = File::open(&path) else {
+        // CI sets TANDEM_REQUIRE_DATA=1: missing test data fails instead of skipping.
+        assert!(
+            std::env::var_os("TANDEM_REQUIRE_DATA").is_none_or(|v| v != "1"),
+            "TANDEM_REQUIRE_DATA=1 and the Mooncake trace is not at {}",
+            path.display()
+        );
         println!(
             "SKIP: Mooncake trace not found at {} (set TANDEM_MOONCAKE_TRACE)",
             path.display()
