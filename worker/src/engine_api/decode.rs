@@ -176,6 +176,7 @@ fn wire_proof(p: ReleaseProof) -> pb::ReleaseProof {
         ReleaseProof::Concluded => pb::ReleaseProof::Concluded,
         ReleaseProof::AllAcks => pb::ReleaseProof::AllAcks,
         ReleaseProof::Transport(_) => pb::ReleaseProof::Transport,
+        #[cfg(feature = "negative-controls")]
         ReleaseProof::Bypassed => pb::ReleaseProof::Bypassed,
     }
 }
@@ -592,6 +593,7 @@ impl DecodeSide {
                     ReleaseProof::Concluded => &c.released_concluded,
                     ReleaseProof::AllAcks => &c.released_acks,
                     ReleaseProof::Transport(_) => &c.released_transport,
+                    #[cfg(feature = "negative-controls")]
                     ReleaseProof::Bypassed => &c.released_bypassed,
                 }
                 .fetch_add(1, Ordering::Relaxed);

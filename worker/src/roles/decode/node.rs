@@ -40,7 +40,7 @@ use tonic::transport::{Channel, Endpoint};
 use crate::engine::verify_chunk;
 use crate::release::quarantine::Quarantine;
 use crate::release::receiver::{
-    AckOutcome, FailureCause, GateMode, GateVerdict, ReceiverRoom, ReceiverState, ReleaseProof,
+    AckOutcome, FailureCause, GateMode, GateVerdict, ReceiverRoom, ReceiverState,
 };
 use crate::release::{DecodeRank, PrefillRank, RoomKey};
 use crate::transfer::tcp::{GenerationCheck, TcpReceiver};
@@ -775,7 +775,11 @@ impl DecodeNode {
                 // never waits here): an OpenRoom the ABORT overtook — a request abandoned while
                 // its room opened — cannot land a write in pages the pool hands out again. The
                 // bypass (negative control) keeps the pre-fix behaviour.
-                if proof != ReleaseProof::Bypassed {
+                #[cfg(feature = "negative-controls")]
+                let fence = proof != crate::release::receiver::ReleaseProof::Bypassed;
+                #[cfg(not(feature = "negative-controls"))]
+                let fence = true;
+                if fence {
                     let _ = self.receiver.fence(key, Instant::now());
                 }
                 if unfenced && !from_quarantine {
