@@ -366,7 +366,7 @@ impl Drop for DevicePagePools {
 /// Options of the CUDA load stream, including the test-only fault and the negative control.
 #[derive(Debug, Clone)]
 pub struct CudaLoadOptions {
-    /// Fence policy ([`FencePolicy::UnsafeSkipFence`] is a negative control).
+    /// Fence policy (`FencePolicy::UnsafeSkipFence` is a negative control).
     pub fence: FencePolicy,
     /// Test fault: hold the load stream for this long before the copy of this (pool, layer) (a
     /// host function on the stream; the "slow indexer load").

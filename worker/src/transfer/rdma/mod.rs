@@ -9,7 +9,7 @@
 //! - [`completions`] (always compiled): the per-queue-pair ledger — send-queue credit, work
 //!   completions → per-write outcomes, flush accounting after an error, cancel. A handle is terminal
 //!   only when every posted request is accounted (with its negative control,
-//!   [`completions::TrackerMode::EagerFailure`]).
+//!   `completions::TrackerMode::EagerFailure`, feature `negative-controls`).
 //! - `verbs` (feature `rdma`): the only `unsafe` code — device, protection domain, memory
 //!   registration over existing memory, completion queue, RC queue pair RESET → INIT → RTR → RTS,
 //!   `post_send` / `poll_cq` through the provider's ops table (they are `static inline` in
