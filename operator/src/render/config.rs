@@ -229,6 +229,8 @@ pub fn worker_config(
             health: HEALTH_PORT,
             front_door: pool.front_door_port.map(|_| FRONT_DOOR_PORT),
         },
+        // The pool's `spec.engine` is not rendered yet: the worker runs its built-in engine.
+        engine: None,
         model,
     })
 }

@@ -286,6 +286,35 @@ pub struct WorkerConfig {
     pub peers: Peers,
     /// Listening ports.
     pub ports: Ports,
+    /// The serving engine beside this worker, when the pod has one (DESIGN §3.1). `None`: the
+    /// worker runs its built-in in-process simulated engine and serves no engine API.
+    #[serde(default)]
+    pub engine: Option<EngineSeat>,
+}
+
+/// Which serving engine computes attention beside the worker (DESIGN §3.1; the pool's
+/// `spec.engine.kind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EngineKind {
+    /// `tandem-worker sim-engine`: deterministic KV bytes, verified on every read.
+    Simulated,
+    /// SGLang through Tandem's adapters.
+    #[serde(rename = "SGLang")]
+    SgLang,
+    /// vLLM through Tandem's KV connector.
+    #[serde(rename = "vLLM")]
+    Vllm,
+}
+
+/// Where the worker meets its engine: the engine-API sockets (`engine.sock`, `pools.sock`) live in
+/// `socket_dir`, an `emptyDir` both containers of the pod mount (DESIGN §3.1).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EngineSeat {
+    /// The engine that attaches.
+    pub kind: EngineKind,
+    /// Directory of the engine-API sockets, as mounted in the worker container.
+    pub socket_dir: std::path::PathBuf,
 }
 
 /// Errors reading a config file.

@@ -126,6 +126,7 @@ pub fn worker_config(role: WorkerRole, s: Shape) -> WorkerConfig {
             retry_budget: 1,
         }),
         transport: TransportChoice::Tcp,
+        engine: None,
         peers: Peers {
             prefill_service: None,
             decode_service: None,

@@ -123,6 +123,7 @@ pub fn config(role: WorkerRole, revision: &str, p: PortSet) -> WorkerConfig {
         speculative: None,
         spec_guard: None,
         transport: TransportChoice::Tcp,
+        engine: None,
         peers: Peers {
             prefill_service: Some(SERVICE.into()),
             decode_service: None,
