@@ -495,20 +495,44 @@ fn prefill_or_decode() -> String {
 async fn rolling_restart(h: &Harness) -> Result<(), String> {
     let pods: Api<Pod> = Api::namespaced(h.client.clone(), NS);
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Seen>();
+    // Groups already terminating in the initial list (an earlier phase's scale-in still draining)
+    // leave for good: they are not part of the rollout's order.
+    let (init_tx, init_rx) = tokio::sync::oneshot::channel::<BTreeSet<(String, String)>>();
     let watch = tokio::spawn(async move {
         let mut stream = watcher(
             pods,
             watcher::Config::default().labels(&prefill_or_decode()),
         )
         .boxed();
+        let mut init_tx = Some(init_tx);
+        let mut leaving = BTreeSet::new();
         while let Some(ev) = stream.next().await {
-            if let Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) = ev
-                && let Some(s) = seen(&p)
-            {
-                let _ = tx.send(s);
+            match ev {
+                Ok(watcher::Event::InitApply(p)) => {
+                    if let Some(s) = seen(&p).filter(|s| s.terminating) {
+                        leaving.insert((s.pool, s.group));
+                    }
+                }
+                Ok(watcher::Event::InitDone) => {
+                    if let Some(t) = init_tx.take() {
+                        let _ = t.send(std::mem::take(&mut leaving));
+                    }
+                }
+                Ok(watcher::Event::Apply(p)) => {
+                    if let Some(s) = seen(&p) {
+                        let _ = tx.send(s);
+                    }
+                }
+                _ => {}
             }
         }
     });
+    // The patch goes out only after the watch has listed every pod: no rollout event is missed,
+    // and every group terminating before it is known.
+    let leaving_before = tokio::time::timeout(Duration::from_secs(60), init_rx)
+        .await
+        .map_err(|_| "the pod watch did not list the pods within 60 s".to_string())?
+        .map_err(|_| "the pod watch ended before its initial list".to_string())?;
     let old_revision = h.kubectl(&[
         "get",
         "decodepool",
@@ -545,19 +569,27 @@ async fn rolling_restart(h: &Harness) -> Result<(), String> {
             log.len()
         ));
     }
-    check_one_group_at_a_time(&log, &old_revision)
+    check_one_group_at_a_time(&log, &old_revision, &leaving_before)
 }
 
 /// From the watch log, the documented order (`operator/src/rollout.rs`, DESIGN §5): within each
 /// pool a group starts terminating only after the group before it has a Ready pod on a revision
 /// other than `old` (one group at a time per pool); the first group to go is a prefill group; and
 /// no decode group goes before a prefill group of the new revision is Ready (pairing stays within
-/// one revision, so a restarted decode always has a peer).
-fn check_one_group_at_a_time(log: &[Seen], old: &str) -> Result<(), String> {
+/// one revision, so a restarted decode always has a peer). Groups in `leaving` were already
+/// terminating before the rollout began (a scale-in still draining) and are not part of it.
+fn check_one_group_at_a_time(
+    log: &[Seen],
+    old: &str,
+    leaving: &BTreeSet<(String, String)>,
+) -> Result<(), String> {
     let mut first_terminating: BTreeMap<(String, String), Instant> = BTreeMap::new();
     let mut ready_new: BTreeMap<(String, String), Instant> = BTreeMap::new();
     for s in log {
         let key = (s.pool.clone(), s.group.clone());
+        if leaving.contains(&key) {
+            continue;
+        }
         if s.terminating && s.revision == old {
             first_terminating.entry(key).or_insert(s.at);
         } else if s.ready && !s.terminating && s.revision != old {

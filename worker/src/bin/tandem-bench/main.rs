@@ -14,6 +14,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod abort_stress;
+mod gpu;
 mod layer_split;
 mod loadback;
 mod pool;
@@ -45,6 +46,9 @@ enum Bench {
     Loadback(loadback::LoadbackArgs),
     /// Snapshot sync with the prefill KV pool full: dedicated buffer vs the pool itself (seed 002).
     Snapshot(snapshot::SnapshotArgs),
+    /// KV page copies H2D, D2H and D2D as ratios of the device's own one-copy peaks (feature `cuda`;
+    /// `worker/tools/gpu-check.sh` runs it on a GPU machine).
+    Gpu(gpu::GpuArgs),
 }
 
 fn main() -> ExitCode {
@@ -68,6 +72,7 @@ fn main() -> ExitCode {
         Bench::Snapshot(a) => snapshot::run(&a)
             .map(|r| r.lines())
             .map_err(|e| e.to_string()),
+        Bench::Gpu(a) => gpu::run(&a).map(|r| r.lines()).map_err(|e| e.to_string()),
     };
     match lines {
         Ok(lines) => {
