@@ -89,6 +89,7 @@ pub enum GpuError {
     Unavailable(String),
     /// A driver call failed.
     #[error("{call}: {message}")]
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Driver {
         /// The driver call.
         call: &'static str,
@@ -103,6 +104,7 @@ pub enum GpuError {
 /// The order pages are taken in: a fixed permutation of `0..n` with the stride of a free list
 /// that has seen churn (`i * stride mod n`, `stride` coprime to `n`), so page copies are not one
 /// contiguous run in disguise.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn scattered(n: usize) -> Vec<usize> {
     fn gcd(a: usize, b: usize) -> usize {
         if b == 0 { a } else { gcd(b, a % b) }

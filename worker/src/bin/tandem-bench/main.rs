@@ -19,6 +19,7 @@ mod layer_split;
 mod loadback;
 mod pool;
 mod registration;
+mod routing;
 mod snapshot;
 mod transfer;
 
@@ -46,6 +47,8 @@ enum Bench {
     Loadback(loadback::LoadbackArgs),
     /// Snapshot sync with the prefill KV pool full: dedicated buffer vs the pool itself (seed 002).
     Snapshot(snapshot::SnapshotArgs),
+    /// Prefix-affine prefill selection vs round-robin on the Mooncake conversation trace (model).
+    Routing(routing::RoutingArgs),
     /// KV page copies H2D, D2H and D2D as ratios of the device's own one-copy peaks (feature `cuda`;
     /// `worker/tools/gpu-check.sh` runs it on a GPU machine).
     Gpu(gpu::GpuArgs),
@@ -70,6 +73,9 @@ fn main() -> ExitCode {
             .map(|r| r.lines())
             .map_err(|e| e.to_string()),
         Bench::Snapshot(a) => snapshot::run(&a)
+            .map(|r| r.lines())
+            .map_err(|e| e.to_string()),
+        Bench::Routing(a) => routing::run(&a)
             .map(|r| r.lines())
             .map_err(|e| e.to_string()),
         Bench::Gpu(a) => gpu::run(&a).map(|r| r.lines()).map_err(|e| e.to_string()),

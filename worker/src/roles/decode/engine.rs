@@ -556,6 +556,7 @@ impl DecodeEngine {
             output_tokens,
             hash_ids: kv_block_hashes,
         };
+        let hashes = &spec.hash_ids;
         let c = &self.state.counters;
         let mut tried: Vec<String> = Vec::new();
         let mut last_error = None;
@@ -563,8 +564,8 @@ impl DecodeEngine {
             let shunned: Vec<String> = tried.iter().chain(avoid).cloned().collect();
             let Some(link) = self
                 .peers
-                .pick(&shunned)
-                .or_else(|| self.peers.pick(&tried))
+                .pick(&shunned, hashes)
+                .or_else(|| self.peers.pick(&tried, hashes))
             else {
                 break;
             };
@@ -589,6 +590,7 @@ impl DecodeEngine {
                 )) => {
                     c.kv_bytes_received.inc_by(kv_bytes);
                     c.corrupt_pages_read.inc_by(corrupt_chunks);
+                    self.peers.routed(link.addr(), hashes);
                     let prefilled = Prefilled {
                         hits,
                         kv_bytes,

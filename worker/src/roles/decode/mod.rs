@@ -22,6 +22,7 @@ pub mod engine;
 pub mod front_door;
 pub mod node;
 pub mod peers;
+pub mod routing;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;

@@ -3,9 +3,10 @@
 //! Every refresh (about every 2 s) resolves `peers.prefillService` through [`Resolver`], connects to
 //! each new address's control port with a hello that carries this decode's revision, keeps the
 //! links that answer with the same revision, and skips — logs once, counts in
-//! `peer_revision_refusals`, reports in `/report` — those of another revision. Rooms are spread
-//! round-robin over the live links; a request whose peer failed is retried on another one by the
-//! caller ([`PeerSet::pick`] takes the addresses already tried).
+//! `peer_revision_refusals`, reports in `/report` — those of another revision. Rooms go where
+//! their prefix is, balanced against the rooms in flight per link ([`super::routing`]); a request
+//! whose peer failed is retried on another one by the caller ([`PeerSet::pick`] takes the
+//! addresses already tried).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,6 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use super::node::{DecodeError, DecodeNode, PrefillLink};
+use super::routing::{self, AffinityTable, Candidate, Routing};
 use crate::health::counters::Counters;
 use crate::roles::resolve::Resolver;
 
@@ -43,6 +45,35 @@ pub struct PeerSet {
     refused: Mutex<BTreeMap<String, String>>,
     last_error: Mutex<Option<String>>,
     next: AtomicUsize,
+    routing: Routing,
+    affinity: Mutex<AffinityTable>,
+    in_flight: Arc<Mutex<BTreeMap<String, u32>>>,
+}
+
+/// A link chosen for one room: counts as in flight on its peer until dropped (the room's
+/// transfer ended), which is the load [`super::routing::choose`] balances.
+pub struct RoutedLink {
+    link: PrefillLink,
+    in_flight: Arc<Mutex<BTreeMap<String, u32>>>,
+}
+
+impl std::ops::Deref for RoutedLink {
+    type Target = PrefillLink;
+    fn deref(&self) -> &PrefillLink {
+        &self.link
+    }
+}
+
+impl Drop for RoutedLink {
+    fn drop(&mut self) {
+        let mut counts = lock(&self.in_flight);
+        if let Some(n) = counts.get_mut(self.link.addr()) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                counts.remove(self.link.addr());
+            }
+        }
+    }
 }
 
 impl PeerSet {
@@ -62,6 +93,9 @@ impl PeerSet {
             refused: Mutex::new(BTreeMap::new()),
             last_error: Mutex::new(None),
             next: AtomicUsize::new(0),
+            routing: Routing::default(),
+            affinity: Mutex::new(AffinityTable::new(routing::DEFAULT_BLOCKS_PER_PEER)),
+            in_flight: Arc::new(Mutex::new(BTreeMap::new())),
         })
     }
 
@@ -84,7 +118,14 @@ impl PeerSet {
         let wanted: Vec<String> = addrs.iter().map(ToString::to_string).collect();
         {
             let mut links = lock(&self.links);
-            links.retain(|addr, link| link.alive() && wanted.contains(addr));
+            let mut affinity = lock(&self.affinity);
+            links.retain(|addr, link| {
+                let keep = link.alive() && wanted.contains(addr);
+                if !keep {
+                    affinity.forget(addr); // gone or restarting: its cache is not ours to count on
+                }
+                keep
+            });
             lock(&self.refused).retain(|addr, _| wanted.contains(addr));
         }
         for addr in wanted {
@@ -141,18 +182,38 @@ impl PeerSet {
         lock(&self.links).values().filter(|l| l.alive()).count()
     }
 
-    /// The next live link round-robin, skipping `tried` addresses; `None` when none is left.
-    pub fn pick(&self, tried: &[String]) -> Option<PrefillLink> {
+    /// The live link for a room whose prompt pages are `hashes` (the request's `kv_block_hashes`,
+    /// possibly empty), skipping `tried` addresses; `None` when none is left. Prefix affinity
+    /// balanced against rooms in flight ([`super::routing`]); the room counts as in flight on the
+    /// link until the returned value is dropped.
+    pub fn pick(&self, tried: &[String], hashes: &[u64]) -> Option<RoutedLink> {
         let links = lock(&self.links);
         let live: Vec<&PrefillLink> = links
             .values()
             .filter(|l| l.alive() && !tried.iter().any(|t| t == l.addr()))
             .collect();
-        if live.is_empty() {
-            return None;
-        }
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % live.len();
-        Some(live[i].clone())
+        let mut counts = lock(&self.in_flight);
+        let candidates: Vec<Candidate<'_>> = live
+            .iter()
+            .map(|l| Candidate {
+                addr: l.addr(),
+                in_flight: counts.get(l.addr()).copied().unwrap_or(0),
+            })
+            .collect();
+        let rr = self.next.fetch_add(1, Ordering::Relaxed);
+        let i = routing::choose(self.routing, &candidates, hashes, &lock(&self.affinity), rr)?;
+        let link = live[i].clone();
+        *counts.entry(link.addr().to_owned()).or_insert(0) += 1;
+        Some(RoutedLink {
+            link,
+            in_flight: Arc::clone(&self.in_flight),
+        })
+    }
+
+    /// Records that the peer at `addr` computed a room whose prompt pages are `hashes`: its next
+    /// turns are routed there ([`super::routing::AffinityTable`]).
+    pub fn routed(&self, addr: &str, hashes: &[u64]) {
+        lock(&self.affinity).record(addr, hashes);
     }
 
     /// Drops the link to `addr` if it is dead (the next refresh reconnects).
