@@ -6,14 +6,16 @@
 //! The pool's image is mapped (by the runner's image table) to a shell script that plays both
 //! programs by their first argument, so that the check does not depend on the worker's engine API
 //! (another branch): as the worker (`prefill …`) it records its spawn time, leaves a file in
-//! `/run/tandem/engine`, serves `/healthz` on the health port at once and `/readyz` only once
-//! (bounded wait) the engine's file is there; as the engine (`sim-engine …`) it records its spawn
+//! `/run/tandem/engine`, serves `/healthz` on the health port one second later (recording when)
+//! and `/readyz` only once (bounded wait) the engine's file is there; as the engine (`sim-engine …`) it records its spawn
 //! time and argv, copies the config file it was pointed at, and answers the worker's file with its
 //! own. Then:
 //!
 //! 1. A PrefillPool `{kind: Simulated}` with two pods per group becomes `Ready` (so the worker
 //!    sidecar's readiness probe ran and counted); in each pod the worker was spawned before the
-//!    engine (process start times from `/proc`, not the scripts' clocks), each side read the
+//!    engine, and the engine only after the worker's `/healthz` existed — its startup probe gates
+//!    the engine, as the kubelet does for a native sidecar — (process start times from `/proc`,
+//!    not the scripts' clocks), each side read the
 //!    other's file in the shared directory, the engine's argv is the rendered one with
 //!    `--ordinal` expanded to the pod's index (from the StatefulSet controller's
 //!    `apps.kubernetes.io/pod-index` label), and the config it read names the engine seat.
@@ -58,7 +60,10 @@ case "$1" in
 prefill|decode)
   put worker.spawned "$spawned"
   put from-worker "$POD_NAME worker"
-  www="$TANDEM_ROOT/www"; mkdir -p "$www"; echo ok > "$www/healthz"
+  www="$TANDEM_ROOT/www"; mkdir -p "$www"
+  sleep 1
+  put worker.healthy "$(sh -c 'cut -d" " -f22 /proc/$$/stat')"
+  echo ok > "$www/healthz"
   (await from-engine; put worker-saw "$(cat "$d/from-engine")"; echo ok > "$www/readyz") &
   cd "$www" && exec python3 -m http.server 8080 --bind "$POD_IP" ;;
 sim-engine)
@@ -325,6 +330,15 @@ fn check_pod(p: &Pod, runner_dir: &Path) -> Result<(), String> {
             "{name}: the engine was spawned at tick {e}, not after the worker sidecar ({w})"
         ));
     }
+    // The worker's startup probe (`/healthz`) gates the engine: the worker serves it only 1 s
+    // after its start, and the engine must not be spawned before.
+    let healthy = ticks("worker.healthy")?;
+    if e < healthy {
+        return Err(format!(
+            "{name}: the engine was spawned at tick {e}, before the worker's startup probe could \
+             pass (its /healthz exists from tick {healthy})"
+        ));
+    }
     if read("engine-saw")? != format!("{name} worker")
         || read("worker-saw")? != format!("{name} engine")
     {
@@ -360,8 +374,10 @@ fn check_pod(p: &Pod, runner_dir: &Path) -> Result<(), String> {
         ));
     }
     println!(
-        "{name}: worker spawned {} ticks before the engine; ordinal {ordinal}; one directory",
-        e - w
+        "{name}: worker spawned {} ticks before the engine, healthy {} ticks before; ordinal \
+         {ordinal}; one directory",
+        e - w,
+        e - healthy
     );
     Ok(())
 }
