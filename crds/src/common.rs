@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::Toleration;
+use k8s_openapi::api::core::v1::{ResourceRequirements, Toleration};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::KubeSchema;
 use serde::{Deserialize, Serialize};
@@ -256,6 +256,69 @@ pub struct PodTemplateOverrides {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub service_account_name: Option<String>,
 }
+
+/// Which serving engine computes attention beside the worker (DESIGN §3.1).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, schemars::JsonSchema)]
+pub enum EngineKind {
+    /// `tandem-worker sim-engine --serve`: the simulated engine as its own process, a client of
+    /// the engine API only (deterministic KV bytes, verified on every read). Served now.
+    Simulated,
+    /// SGLang through Tandem's adapters. Accepted by the schema; this operator version refuses
+    /// the pool (`Degraded`, reason `EngineUnsupported`) until the worker serves it.
+    #[serde(rename = "SGLang")]
+    SgLang,
+    /// vLLM through Tandem's KV connector. Accepted by the schema; refused like `SGLang` for now.
+    #[serde(rename = "vLLM")]
+    Vllm,
+}
+
+impl EngineKind {
+    /// The wire text (`Simulated`, `SGLang`, `vLLM`).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            EngineKind::Simulated => "Simulated",
+            EngineKind::SgLang => "SGLang",
+            EngineKind::Vllm => "vLLM",
+        }
+    }
+}
+
+impl std::fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The serving engine of a pool's pods (DESIGN §3.1). When set, each pod runs the engine as its
+/// main container `engine` and the worker as a native sidecar (it starts before and stops after
+/// the engine); both share the engine-API sockets in an `emptyDir` mounted at
+/// `/run/tandem/engine`. Unset: the worker runs its built-in in-process simulated engine, alone.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.kind == 'Simulated' || has(self.image)")
+    .message("engine.image is required for kind SGLang and vLLM (only the Simulated engine defaults to the worker image)"))]
+pub struct EngineSpec {
+    /// The engine: `Simulated`, `SGLang` or `vLLM`.
+    pub kind: EngineKind,
+    /// Image of the engine container. `Simulated` defaults to the pool's worker image (it runs
+    /// `tandem-worker sim-engine`); `SGLang` and `vLLM` must name one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self.size() > 0").message("engine.image must not be empty"))]
+    pub image: Option<String>,
+    /// Extra arguments appended to the engine's command line (after the ones the operator
+    /// renders: the socket directory, the worker config and the pod's ordinal).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    /// CPU and memory of the engine container (not GPUs: the pod's one GPU is set by the
+    /// operator).
+    #[serde(default)]
+    #[x_kube(validation = Rule::new(crate::prefill_pool::NO_GPU_IN_RESOURCES).message(ENGINE_NO_GPU_MESSAGE))]
+    pub resources: ResourceRequirements,
+}
+
+/// Message of the engine's GPU rule.
+const ENGINE_NO_GPU_MESSAGE: &str =
+    "engine.resources must not set nvidia.com/gpu: the operator sets the pod's one GPU";
 
 /// Default worker image; the tag follows the crate version.
 pub fn default_worker_image() -> String {

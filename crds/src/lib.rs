@@ -27,8 +27,8 @@ pub use cache_tier::{
     EvictionSpec, LoadbackProgress, PersistenceSpec, RegistrationFailurePolicy, WritePolicy,
 };
 pub use common::{
-    AttentionKind, HostPoolSpec, IndexerSpec, KvDtype, LocalRef, ModelSpec, Parallelism,
-    PodTemplateOverrides, SpeculativeSpec, Transport,
+    AttentionKind, EngineKind, EngineSpec, HostPoolSpec, IndexerSpec, KvDtype, LocalRef, ModelSpec,
+    Parallelism, PodTemplateOverrides, SpeculativeSpec, Transport,
 };
 pub use decode_pool::{
     BudgetSpec, DecodePool, DecodePoolSpec, FrontDoorSpec, PrefillPairing, RestartSpec,

@@ -7,8 +7,8 @@ use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
 use crate::common::{
-    HostPoolSpec, LocalRef, ModelSpec, Parallelism, PodTemplateOverrides, SpeculativeSpec,
-    Transport, default_worker_image,
+    EngineSpec, HostPoolSpec, LocalRef, ModelSpec, Parallelism, PodTemplateOverrides,
+    SpeculativeSpec, Transport, default_worker_image,
 };
 
 /// The dedicated receive buffer for decode→prefill session snapshots (seed 002, DESIGN
@@ -92,6 +92,7 @@ pub(crate) const NO_GPU_IN_RESOURCES_MESSAGE: &str = "resources must not set nvi
     json_path = ".spec.parallelism.context",
     priority = 1
 ))]
+#[kube(printcolumn(name = "Engine", type_ = "string", json_path = ".spec.engine.kind"))]
 #[kube(printcolumn(
     name = "Age",
     type_ = "date",
@@ -128,6 +129,11 @@ pub struct PrefillPoolSpec {
     /// Bulk KV transport.
     #[serde(default)]
     pub transport: Transport,
+    /// The serving engine beside the worker (DESIGN §3.1): an `engine` container with the worker
+    /// as its native sidecar. Unset: the worker alone, with its built-in simulated engine.
+    /// `SGLang` and `vLLM` are refused by this operator version (`EngineUnsupported`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<EngineSpec>,
     /// Worker image.
     #[serde(default = "default_worker_image")]
     #[x_kube(validation = Rule::new("self.size() > 0").message("image must not be empty"))]

@@ -172,3 +172,39 @@ fn every_rule_has_an_invalid_sample() {
         rules.len()
     );
 }
+
+/// `spec.engine` as admitted on both pool kinds: `Simulated` without an image (it defaults to the
+/// worker's), with extra args and resources; `SGLang` and `vLLM` with an image (the operator, not
+/// admission, refuses them for now). The same blocks without the image are refused.
+#[test]
+fn engine_blocks_are_admitted_when_they_name_what_they_need() {
+    use serde_json::json;
+    for file in ["prefillpool.yaml", "decodepool.yaml"] {
+        let base = documents(&samples_dir().join(file)).remove(0);
+        let with = |engine: Value| {
+            let mut doc = base.clone();
+            doc["spec"]["engine"] = engine;
+            doc
+        };
+        for engine in [
+            json!({"kind": "Simulated"}),
+            json!({"kind": "Simulated", "args": ["--requests", "4"],
+                   "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}}}),
+            json!({"kind": "SGLang", "image": "lmsysorg/sglang:v0.5.4"}),
+            json!({"kind": "vLLM", "image": "vllm/vllm-openai:v0.11.0", "args": ["--enforce-eager"]}),
+        ] {
+            assert_eq!(
+                admit(&with(engine.clone()), None),
+                Ok(()),
+                "{file}: {engine}"
+            );
+        }
+        for kind in ["SGLang", "vLLM"] {
+            assert_eq!(
+                admit(&with(json!({"kind": kind})), None),
+                Err(vec!["engine.image is required for kind SGLang and vLLM (only the Simulated engine defaults to the worker image)".to_owned()]),
+                "{file}: {kind} without an image"
+            );
+        }
+    }
+}

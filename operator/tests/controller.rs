@@ -6,7 +6,9 @@
 //! - once `deletionTimestamp` is set nothing creates or applies a child, including under
 //!   foreground cascading deletion (and the `reconcile_while_deleting` negative control does);
 //! - a hand-edited group replica count is restored with a `ReplicaDrift` event;
-//! - a restart rolls prefill before decode.
+//! - a restart rolls prefill before decode;
+//! - a pool asking for an engine this version does not serve (SGLang, vLLM) is refused with
+//!   `EngineUnsupported` and changes no child or pod, while a `Simulated` engine rolls out.
 
 mod support;
 
@@ -893,4 +895,119 @@ async fn a_released_prefill_pool_keeps_its_count_and_revision_until_its_spec_cha
         (Some("False"), Some("SpecReplicas"))
     );
     assert!(fake.get(paths::STS, &format!("{PREFILL}-g3")).is_none());
+}
+
+/// Writes other than status patches and events: what a refused pool must never make.
+fn child_or_pod_writes(calls: &[Call]) -> Vec<String> {
+    let bad: Vec<Call> = calls
+        .iter()
+        .filter(|c| c.is_write())
+        .filter(|c| !c.path.starts_with(paths::EVENTS) && !c.path.ends_with("/status"))
+        .cloned()
+        .collect();
+    summary(&bad)
+}
+
+/// Issue 13: only the Simulated engine is served. A converged stack whose DecodePool asks for
+/// vLLM is refused — `Degraded=True, EngineUnsupported`, one Warning event, no child or pod
+/// created, applied or deleted — and its PrefillPool (whose revision is the pair's) says the
+/// DecodePool is blocked. Switching to `Simulated` lifts the refusal and rolls the engine pod out
+/// (the negative control: the same reconciles do write once the engine is served).
+#[tokio::test]
+async fn an_unsupported_engine_is_refused_and_changes_no_pod() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    let ctx = context(client);
+    converge(&fake, &ctx).await;
+    let sts_before = fake.get(paths::STS, &format!("{DECODE}-g0")).unwrap();
+    fake.edit(paths::DECODES, DECODE, |o| {
+        o["spec"]["engine"] = json!({"kind": "vLLM", "image": "vllm/vllm-openai:v0.11.0"});
+        o["metadata"]["generation"] = json!(2);
+    });
+    fake.clear_calls();
+    for _ in 0..2 {
+        reconcile_decode(&ctx).await;
+        reconcile_prefill(&ctx).await;
+    }
+    let calls = fake.calls();
+    assert_eq!(child_or_pod_writes(&calls), Vec::<String>::new());
+    assert_eq!(
+        fake.get(paths::STS, &format!("{DECODE}-g0")).unwrap(),
+        sts_before,
+        "the running group is untouched"
+    );
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    let degraded = condition(&d, "Degraded");
+    assert_eq!(
+        status_of(&degraded),
+        (Some("True"), Some("EngineUnsupported")),
+        "{degraded}"
+    );
+    assert!(
+        degraded["message"]
+            .as_str()
+            .unwrap()
+            .contains("spec.engine.kind vLLM is not served"),
+        "{degraded}"
+    );
+    assert_eq!(
+        status_of(&condition(&d, "Ready")),
+        (Some("False"), Some("EngineUnsupported"))
+    );
+    let reasons = event_reasons(&calls);
+    assert_eq!(
+        reasons.iter().filter(|r| *r == "EngineUnsupported").count(),
+        1,
+        "one event per transition: {reasons:?}"
+    );
+    let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
+    let pd = condition(&p, "Degraded");
+    assert_eq!(
+        status_of(&pd),
+        (Some("True"), Some("DecodePoolBlocked")),
+        "{pd}"
+    );
+
+    // Simulated is served: the same pool rolls out, the worker as the engine's native sidecar.
+    fake.edit(paths::DECODES, DECODE, |o| {
+        o["spec"]["engine"] = json!({"kind": "Simulated"});
+        o["metadata"]["generation"] = json!(3);
+    });
+    fake.clear_calls();
+    reconcile_decode(&ctx).await;
+    reconcile_prefill(&ctx).await;
+    assert!(
+        !child_or_pod_writes(&fake.calls()).is_empty(),
+        "a served engine rolls out (so the zero-write assertion above can fail)"
+    );
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(
+        status_of(&condition(&d, "Degraded")).0,
+        Some("False"),
+        "{d}"
+    );
+    // The rollout (prefill first, one group at a time) reaches the decode group.
+    let names = |sts: &Value, key: &str| -> Vec<String> {
+        sts["spec"]["template"]["spec"][key]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| c["name"].as_str().unwrap_or_default().to_owned())
+            .collect()
+    };
+    let mut rolled = false;
+    for _ in 0..40 {
+        round(&ctx).await;
+        fake.materialize_pods();
+        let sts = fake.get(paths::STS, &format!("{DECODE}-g0")).unwrap();
+        if names(&sts, "containers") == ["engine"] {
+            assert_eq!(names(&sts, "initContainers"), ["store-client", "worker"]);
+            rolled = true;
+            break;
+        }
+    }
+    assert!(
+        rolled,
+        "the Simulated engine never reached the decode group"
+    );
 }

@@ -6,6 +6,11 @@
 //! a reconciler (counts, references, deadlines) and name the function that reads them;
 //! `Identity` fields are compared across kinds and raise `PolicyConflict` on a mismatch. A new
 //! field added to a CRD without an entry here fails the test.
+//!
+//! The pools are checked with `spec.engine: {kind: Simulated}` added (so that the engine's image,
+//! args and resources have a base to change); `spec.engine.kind` itself is covered by
+//! [`engine_kind_is_rendered_or_refused`]: unset and `Simulated` render different pods, and
+//! `SGLang`/`vLLM` are refused before anything is rendered.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -14,7 +19,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::CustomResourceExt;
 use serde_json::{Value, json};
 use tandem_crds::{CacheTier, DecodePool, PrefillPool};
-use tandem_operator::controller::revision::resolve_with;
+use tandem_operator::controller::revision::{Blocked, resolve_with};
 use tandem_operator::policy::TierLookup;
 use tandem_operator::render::{PoolView, tier, workload};
 
@@ -36,7 +41,7 @@ fn sample(file: &str) -> Value {
 
 /// Leaf field paths of a CRD's spec schema (arrays, maps and opaque objects are leaves).
 fn leaves(schema: &Value, prefix: &str, out: &mut BTreeSet<String>) {
-    const OPAQUE: [&str; 1] = ["resources"];
+    const OPAQUE: [&str; 2] = ["resources", "engine.resources"];
     match schema.get("properties").and_then(Value::as_object) {
         Some(props) if !OPAQUE.contains(&prefix) => {
             for (k, v) in props {
@@ -129,6 +134,12 @@ fn render_tier(tier_v: &Value) -> Value {
     ])
 }
 
+/// Gives the pool a Simulated engine, so the engine fields have a base to change.
+fn with_engine(mut v: Value) -> Value {
+    v["spec"]["engine"] = json!({"kind": "Simulated"});
+    v
+}
+
 /// Gives every model of `v` an indexer, so the indexer fields have a base to change.
 fn with_indexers(mut v: Value) -> Value {
     v["spec"]["model"]["indexer"] = json!({"headDim": 64});
@@ -181,6 +192,10 @@ fn pool_common() -> Vec<(String, Disposition)> {
         ("podTemplate.priorityClassName".into(), Rendered(|| json!("serving"))),
         ("podTemplate.serviceAccountName".into(), Rendered(|| json!("worker"))),
         ("speculative.draftTokens".into(), Rendered(|| json!(2))),
+        ("engine.kind".into(), Controller("Simulated: render::engine (worker config engine seat, engine container); SGLang/vLLM: refused by controller::revision::resolve_with (EngineUnsupported); see engine_kind_is_rendered_or_refused")),
+        ("engine.image".into(), Rendered(|| json!("example/engine:2"))),
+        ("engine.args".into(), Rendered(|| json!(["--requests", "4"]))),
+        ("engine.resources".into(), Rendered(|| json!({"requests": {"cpu": "1"}}))),
     ]);
     v.extend(model_fields("speculative.draftModel"));
     v
@@ -233,7 +248,7 @@ fn every_prefill_pool_field_is_rendered_or_used() {
         ("layerSplit".into(), Rendered(|| json!(true))),
         ("snapshotBuffer.size".into(), Rendered(|| json!("1Gi"))),
     ]);
-    let mut base = with_indexers(sample("prefillpool.yaml"));
+    let mut base = with_engine(with_indexers(sample("prefillpool.yaml")));
     base["spec"]["parallelism"]["context"] = json!(2); // so layerSplit may be set
     base["spec"]["speculative"] =
         with_indexers(sample("decodepool.yaml"))["spec"]["speculative"].clone();
@@ -288,7 +303,7 @@ fn every_decode_pool_field_is_rendered_or_used() {
         ("restart.id".into(), Rendered(|| json!("again"))),
         ("frontDoor.port".into(), Rendered(|| json!(9000))),
     ]);
-    let base = with_indexers(sample("decodepool.yaml"));
+    let base = with_engine(with_indexers(sample("decodepool.yaml")));
     let t2 = tier.clone();
     check(
         "DecodePool",
@@ -370,5 +385,43 @@ fn tier_policy_fields_reach_the_pool_config() {
             base,
             "tier spec.{path} does not reach the pool config"
         );
+    }
+}
+
+/// `spec.engine.kind`: unset renders the worker alone; `Simulated` renders a different pod and
+/// config (the engine container, the worker as its sidecar, the config's engine seat); `SGLang`
+/// and `vLLM` (with an image, as admission requires) are refused: nothing renders.
+#[test]
+fn engine_kind_is_rendered_or_refused() {
+    let tier: CacheTier = serde_json::from_value(sample("cachetier.yaml")).unwrap();
+    for (file, decode) in [("prefillpool.yaml", false), ("decodepool.yaml", true)] {
+        let plain = sample(file);
+        let t = sample("cachetier.yaml");
+        assert_ne!(
+            render_pool(&with_engine(plain.clone()), &t, decode),
+            render_pool(&plain, &t, decode),
+            "{file}: engine.kind Simulated changes nothing rendered"
+        );
+        for kind in ["SGLang", "vLLM"] {
+            let mut v = plain.clone();
+            v["spec"]["engine"] = json!({"kind": kind, "image": "example/engine:1"});
+            let (p, d);
+            let view = if decode {
+                d = serde_json::from_value::<DecodePool>(v).unwrap();
+                PoolView::decode(&d)
+            } else {
+                p = serde_json::from_value::<PrefillPool>(v).unwrap();
+                PoolView::prefill(&p)
+            };
+            let lookup = TierLookup::Found {
+                name: "llama70b-l3",
+                spec: &tier.spec,
+                terminating: false,
+            };
+            assert!(
+                matches!(resolve_with(&view, lookup), Err(Blocked::Engine(_))),
+                "{file}: engine.kind {kind} must be refused"
+            );
+        }
     }
 }

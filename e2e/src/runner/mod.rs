@@ -19,7 +19,8 @@
 //!
 //! What it is not: no images, no isolation (processes share the host's filesystem, users and
 //! network namespace), no kube-proxy (ClusterIPs are not routed; names resolve through the hosts
-//! file), no liveness/startup probes, no `kubectl logs/exec` (logs are files under
+//! file), no liveness probes (startup probes gate readiness and the init sequence, but a failing
+//! one restarts nothing), no `kubectl logs/exec` (logs are files under
 //! `<runner dir>/pods/<ns>_<name>_<uid>/logs/`), no volume updates after start.
 
 pub mod env;

@@ -7,7 +7,9 @@
 //! tokens at 80 % of their lifetime, and patches `pods/status` when it changed.
 //!
 //! Native sidecars (KEP-753: init containers with `restartPolicy: Always`) start in their place in
-//! the init sequence and the sequence moves on once they run; they are restarted whenever they exit
+//! the init sequence and the sequence moves on once they run and, when they have a
+//! `startupProbe`, once it passed (readiness probes of any container run only after its startup
+//! probe passed; one failing past its threshold is not restarted here); they are restarted whenever they exit
 //! (whatever the pod's policy), their readiness counts for the pod's, and they are stopped after
 //! the main containers — when all of those finished for good, or on deletion.
 //!
@@ -92,6 +94,14 @@ struct Slot {
     ever_started: bool,
     /// A native sidecar: an init container with `restartPolicy: Always`.
     sidecar: bool,
+    /// The startup probe's state (`startupProbe`), if the container has one.
+    startup: Option<ProbeState>,
+    /// The startup probe passed in the current run (always, without one): readiness is probed
+    /// only from then on.
+    started: bool,
+    /// `started` was true at least once: a native sidecar holds the init sequence until then
+    /// (its restarts later do not).
+    started_once: bool,
 }
 
 struct TokenState {
@@ -149,6 +159,9 @@ pub(crate) async fn supervise(
         done: false,
         ever_started: false,
         sidecar: c.restart_policy.as_deref() == Some("Always"),
+        startup: c.startup_probe.as_ref().map(ProbeState::new),
+        started: false,
+        started_once: false,
     };
     let mut sup = Supervisor {
         api: Api::namespaced(ctx.client.clone(), &ns),
@@ -229,6 +242,7 @@ impl Supervisor {
             }
         }
         self.refresh_tokens_if_due().await;
+        self.probe_startup(now).await;
         let initialized = self.run_init(now);
         if initialized && !self.failed {
             let policy = self.restart_policy();
@@ -246,13 +260,14 @@ impl Supervisor {
         self.publish().await;
     }
 
-    /// Whether the init sequence is through: regular init containers succeeded, sidecars started.
+    /// Whether the init sequence is through: regular init containers succeeded, sidecars started
+    /// (and passed their startup probe once, when they have one).
     fn initialized(&self) -> bool {
         self.prepared
             && self
                 .init
                 .iter()
-                .all(|s| s.done || (s.sidecar && s.ever_started))
+                .all(|s| s.done || (s.sidecar && s.ever_started && s.started_once))
     }
 
     fn restart_policy(&self) -> String {
@@ -288,6 +303,11 @@ impl Supervisor {
                     }
                 }
                 if !self.init[i].ever_started {
+                    return false;
+                }
+                if !self.init[i].started_once {
+                    // The kubelet starts the next container only once a sidecar's startup
+                    // probe passed.
                     return false;
                 }
                 continue;
@@ -396,6 +416,11 @@ impl Supervisor {
                 if let Some(p) = slot.probe.as_mut() {
                     p.restart(now);
                 }
+                if let Some(p) = slot.startup.as_mut() {
+                    p.restart(now);
+                }
+                slot.started = slot.startup.is_none();
+                slot.started_once |= slot.started;
                 slot.view.run = ContainerRun::Running {
                     started_at,
                     ready: slot.probe.is_none(),
@@ -412,10 +437,40 @@ impl Supervisor {
         }
     }
 
+    /// Runs the due startup probes of running containers whose startup has not passed in this
+    /// run. One that fails past its `failureThreshold` is not restarted here (the kubelet would
+    /// kill it): it just never counts as started.
+    async fn probe_startup(&mut self, now: Instant) {
+        let ip = IpAddr::V4(self.ip);
+        for slot in self.init.iter_mut().chain(self.app.iter_mut()) {
+            if slot.started || slot.child.is_none() {
+                continue;
+            }
+            let (Some(state), Some(spec)) =
+                (slot.startup.as_mut(), slot.spec.startup_probe.as_ref())
+            else {
+                continue;
+            };
+            if !state.due(now) {
+                continue;
+            }
+            let ok = run_probe(spec, &slot.spec, ip, &slot.env, &slot.root, state.timeout()).await;
+            if state.record(ok, Instant::now()) {
+                slot.started = true;
+                slot.started_once = true;
+                tracing::info!(pod = %self.name, container = %slot.spec.name, "startup probe passed");
+            }
+        }
+    }
+
     async fn probe(&mut self, now: Instant) {
         let ip = IpAddr::V4(self.ip);
         let sidecars = self.init.iter_mut().filter(|s| s.sidecar);
         for slot in sidecars.chain(self.app.iter_mut()) {
+            if !slot.started {
+                // Readiness is probed only once the startup probe passed.
+                continue;
+            }
             let ContainerRun::Running { started_at, .. } = slot.view.run else {
                 continue;
             };

@@ -7,7 +7,8 @@
 //! Handlers: `httpGet` (host defaults to the pod IP, named ports resolved through the container's
 //! `ports`), `tcpSocket` (connect), `exec` (exit code 0, run with the container's environment).
 //! `grpc` is not implemented and counts as failing, so such a pod never turns Ready here.
-//! Liveness and startup probes are not run.
+//! Startup probes use the same state ([`super::pod`] runs them: they gate a native sidecar's init
+//! sequence and the readiness probes); liveness probes are not run.
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};

@@ -229,8 +229,8 @@ pub fn worker_config(
             health: HEALTH_PORT,
             front_door: pool.front_door_port.map(|_| FRONT_DOOR_PORT),
         },
-        // The pool's `spec.engine` is not rendered yet: the worker runs its built-in engine.
-        engine: None,
+        // `spec.engine`: the engine-API seat (None: the worker's built-in engine).
+        engine: super::engine::seat(pool),
         model,
     })
 }

@@ -2,13 +2,14 @@
 //! Kubernetes objects. No I/O; unit-tested against YAML fixtures.
 
 pub mod config;
+pub mod engine;
 pub mod tier;
 pub mod workload;
 
 use k8s_openapi::api::core::v1::ResourceRequirements;
 use tandem_crds::{
-    DecodePool, HostPoolSpec, LocalRef, ModelSpec, Parallelism, PodTemplateOverrides, PrefillPool,
-    SpecGuardSpec, SpeculativeSpec, Transport,
+    DecodePool, EngineSpec, HostPoolSpec, LocalRef, ModelSpec, Parallelism, PodTemplateOverrides,
+    PrefillPool, SpecGuardSpec, SpeculativeSpec, Transport,
 };
 
 use crate::labels::Role;
@@ -47,6 +48,8 @@ pub struct PoolView<'a> {
     pub transport: Transport,
     /// Image.
     pub image: &'a str,
+    /// The serving engine beside the worker (`spec.engine`); `None`: the worker alone.
+    pub engine: Option<&'a EngineSpec>,
     /// Container resources.
     pub resources: &'a ResourceRequirements,
     /// Pod overrides.
@@ -75,6 +78,7 @@ impl<'a> PoolView<'a> {
             paired_prefill: None,
             transport: s.transport,
             image: &s.image,
+            engine: s.engine.as_ref(),
             resources: &s.resources,
             pod_template: &s.pod_template,
             restart_id: None,
@@ -100,6 +104,7 @@ impl<'a> PoolView<'a> {
             paired_prefill: Some(&s.prefill.pool_ref.name),
             transport: s.transport,
             image: &s.image,
+            engine: s.engine.as_ref(),
             resources: &s.resources,
             pod_template: &s.pod_template,
             restart_id: s.restart.as_ref().map(|r| r.id.as_str()),

@@ -5,7 +5,9 @@
 //! OnDelete`: the operator restarts a group as a unit, one group at a time (DESIGN §5). In
 //! Standalone client mode each pod gets the `store-client` as a native sidecar (an init container
 //! with `restartPolicy: Always`: it starts before the worker and stops after it, the teardown order
-//! of DESIGN §5) and a memory-backed `/dev/shm` sized for every host pool.
+//! of DESIGN §5) and a memory-backed `/dev/shm` sized for every host pool. With `spec.engine` the
+//! worker becomes a native sidecar too, after the store-client, and the main container is the
+//! engine ([`super::engine`]).
 
 use std::collections::BTreeMap;
 
@@ -22,8 +24,8 @@ use sha2::{Digest, Sha256};
 use tandem_interfaces::config::{CONFIG_FILE, WorkerConfig};
 use tandem_interfaces::memory::ClientMode;
 
-use super::PoolView;
 use super::config::{CONTROL_PORT, DATA_PORT, FRONT_DOOR_PORT, HEALTH_PORT};
+use super::{PoolView, engine};
 use crate::labels::{self, Role};
 
 /// Where the ConfigMap is mounted in every container.
@@ -32,7 +34,9 @@ pub const CONFIG_DIR: &str = "/etc/tandem";
 pub const TERMINATION_GRACE_SECONDS: i64 = 120;
 
 /// The revision of a pool: a short hash of everything whose change needs a restart (the rendered
-/// config, image, resources, pod overrides and `restart.id`). Equal inputs, equal revision.
+/// config, image, resources, pod overrides, `restart.id` and, when set, `spec.engine`). Equal
+/// inputs, equal revision; a pool without `spec.engine` keeps the revision it had before the
+/// field existed.
 pub fn revision(pool: &PoolView<'_>, config_without_revision: &WorkerConfig) -> String {
     let mut h = Sha256::new();
     let mut feed = |v: serde_json::Value| h.update(v.to_string().as_bytes());
@@ -45,6 +49,9 @@ pub fn revision(pool: &PoolView<'_>, config_without_revision: &WorkerConfig) -> 
     feed(serde_json::Value::String(
         pool.restart_id.unwrap_or_default().to_owned(),
     ));
+    if let Some(e) = pool.engine {
+        feed(serde_json::to_value(e).unwrap_or_default());
+    }
     let digest = h.finalize();
     digest.iter().take(5).map(|b| format!("{b:02x}")).collect()
 }
@@ -225,6 +232,10 @@ pub fn group_statefulset(
     if standalone {
         mounts.push(shm_mount.clone());
     }
+    let engine = pool.engine.map(|e| {
+        mounts.push(engine::socket_mount());
+        engine::engine_container(pool, e, &config_arg, &env, &config_mount)
+    });
     let worker = Container {
         name: "worker".into(),
         image: Some(pool.image.into()),
@@ -278,6 +289,15 @@ pub fn group_statefulset(
             ..Container::default()
         });
     }
+    let containers = match engine {
+        // The worker starts before the engine and stops after it (DESIGN §3.1).
+        Some(engine) => {
+            volumes.push(engine::socket_volume());
+            init_containers.push(engine::native_sidecar(worker));
+            vec![engine]
+        }
+        None => vec![worker],
+    };
     let o = pool.pod_template;
     StatefulSet {
         metadata: meta(
@@ -305,7 +325,7 @@ pub fn group_statefulset(
                     ..ObjectMeta::default()
                 }),
                 spec: Some(PodSpec {
-                    containers: vec![worker],
+                    containers,
                     init_containers: (!init_containers.is_empty()).then_some(init_containers),
                     volumes: Some(volumes),
                     node_selector: (!o.node_selector.is_empty()).then(|| o.node_selector.clone()),

@@ -1,0 +1,95 @@
+//! The sample pools' objects against golden YAML fixtures (`tests/fixtures/golden/`): a pool
+//! without `spec.engine` renders exactly the pod it rendered before the engine field existed
+//! (the worker alone, plus the store-client sidecar in Standalone mode), with the same revision,
+//! so an operator upgrade restarts no running group.
+//!
+//! Regenerate after an intended change with `TANDEM_UPDATE_GOLDEN=1 cargo test -p
+//! tandem-operator --test pool_golden` and review the diff.
+
+use std::path::{Path, PathBuf};
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use tandem_crds::{CacheTier, DecodePool, PrefillPool};
+use tandem_operator::policy::{self, TierLookup};
+use tandem_operator::render::{PoolView, config::worker_config, workload};
+
+fn load<T: serde::de::DeserializeOwned>(file: &str) -> T {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../manifests/samples")
+        .join(file);
+    serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn owner(kind: &str, name: &str) -> OwnerReference {
+    OwnerReference {
+        api_version: "serving.tandem.dev/v1alpha1".into(),
+        kind: kind.into(),
+        name: name.into(),
+        uid: "u-pool".into(),
+        controller: Some(true),
+        block_owner_deletion: Some(true),
+    }
+}
+
+fn golden(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/golden")
+        .join(name)
+}
+
+/// Compares `value` rendered as YAML with the fixture `name` (or rewrites it when asked).
+fn assert_golden<T: serde::Serialize>(name: &str, value: &T) {
+    let text = serde_saphyr::to_string(value).unwrap();
+    let path = golden(name);
+    if std::env::var_os("TANDEM_UPDATE_GOLDEN").is_some() {
+        std::fs::write(&path, &text).unwrap();
+        return;
+    }
+    let want = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (run with TANDEM_UPDATE_GOLDEN=1)", path.display()));
+    assert_eq!(
+        text, want,
+        "rendered {name} differs from the golden fixture"
+    );
+}
+
+/// Config map and group StatefulSet of `view` against the sample tier, revision included.
+fn assert_pool_golden(view: &PoolView<'_>, prefix: &str, owner: &OwnerReference) {
+    let tier: CacheTier = load("cachetier.yaml");
+    let lookup = TierLookup::Found {
+        name: "llama70b-l3",
+        spec: &tier.spec,
+        terminating: false,
+    };
+    let policy = policy::resolve(view.model, lookup).expect("sample policy resolves");
+    let mut cfg = worker_config(view, &policy, "").expect("sample renders");
+    cfg.revision = workload::revision(view, &cfg);
+    assert_golden(
+        &format!("{prefix}-configmap.yaml"),
+        &workload::config_map(view, &cfg, owner).unwrap(),
+    );
+    assert_golden(
+        &format!("{prefix}-statefulset.yaml"),
+        &workload::group_statefulset(view, &cfg, 1, owner),
+    );
+}
+
+#[test]
+fn decode_pool_without_engine_matches_golden_objects() {
+    let d: DecodePool = load("decodepool.yaml");
+    assert_pool_golden(
+        &PoolView::decode(&d),
+        "decode-pool",
+        &owner("DecodePool", "llama70b-decode"),
+    );
+}
+
+#[test]
+fn prefill_pool_without_engine_matches_golden_objects() {
+    let p: PrefillPool = load("prefillpool.yaml");
+    assert_pool_golden(
+        &PoolView::prefill(&p),
+        "prefill-pool",
+        &owner("PrefillPool", "llama70b-prefill"),
+    );
+}
