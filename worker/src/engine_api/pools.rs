@@ -134,7 +134,10 @@ pub struct PoolSet {
     attached: Mutex<Option<Vec<AttachedPool>>>,
 }
 
-fn roles_configured(cfg: &WorkerConfig) -> Vec<PoolRole> {
+/// The pools `cfg` sizes, in delivery order (target, then draft and indexer when their
+/// `memory.*PoolBytes` are non-zero): what a worker allocates at start and what the simulated engine
+/// asks for at Attach.
+pub fn roles_configured(cfg: &WorkerConfig) -> Vec<PoolRole> {
     [PoolRole::Target, PoolRole::Draft, PoolRole::Indexer]
         .into_iter()
         .filter(|r| configured_bytes(cfg, *r) > 0)
@@ -239,6 +242,64 @@ impl PoolSet {
             .reserve(usize::try_from(bytes).unwrap_or(usize::MAX))
             .map_err(|e| PoolSetError::Segment(e.to_string()))?;
         Self::new(cfg, api, Arc::new(client), None)
+    }
+
+    /// The pools of a worker as its config says (DESIGN §3.1 "Attach", contracts 1–2): without a
+    /// CacheTier, [`PoolSet::unregistered`]; with `clientMode: Embedded`, an in-process store client
+    /// over memfd segments of [`PoolSet::bytes_needed`] bytes; with `Standalone`, the sidecar's
+    /// segments, reached over its socket `sidecar_socket` (seed 000: only buffers inside them
+    /// register). With a CacheTier, pools register through a [`Registrar`] under
+    /// `memory.registrationFailure`, reporting into `health` and `metrics`.
+    ///
+    /// # Errors
+    /// As [`PoolSet::new`]; [`PoolSetError::Segment`] when the store client cannot be reached or
+    /// cannot reserve the segments.
+    pub fn from_config(
+        cfg: &WorkerConfig,
+        api: &EngineApiConfig,
+        health: Arc<crate::health::Health>,
+        metrics: crate::registration::metrics::RegistrationMetrics,
+        sidecar_socket: &std::path::Path,
+    ) -> Result<Self, PoolSetError> {
+        use crate::store_client::ClientMode;
+        let bytes = usize::try_from(Self::bytes_needed(cfg, api)?).unwrap_or(usize::MAX);
+        let store: Arc<dyn StoreClient> = match cfg.memory.client_mode {
+            None => return Self::unregistered(cfg, api),
+            Some(ClientMode::Embedded) => {
+                let client = EmbeddedClient::new(crate::memory::segment::SegmentBackend::Memfd);
+                client
+                    .reserve(bytes)
+                    .map_err(|e| PoolSetError::Segment(e.to_string()))?;
+                Arc::new(client)
+            }
+            Some(ClientMode::Standalone) => {
+                let worker = std::env::var("POD_NAME").unwrap_or_else(|_| cfg.pool.clone());
+                let client = crate::store_client::standalone::StandaloneClient::connect(
+                    sidecar_socket,
+                    &worker,
+                )
+                .map_err(|e| {
+                    PoolSetError::Segment(format!(
+                        "store-client sidecar at {}: {e}",
+                        sidecar_socket.display()
+                    ))
+                })?;
+                client
+                    .reserve(bytes)
+                    .map_err(|e| PoolSetError::Segment(e.to_string()))?;
+                Arc::new(client)
+            }
+        };
+        let registrar = Arc::new(Registrar::new(
+            store.clone(),
+            health,
+            metrics,
+            crate::registration::RegistrarConfig {
+                policy: cfg.memory.registration_failure,
+                ..crate::registration::RegistrarConfig::default()
+            },
+        ));
+        Self::new(cfg, api, store, Some(registrar))
     }
 
     fn lock(&self) -> MutexGuard<'_, Option<Vec<AttachedPool>>> {
