@@ -18,7 +18,7 @@
 
 mod serve_support;
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -79,9 +79,10 @@ fn write_prefill_config(w: &World, host: u8, cfg: &WorkerConfig) {
     .unwrap();
 }
 
-/// `tandem-worker sim-engine --serve` as the engine container of the prefill pod on `host`.
-fn spawn_engine(w: &World, host: u8, extra: &[&str]) -> Child {
-    Command::new(BIN)
+/// `tandem-worker sim-engine --serve` as the engine container of the prefill pod on `host` (killed
+/// when dropped, so a failing test leaves no engine retrying its attach).
+fn spawn_engine(w: &World, host: u8, extra: &[&str]) -> Proc {
+    let child = Command::new(BIN)
         .args(["sim-engine", "--serve", "--socket-dir", SOCKET_DIR])
         .args([
             "--config",
@@ -94,11 +95,13 @@ fn spawn_engine(w: &World, host: u8, extra: &[&str]) -> Child {
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
-        .unwrap()
+        .unwrap();
+    Proc(child)
 }
 
 /// Waits (bounded) for the engine to exit; returns its status and the summary line it printed.
-fn engine_exit(mut child: Child, within: Duration) -> (std::process::ExitStatus, Value) {
+fn engine_exit(mut engine: Proc, within: Duration) -> (std::process::ExitStatus, Value) {
+    let child = &mut engine.0;
     let end = Instant::now() + within;
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {
@@ -154,10 +157,9 @@ async fn complete(front: std::net::SocketAddr, tokens: u32) -> (u16, Value) {
     )
 }
 
-/// Sends `SIGTERM` to a child.
-fn term(child: &Child) {
-    // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+/// Sends `SIGTERM` to an engine.
+fn term(engine: &Proc) {
+    engine.signal(libc::SIGTERM);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -312,9 +314,9 @@ async fn a_killed_engine_fails_its_rooms_within_the_deadline_and_a_new_one_serve
     .await;
 
     // SIGKILL: no Detach; the worker sees the pools connection close.
-    slow.kill().unwrap();
+    slow.0.kill().unwrap();
     let killed = Instant::now();
-    let _ = slow.wait();
+    let _ = slow.0.wait();
     for t in tasks {
         let (code, v) = tokio::time::timeout(Duration::from_secs(20), t)
             .await
@@ -419,4 +421,133 @@ async fn without_an_engine_the_prefill_computes_with_its_built_in_engine_and_say
         !metrics(ph).await.contains("tandem_engine_"),
         "no engine metrics without an engine"
     );
+}
+
+/// Seed 000 through the serving path: with a Standalone CacheTier client, the engine's pool is carved
+/// from the store-client sidecar's memfd segment and registered with it (COMMITTED, visible in
+/// `/metrics` and `/report`); the engine maps that same segment and the requests are served from
+/// it; SIGTERM tears the worker down (deregistration inside the sidecar is covered by
+/// `engine_api_standalone`, which counts the sidecar's registrations of its own connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_pools_live_in_the_sidecar_segment_and_are_registered() {
+    use tandem_worker::config::{CONFIG_FILE, CacheConfig, WritePolicy};
+    use tandem_worker::store_client::ClientMode;
+    let w = World::new(95);
+    w.publish(&[2]);
+    let mut cfg = prefill_config(&w);
+    cfg.memory.client_mode = Some(ClientMode::Standalone);
+    cfg.cache = Some(CacheConfig {
+        tier: "l3".into(),
+        service: "l3-store.serving.svc".into(),
+        replicas: 1,
+        page_tokens: 512,
+        write_policy: WritePolicy::WriteThrough,
+    });
+    // The sidecar of the pod (same $TANDEM_ROOT, so the same /dev/shm socket).
+    let (_sidecar, _socket) = w.start_role(
+        2,
+        "store-client",
+        CONFIG_FILE,
+        &serde_json::to_vec(&cfg).unwrap(),
+        &[],
+        &["--backend", "memfd"],
+    );
+    let mut p = w.spawn(2, &cfg, &[]);
+    let ph = w.addr(2, w.ports.health);
+    let m = metrics(ph).await;
+    assert!(
+        m.contains(r#"tandem_engine_pool_registered{pool="target",state="committed"} 1"#),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"tandem_registration_commits_total{role="target"} 1"#),
+        "{m}"
+    );
+    let r = report(ph).await;
+    assert_eq!(r["engine"]["pools"][0]["registration"], "committed", "{r}");
+
+    let engine = spawn_engine(&w, 2, &[]);
+    until(Duration::from_secs(30), || async {
+        readyz(ph).await.0 == 200
+    })
+    .await;
+    let _d = w.spawn(9, &decode_config(&w), &[]);
+    let (dh, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
+    until(Duration::from_secs(15), || async {
+        status(dh, "/readyz").await == Some(200)
+    })
+    .await;
+    for _ in 0..2 {
+        let (code, v) = complete(front, PROMPT).await;
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(v["tandem"]["corrupt_chunks"], 0, "{v}");
+    }
+    assert_eq!(report(ph).await["engine"]["rooms_sent"], 2);
+
+    // Teardown: the engine leaves, the worker drains, deregisters and exits 0.
+    term(&engine);
+    let (st, _) = engine_exit(engine, Duration::from_secs(20));
+    assert!(st.success());
+    p.signal(libc::SIGTERM);
+    let st = p.wait_exit(Duration::from_secs(30)).expect("prefill exits");
+    assert!(st.success(), "{st:?}");
+}
+
+/// An engine that never answers: the room fails with a reason at its deadline (the decode's KV
+/// deadline, which the open carries), the request ends with an error instead of hanging, and no
+/// page stays held on either side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_room_the_engine_never_produces_fails_at_its_deadline() {
+    let w = World::new(96);
+    w.publish(&[2]);
+    let _p = w.spawn(2, &prefill_config(&w), &[]);
+    let ph = w.addr(2, w.ports.health);
+    // 20 ms per token: a 3-page room takes 30 s, far past the 1.5 s KV deadline.
+    let engine = spawn_engine(&w, 2, &["--prefill-us-per-token", "20000"]);
+    until(Duration::from_secs(30), || async {
+        readyz(ph).await.0 == 200
+    })
+    .await;
+    let _d = w.spawn(
+        9,
+        &decode_config(&w),
+        &[
+            ("TANDEM_DECODE_KV_DEADLINE_MS", "1500"),
+            ("TANDEM_DECODE_RETRY_BUDGET", "0"),
+        ],
+    );
+    let (dh, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
+    until(Duration::from_secs(15), || async {
+        status(dh, "/readyz").await == Some(200)
+    })
+    .await;
+    let sent = Instant::now();
+    let (code, v) = tokio::time::timeout(Duration::from_secs(15), complete(front, PROMPT))
+        .await
+        .expect("the request hung past its deadline");
+    assert_ne!(code, 200, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{v}"
+    );
+    assert!(
+        sent.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        sent.elapsed()
+    );
+    until(Duration::from_secs(10), || async {
+        let e = report(ph).await["engine"].clone();
+        e["rooms_failed"] == 1 && e["rooms_open"] == 0 && e["source_pages_held"] == 0
+    })
+    .await;
+    until(Duration::from_secs(15), || async {
+        let k = &report(dh).await["kv_pages"];
+        k["free"] == k["total"] && k["quarantined"] == 0
+    })
+    .await;
+    // The engine is still attached (it is only slow): the worker stays ready.
+    assert_eq!(readyz(ph).await.0, 200);
+    drop(engine);
 }
