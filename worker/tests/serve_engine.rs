@@ -53,6 +53,11 @@ fn model() -> ModelIdentity {
 fn prefill_config(w: &World) -> WorkerConfig {
     let mut c = config(WorkerRole::Prefill, "r1", w.ports);
     c.model = model();
+    with_engine(c)
+}
+
+/// `c` with a simulated engine beside the worker (pools need the shareable domain).
+fn with_engine(mut c: WorkerConfig) -> WorkerConfig {
     c.memory.allocator = AllocatorDomain::SharedMemory;
     c.engine = Some(EngineSeat {
         kind: EngineKind::Simulated,
@@ -166,7 +171,10 @@ fn term(engine: &Proc) {
 async fn requests_are_served_by_the_engine_through_the_engine_api() {
     let w = World::new(91);
     w.publish(&[2]);
-    let p = w.spawn(2, &prefill_config(&w), &[]);
+    // llama-3-8b (4 KiB per token and layer), scaled by the serving tests' shared
+    // `TANDEM_SIM_KV_BYTES_PER_TOKEN=512` to 64 B rows in the engine's pool, as in the decode.
+    let pcfg = with_engine(config(WorkerRole::Prefill, "r1", w.ports));
+    let p = w.spawn(2, &pcfg, &[]);
     let ph = w.addr(2, w.ports.health);
 
     // Pools allocated and visible at start; not ready before an engine attached.
@@ -193,7 +201,6 @@ async fn requests_are_served_by_the_engine_through_the_engine_api() {
     assert_eq!(r["engine"]["pools"][0]["bytes"], 64 << 20);
 
     // The engine attaches: ready.
-    write_prefill_config(&w, 2, &prefill_config(&w));
     let engine = spawn_engine(&w, 2, &[]);
     until(Duration::from_secs(30), || async {
         readyz(ph).await.0 == 200
@@ -201,7 +208,7 @@ async fn requests_are_served_by_the_engine_through_the_engine_api() {
     .await;
     assert!(metrics(ph).await.contains("tandem_engine_attached 1"));
 
-    let _d = w.spawn(9, &decode_config(&w), &[]);
+    let _d = w.spawn(9, &config(WorkerRole::Decode, "r1", w.ports), &[]);
     let (dh, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
     until(Duration::from_secs(15), || async {
         status(dh, "/readyz").await == Some(200)
@@ -452,7 +459,9 @@ async fn standalone_pools_live_in_the_sidecar_segment_and_are_registered() {
         &[],
         &["--backend", "memfd"],
     );
-    let mut p = w.spawn(2, &cfg, &[]);
+    // No scaling knob on either side: the pool's rows are the model's own 64 B.
+    let unscaled = [("TANDEM_SIM_KV_BYTES_PER_TOKEN", "")];
+    let mut p = w.spawn(2, &cfg, &unscaled);
     let ph = w.addr(2, w.ports.health);
     let m = metrics(ph).await;
     assert!(
@@ -471,7 +480,7 @@ async fn standalone_pools_live_in_the_sidecar_segment_and_are_registered() {
         readyz(ph).await.0 == 200
     })
     .await;
-    let _d = w.spawn(9, &decode_config(&w), &[]);
+    let _d = w.spawn(9, &decode_config(&w), &unscaled);
     let (dh, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
     until(Duration::from_secs(15), || async {
         status(dh, "/readyz").await == Some(200)

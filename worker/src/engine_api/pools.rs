@@ -126,6 +126,7 @@ impl AttachedPool {
 #[derive(Debug)]
 pub struct PoolSet {
     cfg: WorkerConfig,
+    target_token_bytes: Option<u64>,
     page_tokens: u32,
     layout: crate::pool::PoolLayout,
     pages: u32,
@@ -144,12 +145,36 @@ pub fn roles_configured(cfg: &WorkerConfig) -> Vec<PoolRole> {
         .collect()
 }
 
+/// The model whose geometry sizes `role`'s pool: [`pool_model`], with the target's rows scaled to
+/// [`EngineApiConfig::target_token_bytes`] when set (a one-byte-element MLA row of that many bytes,
+/// same name and layers).
+fn sized_model(
+    cfg: &WorkerConfig,
+    role: PoolRole,
+    target_token_bytes: Option<u64>,
+) -> Option<crate::model::ModelIdentity> {
+    let model = pool_model(cfg, role)?;
+    match (role, target_token_bytes) {
+        (PoolRole::Target, Some(bytes)) => Some(crate::model::ModelIdentity {
+            attention: crate::model::Attention::Mla {
+                kv_lora_rank: u32::try_from(bytes).unwrap_or(u32::MAX),
+                rope_dim: 0,
+            },
+            dtype_bytes: 1,
+            row_extra_bytes: 0,
+            ..model
+        }),
+        _ => Some(model),
+    }
+}
+
 fn page_bytes(
     cfg: &WorkerConfig,
     api: &EngineApiConfig,
     role: PoolRole,
 ) -> Result<u64, PoolSetError> {
-    let model = pool_model(cfg, role).ok_or(PoolSetError::NoModel(role))?;
+    let model =
+        sized_model(cfg, role, api.target_token_bytes).ok_or(PoolSetError::NoModel(role))?;
     Ok(KvGeometry::new(&model, api.page_tokens, 1, api.layout).page_bytes())
 }
 
@@ -218,6 +243,7 @@ impl PoolSet {
         let pages = Self::page_count(cfg, api)?;
         Ok(Self {
             cfg: cfg.clone(),
+            target_token_bytes: api.target_token_bytes,
             page_tokens: api.page_tokens,
             layout: api.layout,
             pages,
@@ -374,7 +400,7 @@ impl PoolSet {
     }
 
     fn spec(&self, role: PoolRole) -> Result<PoolSpec, ApiError> {
-        let model = pool_model(&self.cfg, role)
+        let model = sized_model(&self.cfg, role, self.target_token_bytes)
             .ok_or_else(|| ApiError::internal(format!("no model for the {role} pool")))?;
         Ok(PoolSpec {
             role,

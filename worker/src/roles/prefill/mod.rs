@@ -151,9 +151,9 @@ impl PrefillServer {
                     engine_metrics.register(r);
                 }
             });
-        let layout = match &cfg.engine {
-            None => knobs.layout(cfg),
-            Some(_) => seat::engine_layout(cfg, knobs.layout(cfg))?,
+        let (layout, target_token_bytes) = match &cfg.engine {
+            None => (knobs.layout(cfg), None),
+            Some(_) => seat::engine_layout(cfg, &knobs)?,
         };
         let transport = Arc::new(TcpTransport::new(TcpConfig::default()));
         let rank = ordinal_from_env();
@@ -221,6 +221,7 @@ impl PrefillServer {
                 &state,
                 rank,
                 &engine_metrics,
+                target_token_bytes,
             )?),
             None => {
                 state.set_extra(|| {

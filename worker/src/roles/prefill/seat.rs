@@ -123,14 +123,24 @@ impl EngineMetrics {
     }
 }
 
-/// The KV layout of the engine path: the target pool's geometry (the model's layers and bytes per
-/// token and layer, the CacheTier's page size). The decode side verifies with its own layout, so the
-/// simulation knob `TANDEM_SIM_KV_BYTES_PER_TOKEN` must agree with it (`builtin` = the layout the
-/// knobs imply).
+/// The KV layout of the engine path: the target pool's geometry — the model's layers and the
+/// CacheTier's page size, with rows of the model's bytes per token and layer, or, when the
+/// simulation knob `TANDEM_SIM_KV_BYTES_PER_TOKEN` scales KV (`knobs`), the rows the knob implies
+/// (the pool is then sized to them: [`EngineApiConfig::target_token_bytes`]). Returns the layout
+/// and the pool's row override. The decode side derives its layout from the same knobs, so both
+/// agree.
 ///
 /// # Errors
-/// [`ServeError::Config`] when the two differ (the decode would refuse the hello or read garbage).
-pub fn engine_layout(cfg: &WorkerConfig, builtin: KvLayout) -> Result<KvLayout, ServeError> {
+/// [`ServeError::Config`] when the knobs are unset and the model's rows differ from what they
+/// imply (tensor parallelism splits a rank's rows; the engine API has no per-rank scaling yet).
+pub fn engine_layout(
+    cfg: &WorkerConfig,
+    knobs: &crate::roles::sim::SimKnobs,
+) -> Result<(KvLayout, Option<u64>), ServeError> {
+    let builtin = knobs.layout(cfg);
+    if knobs.kv_bytes_per_token.is_some() {
+        return Ok((builtin, Some(u64::from(builtin.token_bytes))));
+    }
     let layout = KvLayout {
         layers: cfg.model.layers,
         page_tokens: cfg
@@ -141,13 +151,11 @@ pub fn engine_layout(cfg: &WorkerConfig, builtin: KvLayout) -> Result<KvLayout, 
     };
     if layout != builtin {
         return Err(ServeError::Config(format!(
-            "with an engine the KV layout is the pool's ({layout:?}: the model's bytes per token and \
-             layer); the simulation knobs imply {builtin:?} (TANDEM_SIM_KV_BYTES_PER_TOKEN must be \
-             unset or {} for this model, and the decode pool must use the same)",
-            cfg.model.bytes_per_token_layer() * u64::from(cfg.model.layers)
+            "with an engine the KV rows are the model's ({layout:?}); the decode side expects \
+             {builtin:?}; set TANDEM_SIM_KV_BYTES_PER_TOKEN on both pools to scale them"
         )));
     }
-    Ok(layout)
+    Ok((layout, None))
 }
 
 /// A running engine seat.
@@ -211,7 +219,8 @@ fn registration_state(r: &Registration) -> (&'static str, String) {
 
 impl Seat {
     /// Allocates and registers the pools, starts the engine-API server on `seat.socket_dir` and
-    /// makes readiness follow the engine's attach. `rank` is this worker's ordinal.
+    /// makes readiness follow the engine's attach. `rank` is this worker's ordinal;
+    /// `target_token_bytes` scales the target pool's rows ([`engine_layout`]).
     ///
     /// # Errors
     /// [`ServeError::Config`] when the pools cannot be made or registered (fail-closed), or the
@@ -223,9 +232,11 @@ impl Seat {
         state: &Arc<ServeState>,
         rank: u32,
         metrics: &EngineMetrics,
+        target_token_bytes: Option<u64>,
     ) -> Result<Self, ServeError> {
         let socket_dir = resolve_path(&seat.socket_dir);
         let mut api_cfg = EngineApiConfig::for_worker(cfg, &socket_dir);
+        api_cfg.target_token_bytes = target_token_bytes;
         api_cfg.ranks = cfg.parallelism.ranks_of(rank);
         api_cfg.prefill_rank = rank;
         let health = Arc::new(Health::new());
