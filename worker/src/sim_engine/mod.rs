@@ -48,9 +48,10 @@ pub struct Args {
     /// The worker config (the engine presents its model, parallelism and pools).
     #[arg(long)]
     pub config: PathBuf,
-    /// Pod ordinal in the group (gives the TP/CP ranks).
-    #[arg(long, default_value_t = 0)]
-    pub ordinal: u32,
+    /// Pod ordinal in the group (gives the TP/CP ranks); default: the numeric suffix of
+    /// `$POD_NAME`, as the worker derives its own (else 0).
+    #[arg(long)]
+    pub ordinal: Option<u32>,
     /// Tokens per page (default: the CacheTier's, else 512).
     #[arg(long)]
     pub page_tokens: Option<u32>,
@@ -98,6 +99,16 @@ pub struct Args {
 }
 
 impl Args {
+    /// The pod ordinal: `--ordinal`, else `$POD_NAME`'s suffix, else 0.
+    fn ordinal(&self) -> u32 {
+        self.ordinal.unwrap_or_else(|| {
+            std::env::var("POD_NAME")
+                .ok()
+                .and_then(|n| n.rsplit_once('-').and_then(|(_, d)| d.parse().ok()))
+                .unwrap_or(0)
+        })
+    }
+
     /// Compute time per prompt token.
     fn per_token(&self) -> Duration {
         let env = std::env::var("TANDEM_SIM_PREFILL_US_PER_TOKEN")
@@ -305,7 +316,7 @@ async fn run_inner(args: Args) -> Result<Summary, SimError> {
     });
     let call = Duration::from_millis(args.call_timeout_ms);
     let mut client = EngineClient::connect(&args.socket_dir, call).await?;
-    let identity = identity_from_config(&cfg, page_tokens, layout, args.ordinal);
+    let identity = identity_from_config(&cfg, page_tokens, layout, args.ordinal());
     let attached = client.attach(identity).await?;
     for p in &attached.pools {
         if (p.geometry().bytes_per_token_layer as usize) < TAG_BYTES {
@@ -375,7 +386,7 @@ pub async fn serve(args: Args) -> Result<Summary, SimError> {
     loop {
         let attempt = async {
             let mut client = EngineClient::connect(&socket_dir, call).await?;
-            let identity = identity_from_config(&cfg, page_tokens, layout, args.ordinal);
+            let identity = identity_from_config(&cfg, page_tokens, layout, args.ordinal());
             let attached = client.attach(identity).await?;
             Ok::<_, ClientError>((client, attached))
         };

@@ -288,7 +288,8 @@ impl Seat {
         .map_err(|e| ServeError::Config(e.to_string()))?;
         node.set_engine(&api);
         let server = server::start(api.clone()).map_err(|e| ServeError::Config(e.to_string()))?;
-        // Readiness follows the attach.
+        // Readiness follows the attach (not ready from now on until an engine attached).
+        state.set_ready(Err(NOT_ATTACHED.into()));
         let mut rx = api.watch_attach();
         let st = state.clone();
         let dir = socket_dir.clone();
