@@ -138,7 +138,12 @@ impl PrefillNode {
             }
         };
         let bytes: u64 = ops.iter().map(|o| o.data.len() as u64).sum();
-        let pages = write.pages.len() as u32;
+        // A page is done once its last layer landed (`ChunkDone.pages_done` counts whole pages).
+        let pages = if write.layers.end >= self.cfg.layout.layers {
+            write.pages.len() as u32
+        } else {
+            0
+        };
         let batches = match WriteBatch::split(ops, self.transport.limits()) {
             Ok(b) => b,
             Err(e) => {
