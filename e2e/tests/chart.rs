@@ -568,7 +568,7 @@ async fn take_ownership_scenario(cluster: &RunningCluster, tmp: &Path) -> Result
         &env,
     )
     .map_err(|e| format!("apply the sample CacheTier: {e}"))?;
-    let out = helm_in(&["uninstall", "tandem", "--wait", "--timeout", "60s"])
+    let out = helm_in(&["uninstall", "tandem", "--wait", "--timeout", "180s"])
         .map_err(|e| format!("helm uninstall: {e}"))?;
     if !out.contains("kept due to the resource policy") {
         return Err(format!("helm uninstall kept nothing:\n{out}"));
@@ -606,7 +606,9 @@ async fn take_ownership_scenario(cluster: &RunningCluster, tmp: &Path) -> Result
     // Negative control: the same path without the annotation deletes the CRDs.
     let stripped = copy_chart(tmp, "stripped", true)?;
     install_then_adopt(&helm_in, &stripped)?;
-    helm_in(&["uninstall", "tandem", "--wait", "--timeout", "60s"])
+    // CRD deletion waits for the API server to clean up their objects: 60 s was too short on a
+    // loaded 2-core machine (context deadline exceeded in a full test run).
+    helm_in(&["uninstall", "tandem", "--wait", "--timeout", "180s"])
         .map_err(|e| format!("helm uninstall (control): {e}"))?;
     let deadline = Instant::now() + Duration::from_secs(60);
     for crd in CRDS {
