@@ -9,7 +9,7 @@ mod l3_support;
 use std::num::NonZeroUsize;
 
 use l3_support::load_trace;
-use tandem_worker::cache::trace::{TracePageKeys, replay};
+use tandem_worker::tier::trace::{TracePageKeys, replay};
 use tandem_worker::tier::{PrefixIndex, Tier};
 
 fn l3_only(capacity_pages: Option<usize>) -> PrefixIndex {

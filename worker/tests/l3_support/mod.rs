@@ -11,7 +11,7 @@ use tandem_worker::l3::manifest::{ObjectKey, StoreIdentity};
 use tandem_worker::l3::store::L3Config;
 use tandem_worker::memory::pool::PoolLayout;
 use tandem_worker::model::{Attention, ModelIdentity};
-use tandem_worker::cache::trace::{TraceRequest, read_trace};
+use tandem_worker::tier::trace::{TraceRequest, read_trace};
 
 pub fn identity(name: &str) -> StoreIdentity {
     StoreIdentity {
