@@ -1,21 +1,5 @@
-//! The Mooncake request trace and its replay through the prefix index ([`trace`]).
-//!
-//! The trace format itself lives in `tandem-interfaces` (worker/interfaces/README.md §7); this
-//! module maps it onto the tiers: the page keys of a request and its replay through the shared
-//! index ([`crate::tier`]) or the L3 store ([`crate::l3::replay`]).
+//! Transitional alias: the Mooncake trace moved to [`crate::tier::trace`] (its replay through the
+//! prefix index) and [`crate::l3::replay`] (through the L3 store). `roles::prefill::prefix_cache`
+//! still names `crate::cache::trace`; this module goes when it names the real one.
 
-pub mod trace;
-
-impl crate::l3::replay::ReplayRequest for trace::TraceRequest {
-    fn input_tokens(&self) -> u64 {
-        u64::from(self.input_length)
-    }
-
-    fn page_tokens(&self) -> u64 {
-        trace::TRACE_BLOCK_TOKENS
-    }
-
-    fn page_keys(&self) -> Vec<crate::tier::PageKey> {
-        trace::TracePageKeys::page_keys(self)
-    }
-}
+pub use crate::tier::trace;
