@@ -36,9 +36,6 @@
 //! tests run to show a mechanism matters — exist only with the `negative-controls` feature, which
 //! the tests enable and release builds leave off.
 
-// Transitional alias of `tier::trace` (see its docs): not part of the module map.
-#[doc(hidden)]
-pub mod cache;
 pub mod config;
 pub mod control;
 pub mod engine;
@@ -59,8 +56,3 @@ pub mod store_client;
 pub mod teardown;
 pub mod tier;
 pub mod transfer;
-
-// Transitional alias: the KV pools live in `memory::pool` (contract 1); `engine_api`, `sim_engine`
-// and their tests still name `crate::pool` / `tandem_worker::pool`. Goes when they name the real one.
-#[doc(hidden)]
-pub use memory::pool;

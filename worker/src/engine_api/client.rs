@@ -10,7 +10,7 @@ use std::time::Duration;
 use rustix::mm::{MapFlags, ProtFlags};
 use tonic::transport::{Channel, Endpoint};
 
-use crate::pool::{KvGeometry, PoolLayout, PoolRole};
+use crate::memory::pool::{KvGeometry, PoolLayout, PoolRole};
 use crate::store_client::socket_path::with_socket_address;
 
 use super::error::ApiError;

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tonic::Code;
 
-use crate::pool::{KvPool, PageError, PageId, PoolError};
+use crate::memory::pool::{KvPool, PageError, PageId, PoolError};
 use crate::release::quarantine::Quarantine;
 use crate::release::receiver::{
     AckOutcome, FailureCause, GateMode, GateVerdict, ReceiverRoom, ReceiverState, ReleaseProof,

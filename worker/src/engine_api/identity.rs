@@ -9,8 +9,8 @@ use tonic::Code;
 
 use crate::config::{IndexerGeometry, WorkerConfig};
 use crate::memory::AllocatorDomain;
+use crate::memory::pool::{PoolLayout, PoolRole};
 use crate::model::{Attention, ModelIdentity};
-use crate::pool::{PoolLayout, PoolRole};
 
 use super::error::ApiError;
 use super::{EngineApiConfig, pb};

@@ -38,7 +38,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::config::{WorkerConfig, WorkerRole};
-use crate::pool::PoolLayout;
+use crate::memory::pool::PoolLayout;
 
 pub use error::ApiError;
 

@@ -19,8 +19,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use tonic::Code;
 
 use crate::config::WorkerConfig;
+use crate::memory::pool::{KvGeometry, KvPool, PoolRole, PoolSpec};
 use crate::memory::{AllocatorDomain, host_page_size};
-use crate::pool::{KvGeometry, KvPool, PoolRole, PoolSpec};
 use crate::registration::{AttachOutcome, Phase, Registrar};
 use crate::store_client::StoreClient;
 use crate::store_client::embedded::EmbeddedClient;
@@ -128,7 +128,7 @@ pub struct PoolSet {
     cfg: WorkerConfig,
     target_token_bytes: Option<u64>,
     page_tokens: u32,
-    layout: crate::pool::PoolLayout,
+    layout: crate::memory::pool::PoolLayout,
     pages: u32,
     store: Arc<dyn StoreClient>,
     registrar: Option<Arc<Registrar>>,
@@ -550,7 +550,7 @@ impl PoolSet {
     }
 }
 
-fn alloc_failed(role: PoolRole, e: &crate::pool::PoolError) -> ApiError {
+fn alloc_failed(role: PoolRole, e: &crate::memory::pool::PoolError) -> ApiError {
     ApiError::new(
         Code::ResourceExhausted,
         pb::ErrorReason::PoolAllocationFailed,

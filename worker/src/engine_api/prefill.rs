@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tonic::Code;
 
-use crate::pool::KvPool;
+use crate::memory::pool::KvPool;
 use crate::release::sender::{AbortAck, SenderEffect, SenderFailure, SenderRooms, SenderState};
 use crate::release::{DecodeRank, PrefillRank, RoomKey};
 

@@ -36,7 +36,7 @@ use crate::engine_api::identity::{
     configured_bytes, fingerprint, kind_to_proto, layout_to_proto, model_to_proto,
 };
 use crate::engine_api::pb;
-use crate::pool::{PoolLayout, PoolRole};
+use crate::memory::pool::{PoolLayout, PoolRole};
 use crate::release::RoomKey;
 
 /// Command-line arguments of `tandem-worker sim-engine`.

@@ -30,7 +30,7 @@ use super::{Body, PrefillNode, PrefillService, RoomPlan, ack_msg, lock, msg};
 use crate::control::pb;
 use crate::engine_api::prefill::{KvSink, PagesSend, PrefillSide};
 use crate::engine_api::service::EngineApi;
-use crate::pool::{KvPool, PageId};
+use crate::memory::pool::{KvPool, PageId};
 use crate::release::RoomKey;
 use crate::release::sender::{AbortAck, SenderState};
 use crate::transfer::{RegionId, TransferHandle, TransferStatus, Transport, WriteBatch, WriteOp};
