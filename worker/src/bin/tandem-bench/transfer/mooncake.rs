@@ -15,7 +15,8 @@
 //!
 //! The C++ bench runs for a duration (`--mooncake-secs`) rather than a byte count and reports GB/s
 //! (10^9 bytes), the unit of every row here. A missing venv or a failing Mooncake run is a row that
-//! says why ([`Unavailable`]); the rest of the run goes on.
+//! says why ([`Unavailable`]); the rest of the run goes on. A C++ run that fails is retried once
+//! (in its defaults it now and then ends on a transfer reported FAILED over loopback).
 
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
@@ -119,9 +120,16 @@ fn run_bounded(
     Ok((status, read(&out), read(&err)))
 }
 
-/// The last `n` lines of a log, for error messages.
+/// The last `n` lines of a log, for error messages, without glog's `I1201 21:32:27.6 123 file.cpp:1] `
+/// prefixes.
 fn tail(log: &str, n: usize) -> String {
-    let lines: Vec<&str> = log.lines().collect();
+    let lines: Vec<&str> = log
+        .lines()
+        .map(|l| match (l.find(".cpp:"), l.find("] ")) {
+            (Some(c), Some(b)) if c < b => &l[b + 2..],
+            _ => l,
+        })
+        .collect();
     lines[lines.len().saturating_sub(n)..].join(" | ")
 }
 
@@ -357,6 +365,31 @@ mod tests {
         }
         assert_eq!(CppSetting::Defaults.shape(64 << 10), (12, 128));
         assert_eq!(CppSetting::Tuned.shape(4 << 20), (1, 128));
+    }
+
+    #[test]
+    fn log_tails_drop_glog_prefixes() {
+        let log = "noise\nI1201 21:38:25.500197 20943 transfer_engine_bench.cpp:335] DRAM is used\n\
+                   I1201 21:38:28.325873 20952 transfer_engine_bench.cpp:429] FAILED\n";
+        assert_eq!(tail(log, 2), "DRAM is used | FAILED");
+        assert_eq!(tail("a] b", 1), "a] b");
+    }
+
+    /// Mooncake's three rows measure for real (needs `bash worker/tools/mooncake-venv.sh`; CI does
+    /// not install it: `cargo test -p tandem-worker --bin tandem-bench -- --ignored mooncake`).
+    #[test]
+    #[ignore = "needs the Mooncake venv (worker/tools/mooncake-venv.sh)"]
+    fn mooncake_rows_measure_with_the_venv() {
+        let env = locate(None).unwrap();
+        let page = 64 << 10;
+        let py = python_api(&env, page, 64, 1, 8, 16).unwrap();
+        assert!(py > 0.0);
+        for s in [CppSetting::Defaults, CppSetting::Tuned] {
+            // The C++ bench in its defaults fails now and then on loopback (a transfer reported
+            // FAILED): retry once before calling it broken.
+            let g = cpp_bench(&env, page, s, 1).or_else(|_| cpp_bench(&env, page, s, 1));
+            assert!(g.unwrap() > 0.0, "{s:?}");
+        }
     }
 
     #[test]
