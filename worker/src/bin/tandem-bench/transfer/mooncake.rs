@@ -16,11 +16,13 @@
 //! The C++ bench runs for a duration (`--mooncake-secs`) rather than a byte count and reports GB/s
 //! (10^9 bytes), the unit of every row here. A missing venv or a failing Mooncake run is a row that
 //! says why ([`Unavailable`]); the rest of the run goes on. A C++ run that fails is retried once
-//! (in its defaults it now and then ends on a transfer reported FAILED over loopback).
+//! (in its defaults it now and then ends on a transfer reported FAILED over loopback). Every process
+//! runs in its own process group, killed whole when its row is done.
 
 use std::fs::{self, File};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -87,6 +89,28 @@ impl Drop for Scratch {
     }
 }
 
+/// Starts `cmd` as the leader of a new process group, so that [`kill_group`] reaches its children
+/// too: the venv's `transfer_engine_bench` is a Python wrapper that runs the C++ binary as a child,
+/// and killing the wrapper alone left the binary (and its 1 GiB buffer) running.
+fn spawn_group(cmd: &mut Command) -> std::io::Result<Child> {
+    cmd.process_group(0).spawn()
+}
+
+/// Kills `child`'s whole process group (see [`spawn_group`]) and reaps `child`. The group is
+/// signalled only while `child` is not reaped yet: until then its pid, the group's id, cannot be
+/// reused by another process.
+fn kill_group(child: &mut Child) {
+    if let (Ok(None), Ok(pid)) = (child.try_wait(), i32::try_from(child.id())) {
+        // SAFETY: kill(2) with a negative pid signals the group `spawn_group` created for this
+        // child (its leader is not reaped); it touches no memory of ours.
+        unsafe {
+            libc::kill(-pid, libc::SIGKILL);
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 /// Runs `cmd` with stdout and stderr into files of `dir`, killing it at `deadline`.
 fn run_bounded(
     mut cmd: Command,
@@ -99,19 +123,23 @@ fn run_bounded(
         scratch.path(&format!("{tag}.out")),
         scratch.path(&format!("{tag}.err")),
     );
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(File::create(&out).map_err(io)?)
-        .stderr(File::create(&err).map_err(io)?)
-        .spawn()
-        .map_err(io)?;
+    let mut child = spawn_group(
+        cmd.stdin(Stdio::null())
+            .stdout(File::create(&out).map_err(io)?)
+            .stderr(File::create(&err).map_err(io)?),
+    )
+    .map_err(io)?;
     let status = loop {
-        if let Some(s) = child.try_wait().map_err(io)? {
-            break s;
+        match child.try_wait() {
+            Ok(Some(s)) => break s,
+            Ok(None) => {}
+            Err(e) => {
+                kill_group(&mut child);
+                return Err(io(e));
+            }
         }
         if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
+            kill_group(&mut child);
             return Err(Unavailable(format!("{tag}: no result before the deadline")));
         }
         thread::sleep(Duration::from_millis(50));
@@ -246,14 +274,15 @@ pub fn cpp_bench(
     target_cmd.args(["--mode=target", "--local_server_name=127.0.0.1"]);
     common(&mut target_cmd);
     let mut target = TargetGuard(
-        target_cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(File::create(&target_log).map_err(io)?)
-            .spawn()
-            .map_err(io)?,
+        spawn_group(
+            target_cmd
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(File::create(&target_log).map_err(io)?),
+        )
+        .map_err(io)?,
     );
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + Duration::from_secs(TARGET_START_SECS);
     let port = loop {
         let log = fs::read_to_string(&target_log).unwrap_or_default();
         if let Some(p) = rpc_port(&log) {
@@ -266,9 +295,11 @@ pub fn cpp_bench(
             )));
         }
         if Instant::now() >= deadline {
-            return Err(Unavailable(
-                "transfer_engine_bench target did not announce its RPC port within 20 s".into(),
-            ));
+            return Err(Unavailable(format!(
+                "transfer_engine_bench target did not announce its RPC port within \
+                 {TARGET_START_SECS} s: {}",
+                tail(&log, 2)
+            )));
         }
         thread::sleep(Duration::from_millis(50));
     };
@@ -303,13 +334,16 @@ pub fn cpp_bench(
     })
 }
 
-/// Kills the target process on every path out of [`cpp_bench`].
-struct TargetGuard(std::process::Child);
+/// How long the C++ target may take to start and log its RPC port (it allocates and registers a
+/// 1 GiB buffer; on a loaded machine that took over 20 s).
+const TARGET_START_SECS: u64 = 60;
+
+/// Kills the target's process group on every path out of [`cpp_bench`].
+struct TargetGuard(Child);
 
 impl TargetGuard {
     fn stop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        kill_group(&mut self.0);
     }
 }
 
@@ -398,6 +432,14 @@ mod tests {
             Ok(g) => assert!(g > 0.0),
             Err(e) => assert!(e.0.ends_with("FAILED"), "{e}"),
         }
+        // No C++ bench outlives its row (the wrapper's child once did, 1 GiB each).
+        let left: Vec<String> = fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|d| fs::read(d.ok()?.path().join("cmdline")).ok())
+            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+            .filter(|c| c.contains("site-packages/mooncake/transfer_engine_bench"))
+            .collect();
+        assert!(left.is_empty(), "left running: {left:?}");
     }
 
     #[test]
