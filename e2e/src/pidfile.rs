@@ -234,12 +234,19 @@ mod tests {
     #[test]
     fn terminate_escalates_to_kill_for_a_process_ignoring_term() {
         let mut child = std::process::Command::new("sh")
-            .args(["-c", "trap '' TERM; while :; do sleep 0.05; done"])
+            .args([
+                "-c",
+                "trap '' TERM; echo trapped; while :; do sleep 0.05; done",
+            ])
+            .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();
         let id = ProcessId::of_pid(child.id() as i32).unwrap();
-        // Give sh time to install the trap.
-        std::thread::sleep(Duration::from_millis(200));
+        // sh says when its trap is installed (a dead sh ends the read with EOF instead).
+        let mut line = String::new();
+        let stdout = child.stdout.take().unwrap();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line).unwrap();
+        assert_eq!(line.trim(), "trapped");
         let reaper = std::thread::spawn(move || child.wait());
         assert_eq!(
             id.terminate(Duration::from_millis(300), false),

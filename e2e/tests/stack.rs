@@ -196,6 +196,15 @@ async fn scenario(h: &Harness) -> Result<(), String> {
         t0.elapsed().as_secs_f64()
     );
 
+    // Issue 13: the prefill's KV computed by the Simulated engine, its own container, through the
+    // engine API (the worker as its native sidecar); requests still served, no page corrupt.
+    engine_served(h).await?;
+    println!(
+        "[{:>5.1}s] issue 13: PrefillPool on the Simulated engine; requests served through the \
+         engine API, 0 corrupt pages",
+        t0.elapsed().as_secs_f64()
+    );
+
     // Suite 2 (upgrade half): a values change rolls the operator; the stack stays Ready.
     let before = operator_pods(h).await?;
     h.helm(&[
@@ -256,6 +265,128 @@ async fn scenario(h: &Harness) -> Result<(), String> {
         "[{:>5.1}s] suite 2: helm uninstall kept the CRDs",
         t0.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+/// Issue 13 on the live stack: the PrefillPool gets `spec.engine: {kind: Simulated}`; once every
+/// prefill pod runs the engine container beside the worker (and both pools rolled and are
+/// Ready), requests through the decode's front door succeed; every prefill worker's `/report`
+/// says its engine attached and the rooms were sent from engine-written pages, and the decode
+/// read no corrupt page (it verifies every row it receives).
+async fn engine_served(h: &Harness) -> Result<(), String> {
+    use tandem_e2e::replay::targets::{FRONT_DOOR_PORT, pod_serving};
+    use tandem_e2e::report::sampler::HEALTH_PORT;
+    h.kubectl(&[
+        "patch",
+        "prefillpool",
+        PREFILL,
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"engine":{"kind":"Simulated"}}}"#,
+    ])?;
+    let has_engine = |p: &Pod| {
+        p.spec
+            .as_ref()
+            .is_some_and(|s| s.containers.iter().any(|c| c.name == "engine"))
+    };
+    let settled = |kind: &'static str, name: &'static str| async move {
+        let s = h
+            .kubectl(&[
+                "get",
+                kind,
+                name,
+                "-o",
+                "jsonpath={.status.updatedReplicas} {.status.readyReplicas} {.status.replicas}",
+            ])
+            .ok()?;
+        let v: Vec<&str> = s.split_whitespace().collect();
+        (v.len() == 3 && v[0] == v[2] && v[1] == v[2] && v[0] != "0").then_some(())
+    };
+    let prefills = poll(Duration::from_secs(420), || async {
+        let pods = h.pods(&format!("{POOL}={PREFILL}")).await.ok()?;
+        let live: Vec<Pod> = pods
+            .into_iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .collect();
+        let all = !live.is_empty() && live.iter().all(|p| ready(p) && has_engine(p));
+        settled("prefillpool", PREFILL).await?;
+        settled("decodepool", DECODE).await?;
+        all.then_some(live)
+    })
+    .await
+    .ok_or("the PrefillPool did not roll onto the Simulated engine (all pods Ready) in 420 s")?;
+    wait_condition(h, "decodepool", DECODE, "Ready", "True", 240).await?;
+    let decode = h
+        .pods(&format!("{POOL}={DECODE},{ROLE}={ROLE_DECODE}"))
+        .await?
+        .into_iter()
+        .filter(pod_serving)
+        .find_map(|p| p.status.as_ref()?.pod_ip.clone())
+        .ok_or("no serving decode pod")?;
+    let http = reqwest::Client::new();
+    let complete = |i: u64| {
+        let http = http.clone();
+        let url = format!("http://{decode}:{FRONT_DOOR_PORT}/v1/completions");
+        async move {
+            let body = serde_json::json!({"model": "m", "prompt": "x", "max_tokens": 2,
+                "input_tokens": 1500 + i});
+            let r = http
+                .post(url)
+                .timeout(Duration::from_secs(30))
+                .json(&body)
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
+            let code = r.status();
+            let text = r.text().await.unwrap_or_default();
+            if code == 200 {
+                Ok(())
+            } else {
+                Err(format!("{code} {text}"))
+            }
+        }
+    };
+    // The decode may still be connecting to the new prefill incarnations: the first success is
+    // awaited (bounded), then every request must succeed.
+    poll(Duration::from_secs(60), || async { complete(0).await.ok() })
+        .await
+        .ok_or("no request succeeded within 60 s after the engine rollout")?;
+    for i in 1..=8 {
+        complete(i)
+            .await
+            .map_err(|e| format!("request {i} through the engine-served prefill: {e}"))?;
+    }
+    let get = |url: String| {
+        let http = http.clone();
+        async move {
+            let r = http.get(url).send().await.map_err(|e| e.to_string())?;
+            r.json::<Value>().await.map_err(|e| e.to_string())
+        }
+    };
+    let mut sent = 0;
+    for p in &prefills {
+        let name = p.metadata.name.clone().unwrap_or_default();
+        let ip = p
+            .status
+            .as_ref()
+            .and_then(|s| s.pod_ip.clone())
+            .ok_or_else(|| format!("{name}: no pod IP"))?;
+        let r = get(format!("http://{ip}:{HEALTH_PORT}/report")).await?;
+        let e = &r["engine"];
+        if e["kind"] != "Simulated" || e["attached"] != true {
+            return Err(format!("{name}: engine not attached in /report: {e}"));
+        }
+        sent += e["rooms_sent"].as_u64().unwrap_or(0);
+    }
+    if sent < 9 {
+        return Err(format!(
+            "9 requests served but the prefill engines sent {sent} rooms: not through the engine"
+        ));
+    }
+    let d = get(format!("http://{decode}:{HEALTH_PORT}/report")).await?;
+    if d["counters"]["corrupt_pages_read"] != 0 {
+        return Err(format!("the decode read corrupt pages: {}", d["counters"]));
+    }
     Ok(())
 }
 

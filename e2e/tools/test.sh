@@ -87,7 +87,7 @@ cargo clippy -p tandem-worker --features rdma --all-targets -- -D warnings
 # #[ignore]d here and run on a GPU machine with `-- --include-ignored`.
 step "cuda feature: host-side tests of the load plan, the event ledger and the no-device path"
 cargo test -p tandem-worker --features cuda --lib load::
-cargo test -p tandem-worker --features cuda --test cache_load_order_cuda
+cargo test -p tandem-worker --features cuda --test load_order_cuda
 
 step "rdma feature: host-side tests of the RDMA transport (no NIC here: open refuses, typed)"
 cargo test -p tandem-worker --features rdma --lib transfer::

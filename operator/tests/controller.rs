@@ -911,8 +911,9 @@ fn child_or_pod_writes(calls: &[Call]) -> Vec<String> {
 /// Issue 13: only the Simulated engine is served. A converged stack whose DecodePool asks for
 /// vLLM is refused — `Degraded=True, EngineUnsupported`, one Warning event, no child or pod
 /// created, applied or deleted — and its PrefillPool (whose revision is the pair's) says the
-/// DecodePool is blocked. Switching to `Simulated` lifts the refusal and rolls the engine pod out
-/// (the negative control: the same reconciles do write once the engine is served).
+/// DecodePool is blocked. `Simulated` on the DecodePool is refused as well (the decode worker
+/// does not serve the engine API yet); `Simulated` on the PrefillPool is served and rolls the
+/// engine pod out (the negative control: the same reconciles do write once the engine is served).
 #[tokio::test]
 async fn an_unsupported_engine_is_refused_and_changes_no_pod() {
     let (fake, client) = FakeApi::start();
@@ -968,7 +969,8 @@ async fn an_unsupported_engine_is_refused_and_changes_no_pod() {
         "{pd}"
     );
 
-    // Simulated is served: the same pool rolls out, the worker as the engine's native sidecar.
+    // A Simulated engine on the DecodePool is refused too: the decode worker does not serve the
+    // engine API yet (issue 13), so nothing may roll out for it.
     fake.edit(paths::DECODES, DECODE, |o| {
         o["spec"]["engine"] = json!({"kind": "Simulated"});
         o["metadata"]["generation"] = json!(3);
@@ -976,9 +978,33 @@ async fn an_unsupported_engine_is_refused_and_changes_no_pod() {
     fake.clear_calls();
     reconcile_decode(&ctx).await;
     reconcile_prefill(&ctx).await;
+    assert_eq!(child_or_pod_writes(&fake.calls()), Vec::<String>::new());
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    let degraded = condition(&d, "Degraded");
+    assert!(
+        degraded["message"]
+            .as_str()
+            .unwrap()
+            .contains("spec.engine on a DecodePool is not served"),
+        "{degraded}"
+    );
+
+    // Simulated on the PrefillPool is served: the refusal lifts (the DecodePool drops its engine)
+    // and the prefill group rolls out, the worker as the engine's native sidecar.
+    fake.edit(paths::DECODES, DECODE, |o| {
+        o["spec"]["engine"] = Value::Null;
+        o["metadata"]["generation"] = json!(4);
+    });
+    fake.edit(paths::PREFILLS, PREFILL, |o| {
+        o["spec"]["engine"] = json!({"kind": "Simulated"});
+        o["metadata"]["generation"] = json!(2);
+    });
+    fake.clear_calls();
+    reconcile_decode(&ctx).await;
+    reconcile_prefill(&ctx).await;
     assert!(
         !child_or_pod_writes(&fake.calls()).is_empty(),
-        "a served engine rolls out (so the zero-write assertion above can fail)"
+        "a served engine rolls out (so the zero-write assertions above can fail)"
     );
     let d = fake.get(paths::DECODES, DECODE).unwrap();
     assert_eq!(
@@ -986,7 +1012,7 @@ async fn an_unsupported_engine_is_refused_and_changes_no_pod() {
         Some("False"),
         "{d}"
     );
-    // The rollout (prefill first, one group at a time) reaches the decode group.
+    // The rollout (one group at a time) reaches the prefill group.
     let names = |sts: &Value, key: &str| -> Vec<String> {
         sts["spec"]["template"]["spec"][key]
             .as_array()
@@ -999,7 +1025,7 @@ async fn an_unsupported_engine_is_refused_and_changes_no_pod() {
     for _ in 0..40 {
         round(&ctx).await;
         fake.materialize_pods();
-        let sts = fake.get(paths::STS, &format!("{DECODE}-g0")).unwrap();
+        let sts = fake.get(paths::STS, &format!("{PREFILL}-g0")).unwrap();
         if names(&sts, "containers") == ["engine"] {
             assert_eq!(names(&sts, "initContainers"), ["store-client", "worker"]);
             rolled = true;
@@ -1008,6 +1034,6 @@ async fn an_unsupported_engine_is_refused_and_changes_no_pod() {
     }
     assert!(
         rolled,
-        "the Simulated engine never reached the decode group"
+        "the Simulated engine never reached the prefill group"
     );
 }

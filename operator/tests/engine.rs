@@ -77,11 +77,11 @@ const SIMULATED: &str = "kind: Simulated\n";
 #[test]
 fn a_simulated_engine_runs_as_the_main_container_beside_the_worker_sidecar() {
     let tier: CacheTier = load("cachetier.yaml");
-    let plain: DecodePool = load("decodepool.yaml");
+    let plain: PrefillPool = load("prefillpool.yaml");
     let mut with = plain.clone();
     with.spec.engine = Some(engine(SIMULATED));
-    let (plain_cfg, plain_sts) = render(&PoolView::decode(&plain), Some(&tier));
-    let (cfg, sts) = render(&PoolView::decode(&with), Some(&tier));
+    let (plain_cfg, plain_sts) = render(&PoolView::prefill(&plain), Some(&tier));
+    let (cfg, sts) = render(&PoolView::prefill(&with), Some(&tier));
     let p = pod(&sts);
 
     // Start order: store-client (Standalone), then the worker, both native sidecars; then engine.
@@ -220,14 +220,42 @@ fn a_prefill_pool_without_tier_has_the_worker_as_its_only_sidecar() {
         "no store client, no shared-memory segment"
     );
     assert_eq!(cfg.engine.map(|s| s.kind), Some(SeatKind::Simulated));
+    // The engine maps the pools as memfds: SharedMemory, not the private mmap of a pool
+    // without engine and tier.
+    assert_eq!(
+        cfg.memory.allocator,
+        tandem_interfaces::memory::AllocatorDomain::SharedMemory
+    );
+    p.spec.engine = None;
+    let (plain, _) = render(&PoolView::prefill(&p), None);
+    assert_eq!(
+        plain.memory.allocator,
+        tandem_interfaces::memory::AllocatorDomain::Mmap
+    );
+}
+
+#[test]
+fn an_engine_on_a_decode_pool_is_refused_until_decode_serves_the_engine_api() {
+    let tier: CacheTier = load("cachetier.yaml");
+    let mut d: DecodePool = load("decodepool.yaml");
+    d.spec.engine = Some(engine(SIMULATED));
+    let lookup = TierLookup::Found {
+        name: "llama70b-l3",
+        spec: &tier.spec,
+        terminating: false,
+    };
+    match resolve_with(&PoolView::decode(&d), lookup) {
+        Err(Blocked::Engine(e)) => assert_eq!(e, EngineUnsupported::DecodeRole),
+        other => panic!("expected EngineUnsupported::DecodeRole, got {other:?}"),
+    }
 }
 
 #[test]
 fn engine_image_args_and_resources_are_rendered_and_roll_the_pool() {
     let tier: CacheTier = load("cachetier.yaml");
-    let mut d: DecodePool = load("decodepool.yaml");
+    let mut d: PrefillPool = load("prefillpool.yaml");
     d.spec.engine = Some(engine(SIMULATED));
-    let (base_cfg, _) = render(&PoolView::decode(&d), Some(&tier));
+    let (base_cfg, _) = render(&PoolView::prefill(&d), Some(&tier));
     d.spec.engine = Some(engine(
         "kind: Simulated
 image: example.org/tandem-worker:dev
@@ -236,7 +264,7 @@ resources:
   requests: {cpu: 500m, memory: 1Gi}
 ",
     ));
-    let (cfg, sts) = render(&PoolView::decode(&d), Some(&tier));
+    let (cfg, sts) = render(&PoolView::prefill(&d), Some(&tier));
     let e = &pod(&sts).containers[0];
     assert_eq!(e.image.as_deref(), Some("example.org/tandem-worker:dev"));
     let args = e.args.as_deref().unwrap();
@@ -278,7 +306,7 @@ fn sglang_and_vllm_are_refused_before_anything_is_rendered() {
             terminating: false,
         };
         match resolve_with(&PoolView::decode(&d), lookup) {
-            Err(Blocked::Engine(e)) => assert_eq!(e, EngineUnsupported { kind }),
+            Err(Blocked::Engine(e)) => assert_eq!(e, EngineUnsupported::Kind { kind }),
             other => panic!("{kind}: expected EngineUnsupported, got {other:?}"),
         }
         // Refused first: even a pool whose tier is missing reports the engine.

@@ -7,7 +7,7 @@
 //! `Identity` fields are compared across kinds and raise `PolicyConflict` on a mismatch. A new
 //! field added to a CRD without an entry here fails the test.
 //!
-//! The pools are checked with `spec.engine: {kind: Simulated}` added (so that the engine's image,
+//! The PrefillPool is checked with `spec.engine: {kind: Simulated}` added (so that the engine's image,
 //! args and resources have a base to change); `spec.engine.kind` itself is covered by
 //! [`engine_kind_is_rendered_or_refused`]: unset and `Simulated` render different pods, and
 //! `SGLang`/`vLLM` are refused before anything is rendered.
@@ -303,7 +303,18 @@ fn every_decode_pool_field_is_rendered_or_used() {
         ("restart.id".into(), Rendered(|| json!("again"))),
         ("frontDoor.port".into(), Rendered(|| json!(9000))),
     ]);
-    let base = with_engine(with_indexers(sample("decodepool.yaml")));
+    // Any engine on a DecodePool is refused until the decode worker serves the engine API
+    // (EngineUnsupported::DecodeRole, see engine_kind_is_rendered_or_refused): its engine fields
+    // render nothing, so the base has no engine.
+    for (path, field) in table.iter_mut() {
+        if path.starts_with("engine.") {
+            *field = Controller(
+                "refused on a DecodePool by controller::revision::resolve_with \
+                 (EngineUnsupported::DecodeRole) until decode serves the engine API",
+            );
+        }
+    }
+    let base = with_indexers(sample("decodepool.yaml"));
     let t2 = tier.clone();
     check(
         "DecodePool",
@@ -389,19 +400,37 @@ fn tier_policy_fields_reach_the_pool_config() {
 }
 
 /// `spec.engine.kind`: unset renders the worker alone; `Simulated` renders a different pod and
-/// config (the engine container, the worker as its sidecar, the config's engine seat); `SGLang`
-/// and `vLLM` (with an image, as admission requires) are refused: nothing renders.
+/// config on a PrefillPool (the engine container, the worker as its sidecar, the config's engine
+/// seat) and is refused on a DecodePool (decode does not serve the engine API yet); `SGLang` and
+/// `vLLM` (with an image, as admission requires) are refused: nothing renders.
 #[test]
 fn engine_kind_is_rendered_or_refused() {
     let tier: CacheTier = serde_json::from_value(sample("cachetier.yaml")).unwrap();
     for (file, decode) in [("prefillpool.yaml", false), ("decodepool.yaml", true)] {
         let plain = sample(file);
         let t = sample("cachetier.yaml");
-        assert_ne!(
-            render_pool(&with_engine(plain.clone()), &t, decode),
-            render_pool(&plain, &t, decode),
-            "{file}: engine.kind Simulated changes nothing rendered"
-        );
+        if decode {
+            // Not served on decode yet: refused, nothing renders.
+            let d = serde_json::from_value::<DecodePool>(with_engine(plain.clone())).unwrap();
+            let lookup = TierLookup::Found {
+                name: "llama70b-l3",
+                spec: &tier.spec,
+                terminating: false,
+            };
+            assert!(
+                matches!(
+                    resolve_with(&PoolView::decode(&d), lookup),
+                    Err(Blocked::Engine(_))
+                ),
+                "{file}: engine.kind Simulated must be refused on a DecodePool"
+            );
+        } else {
+            assert_ne!(
+                render_pool(&with_engine(plain.clone()), &t, decode),
+                render_pool(&plain, &t, decode),
+                "{file}: engine.kind Simulated changes nothing rendered"
+            );
+        }
         for kind in ["SGLang", "vLLM"] {
             let mut v = plain.clone();
             v["spec"]["engine"] = json!({"kind": kind, "image": "example/engine:1"});

@@ -28,8 +28,7 @@
 //!   socket, host pools as memfds passed once); [`sim_engine`]: the simulated engine as a process
 //!   that speaks only that API;
 //! - [`engine`]: the simulated engine's KV content and cost model; [`model`]: model identity and KV
-//!   geometry;
-//! - [`cache`]: the Mooncake request trace (moving to `tandem-interfaces`).
+//!   geometry.
 //!
 //! No import cycles between these modules: `tests/module_graph.rs` parses the `crate::` paths of
 //! every source file and fails on a cycle. The benchmarks are the `tandem-bench` binary's own
@@ -37,7 +36,6 @@
 //! tests run to show a mechanism matters — exist only with the `negative-controls` feature, which
 //! the tests enable and release builds leave off.
 
-pub mod cache;
 pub mod config;
 pub mod control;
 pub mod engine;
@@ -58,8 +56,3 @@ pub mod store_client;
 pub mod teardown;
 pub mod tier;
 pub mod transfer;
-
-// Transitional: `config.rs` and the operator still name `crate::pool` / `tandem_worker::pool`; the
-// KV pools live in `memory::pool` (contract 1). Goes when both use `tandem-interfaces`.
-#[doc(hidden)]
-pub use memory::pool;

@@ -31,7 +31,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Role {
-    /// Prefill instance: the gRPC `Transfer` service and the simulated engine.
+    /// Prefill instance: the gRPC `Transfer` service, computing with the built-in simulated engine,
+    /// or serving the engine API to the engine beside it when the config names one (`engine`).
     Prefill(roles::prefill::Args),
     /// Decode instance: the KV receiver, the prefill peer set and the front door.
     Decode(roles::decode::Args),
@@ -39,7 +40,8 @@ enum Role {
     StoreClient(roles::store_client::Args),
     /// CacheTier store replica.
     Cache(roles::cache::Args),
-    /// The simulated engine: a client of a worker's engine API (DESIGN §3.1).
+    /// The simulated engine: a client of a worker's engine API (DESIGN §3.1); a bounded run, or
+    /// `--serve` as the engine container of a prefill pod (until SIGTERM).
     SimEngine(tandem_worker::sim_engine::Args),
 }
 

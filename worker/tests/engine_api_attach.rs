@@ -16,7 +16,7 @@ use tandem_worker::engine_api::pools::{PoolSet, PoolSetError};
 use tandem_worker::engine_api::service::Backend;
 use tandem_worker::engine_api::{EngineApiConfig, pb};
 use tandem_worker::memory::AllocatorDomain;
-use tandem_worker::pool::{PageId, PoolRole};
+use tandem_worker::memory::pool::{PageId, PoolRole};
 use tandem_worker::registration::FailurePolicy;
 use tandem_worker::registration::fault::{FaultInjector, FaultPlan};
 use tandem_worker::store_client::ClientMode;

@@ -16,7 +16,7 @@ use tandem_worker::config::{WorkerConfig, WorkerRole};
 use tandem_worker::engine_api::local::LocalLink;
 use tandem_worker::engine_api::prefill::{KvSink, PagesSend, PrefillSide};
 use tandem_worker::engine_api::service::Backend;
-use tandem_worker::pool::PageId;
+use tandem_worker::memory::pool::PageId;
 use tandem_worker::release::sender::AbortAck;
 use tandem_worker::sim_engine::Summary;
 

@@ -15,7 +15,7 @@ use engine_api_support::*;
 use tandem_worker::config::WorkerRole;
 use tandem_worker::engine_api::pb;
 use tandem_worker::engine_api::service::Backend;
-use tandem_worker::pool::{PageId, PoolRole};
+use tandem_worker::memory::pool::{PageId, PoolRole};
 use tandem_worker::store_client::ClientMode;
 use tandem_worker::store_client::standalone::StandaloneClient;
 use tonic::Code;

@@ -111,6 +111,20 @@ fn request(id: u64, pages: u32) -> RequestSpec {
     }
 }
 
+/// The room failed because its prefill peer was declared dead.
+fn assert_heartbeat_lost(out: &TransferOutcome) {
+    assert!(
+        matches!(
+            out,
+            TransferOutcome::Failed {
+                cause: FailureCause::HeartbeatLost,
+                ..
+            }
+        ),
+        "{out:?}"
+    );
+}
+
 async fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
     let t0 = Instant::now();
     while !ok() {
@@ -122,7 +136,13 @@ async fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
 /// Waits (at most 5 s) until KV is landing in the first room of `d` (a fresh decode's first
 /// transfer, still running): the moment to kill its prefill mid-transfer.
 async fn wait_kv_landing<T>(d: &DecodeNode, transfer: &tokio::task::JoinHandle<T>) {
-    let room = RoomKey::new(room_base("decode-0"), 1);
+    wait_kv_landing_in(d, 0, transfer).await;
+}
+
+/// Waits (at most 5 s) until KV is landing in room `n` of `d` (its `n`-th transfer, from 0,
+/// still running).
+async fn wait_kv_landing_in<T>(d: &DecodeNode, n: u64, transfer: &tokio::task::JoinHandle<T>) {
+    let room = RoomKey::new(room_base("decode-0") + n, 1);
     let t0 = Instant::now();
     while d.room_state(room) != Some(ReceiverState::Transferring) {
         assert!(
@@ -163,7 +183,8 @@ async fn transfer_completes_and_verifies() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completed_room_stays_held_while_decoding_until_its_lease_ends() {
     let d = decode(true, Duration::from_secs(2));
-    let mut p = Prefill::start(Duration::from_millis(1));
+    // Slow enough that a transfer is still running when the peer is killed (the last step).
+    let mut p = Prefill::start(Duration::from_millis(20));
     let link = d.connect(&p.addr, Duration::from_secs(2)).await.unwrap();
 
     // Finished normally: held until finish.
@@ -199,23 +220,40 @@ async fn a_completed_room_stays_held_while_decoding_until_its_lease_ends() {
     assert_eq!(d.pages().quarantined, 0);
 
     // The prefill peer dies while the request decodes: its writes all concluded, so the pages
-    // stay with the decode until the lease is dropped.
+    // stay with the decode until the lease is dropped. A second room (54) is still landing when
+    // the peer dies: its failure and release are the observed end of the decode's handling of the
+    // death (one pass over the peer's rooms), after which room 53 must be as it was.
     let (_, lease) = d
         .transfer_held(&link, request(53, 8), Duration::from_secs(5))
         .await
         .unwrap();
     let lease = lease.unwrap();
+    let (d2, l2) = (d.clone(), link.clone());
+    let landing = tokio::spawn(async move {
+        d2.transfer(&l2, request(54, 32), Duration::from_secs(30))
+            .await
+    });
+    wait_kv_landing_in(&d, 3, &landing).await;
     p.kill();
-    wait_until("peer declared dead", Duration::from_secs(3), || {
-        !link.alive()
+    let out = tokio::time::timeout(Duration::from_secs(5), landing)
+        .await
+        .expect("the landing room fails within the heartbeat deadline")
+        .unwrap()
+        .unwrap();
+    assert_heartbeat_lost(&out);
+    assert!(!link.alive(), "peer declared dead");
+    // The landing room's pages return on the receiver-fence proof; the leased room's stay.
+    let landing_room = RoomKey::new(room_base("decode-0") + 3, 1);
+    wait_until("the landing room released", Duration::from_secs(3), || {
+        d.room_state(landing_room).is_none()
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(
         d.pages().held,
         8,
         "a dead peer must not free pages being decoded"
     );
+    assert_eq!(d.room_state(lease.key()), Some(ReceiverState::Committed));
     drop(lease);
     assert_eq!(d.pages().free, PAGES as usize);
     assert_eq!(d.pages().alarms, 0);
@@ -238,16 +276,7 @@ async fn peer_killed_mid_transfer_fails_room_frees_on_proof_and_restarted_peer_w
     p.kill();
     let out = transfer.await.unwrap().unwrap();
     let failed_after = t0.elapsed();
-    assert!(
-        matches!(
-            out,
-            TransferOutcome::Failed {
-                cause: FailureCause::HeartbeatLost,
-                ..
-            }
-        ),
-        "{out:?}"
-    );
+    assert_heartbeat_lost(&out);
     assert!(
         failed_after < Duration::from_secs(2),
         "room must fail within the heartbeat deadline, took {failed_after:?}"
@@ -294,16 +323,7 @@ async fn peer_killed_without_transport_proof_quarantines_with_alarm() {
     wait_kv_landing(&d, &transfer).await;
     p.kill();
     let out = transfer.await.unwrap().unwrap();
-    assert!(
-        matches!(
-            out,
-            TransferOutcome::Failed {
-                cause: FailureCause::HeartbeatLost,
-                ..
-            }
-        ),
-        "{out:?}"
-    );
+    assert_heartbeat_lost(&out);
     wait_until("quarantine", Duration::from_secs(3), || {
         d.pages().alarms == 1
     })

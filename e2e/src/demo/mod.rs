@@ -432,8 +432,7 @@ async fn on_cluster(
         say(format!("scale/restart: {e}"));
     }
     // One more sampling round after the restart so the new workers' loadback counters are in.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let samples = sampler.stop().await;
+    let samples = sampler.finish().await;
     discovery.abort();
 
     say("phase teardown: deleting DecodePool, PrefillPool, CacheTier");

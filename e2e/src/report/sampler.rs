@@ -79,10 +79,14 @@ pub fn report_targets(pods: &[Pod]) -> Vec<ReportTarget> {
         .collect()
 }
 
-/// A running sampler; [`Sampler::stop`] ends it and returns what it gathered.
+/// A running sampler; [`Sampler::stop`] ends it and returns what it gathered,
+/// [`Sampler::finish`] after one more round.
 pub struct Sampler {
     samples: Arc<Mutex<Vec<Sample>>>,
     task: tokio::task::JoinHandle<()>,
+    /// Rounds started and rounds completed so far.
+    rounds: tokio::sync::watch::Receiver<(u64, u64)>,
+    interval: Duration,
 }
 
 impl Sampler {
@@ -91,6 +95,7 @@ impl Sampler {
     pub fn start(source: ReportSource, interval: Duration, clock: Clock) -> Self {
         let samples = Arc::new(Mutex::new(Vec::new()));
         let out = samples.clone();
+        let (rounds_tx, rounds) = tokio::sync::watch::channel((0u64, 0u64));
         let task = tokio::spawn(async move {
             let http = reqwest::Client::builder()
                 .timeout(interval.max(Duration::from_millis(200)))
@@ -100,6 +105,7 @@ impl Sampler {
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
             for round in 0u64.. {
                 tick.tick().await;
+                rounds_tx.send_modify(|r| r.0 = round + 1);
                 let targets = source.targets().await;
                 let gets = targets.into_iter().map(|t| {
                     let http = http.clone();
@@ -107,9 +113,15 @@ impl Sampler {
                 });
                 let batch = futures::future::join_all(gets).await;
                 out.lock().unwrap_or_else(|e| e.into_inner()).extend(batch);
+                rounds_tx.send_modify(|r| r.1 = round + 1);
             }
         });
-        Self { samples, task }
+        Self {
+            samples,
+            task,
+            rounds,
+            interval,
+        }
     }
 
     /// Samples so far.
@@ -118,6 +130,18 @@ impl Sampler {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// Waits until a round that started after this call has completed (so every worker's
+    /// counters as they are now are in), then stops and returns every sample. The wait is bounded
+    /// by three intervals plus a second (a round starts within one interval and each of its
+    /// requests times out after one); past that it stops with what it has.
+    pub async fn finish(self) -> Vec<Sample> {
+        let started = self.rounds.borrow().0;
+        let mut rounds = self.rounds.clone();
+        let bound = self.interval * 3 + Duration::from_secs(1);
+        let _ = tokio::time::timeout(bound, rounds.wait_for(|r| r.1 > started)).await;
+        self.stop().await
     }
 
     /// Stops sampling and returns every sample.
@@ -155,5 +179,35 @@ async fn sample_one(http: &reqwest::Client, t: ReportTarget, round: u64, clock: 
         uid: t.uid,
         report,
         error,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `finish` returns only after a round that started after the call: its samples are later
+    /// than the call (`stop` at that moment would return none of them).
+    #[tokio::test]
+    async fn finish_waits_for_a_round_that_started_after_the_call() {
+        let clock = Clock::start();
+        // Nothing listens on port 1: every GET fails at once, and each round records its error.
+        let source = ReportSource::Fixed(vec!["http://127.0.0.1:1/report".into()]);
+        let sampler = Sampler::start(source, Duration::from_millis(100), clock);
+        let mut rounds = sampler.rounds.clone();
+        let first = tokio::time::timeout(Duration::from_secs(5), rounds.wait_for(|r| r.1 >= 1));
+        assert!(first.await.is_ok(), "a first round completes");
+        let called = clock.ms();
+        let samples = sampler.finish().await;
+        assert!(
+            samples
+                .iter()
+                .any(|s| s.t_ms >= called && s.error.is_some()),
+            "no sample after the call: {:?}",
+            samples
+                .iter()
+                .map(|s| (s.round, s.t_ms))
+                .collect::<Vec<_>>()
+        );
     }
 }

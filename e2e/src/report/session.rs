@@ -94,8 +94,7 @@ pub async fn replay_and_report(
     let sampler = Sampler::start(reports, sample_every, clock);
     let results = replay(workload, targets, config, clock, None, bar).await;
     // A last round after the replay so every worker's final counters are in.
-    tokio::time::sleep(sample_every).await;
-    let samples = sampler.stop().await;
+    let samples = sampler.finish().await;
     let ceiling = ceiling_hit_tokens(workload);
     let mut summary = summarize_run(ReportInput {
         source,

@@ -159,7 +159,7 @@ mod tests {
         );
         let r = Refusal::from(Blocked::Conflict(PolicyConflict::TierNotFound("t".into())));
         assert_eq!(r.reason(), Reason::CacheTierNotFound);
-        let r = Refusal::from(Blocked::Engine(EngineUnsupported {
+        let r = Refusal::from(Blocked::Engine(EngineUnsupported::Kind {
             kind: tandem_crds::EngineKind::Vllm,
         }));
         assert_eq!(

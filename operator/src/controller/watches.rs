@@ -8,8 +8,14 @@
 //! whose CRD comes back relists within one capped delay (found on the live stack: with the
 //! runtime's shared trigger backoff and errors logged at debug, re-created kinds went
 //! unreconciled for minutes while `/readyz` said 200).
+//!
+//! [`WatchHealth`] also records which watches have completed their first list (the watcher's
+//! `InitDone`): when the last of the watches built so far has listed, the operator logs
+//! `all watches listed` once (info), with their number. Until then the controllers may still
+//! miss objects of a kind; the chart's e2e suite waits on that line before it reads the log for
+//! refused (403) calls.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -32,11 +38,22 @@ pub struct Failing {
     pub retry_in: Duration,
 }
 
-/// Which watches are failing now, by name (e.g. `DecodePool: prefillpools`). Shared between the
-/// controllers (writers) and the health endpoint (reader).
+/// The first lists of the watches: which were built, which have listed, and whether the
+/// `all watches listed` line was logged.
+#[derive(Debug, Default)]
+struct Lists {
+    built: BTreeSet<String>,
+    listed: BTreeSet<String>,
+    announced: bool,
+}
+
+/// Which watches are failing now, by name (e.g. `DecodePool: prefillpools`), and which have
+/// completed their first list. Shared between the controllers (writers) and the health endpoint
+/// (reader).
 #[derive(Debug, Clone, Default)]
 pub struct WatchHealth {
     failing: Arc<Mutex<BTreeMap<String, Failing>>>,
+    lists: Arc<Mutex<Lists>>,
     gauge: Option<Gauge>,
 }
 
@@ -45,6 +62,7 @@ impl WatchHealth {
     pub fn with_gauge(gauge: Gauge) -> Self {
         Self {
             failing: Arc::default(),
+            lists: Arc::default(),
             gauge: Some(gauge),
         }
     }
@@ -78,6 +96,37 @@ impl WatchHealth {
         let was = m.remove(watch);
         self.count(m.len());
         was
+    }
+
+    /// Records that `watch` was built: [`WatchHealth::all_listed`] waits for its first list too.
+    pub fn built(&self, watch: &str) {
+        if let Ok(mut l) = self.lists.lock() {
+            l.built.insert(watch.to_owned());
+        }
+    }
+
+    /// Records that `watch` completed a list (its `InitDone`); the first time every built watch
+    /// has listed, logs `all watches listed` (info, with their number). Returns whether all have.
+    pub fn listed(&self, watch: &str) -> bool {
+        let Ok(mut l) = self.lists.lock() else {
+            return false;
+        };
+        if l.listed.insert(watch.to_owned()) {
+            tracing::debug!(watch, "watch listed");
+        }
+        let all = l.built.is_subset(&l.listed);
+        if all && !l.announced {
+            l.announced = true;
+            tracing::info!(watches = l.listed.len(), "all watches listed");
+        }
+        all
+    }
+
+    /// Whether every built watch has completed its first list (true when none was built).
+    pub fn all_listed(&self) -> bool {
+        self.lists
+            .lock()
+            .is_ok_and(|l| l.built.is_subset(&l.listed))
     }
 
     /// The failing watches, by name.
@@ -154,16 +203,24 @@ where
     )
 }
 
-/// [`resilient`] with the [`backoff::WATCH`] curve.
-pub fn watched<T, S>(
+/// [`resilient`] with the [`backoff::WATCH`] curve, over a watcher's event stream: the watch is
+/// recorded as built in `health` now, and as listed at its first `InitDone`.
+pub fn watched<K, S>(
     name: String,
     health: &WatchHealth,
     stream: S,
-) -> impl Stream<Item = Result<T, watcher::Error>> + Send + 'static
+) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static
 where
-    T: Send + 'static,
-    S: Stream<Item = Result<T, watcher::Error>> + Send + 'static,
+    K: Send + 'static,
+    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
 {
+    health.built(&name);
+    let lists = (health.clone(), name.clone());
+    let stream = stream.inspect(move |e| {
+        if matches!(e, Ok(watcher::Event::InitDone)) {
+            lists.0.listed(&lists.1);
+        }
+    });
     resilient(name, health.clone(), backoff::WATCH, stream)
 }
 
@@ -173,6 +230,39 @@ mod tests {
 
     fn failure() -> watcher::Error {
         watcher::Error::NoResourceVersion
+    }
+
+    /// `all_listed` turns true only at the `InitDone` of the last built watch: the start and the
+    /// objects of a list do not count.
+    #[tokio::test]
+    async fn all_listed_waits_for_the_init_done_of_every_built_watch() {
+        use watcher::Event;
+        let health = WatchHealth::default();
+        assert!(health.all_listed(), "no watch built: nothing to wait for");
+        let (tx_a, rx_a) =
+            futures::channel::mpsc::unbounded::<Result<Event<u32>, watcher::Error>>();
+        let (tx_b, rx_b) =
+            futures::channel::mpsc::unbounded::<Result<Event<u32>, watcher::Error>>();
+        let mut a = Box::pin(watched("t: a".into(), &health, rx_a));
+        let mut b = Box::pin(watched("t: b".into(), &health, rx_b));
+        assert!(!health.all_listed(), "two built, none listed");
+        for e in [Event::Init, Event::InitApply(1), Event::InitDone] {
+            tx_a.unbounded_send(Ok(e)).unwrap();
+            assert!(a.next().await.is_some_and(|r| r.is_ok()));
+        }
+        assert!(!health.all_listed(), "b has not listed");
+        tx_b.unbounded_send(Ok(Event::Init)).unwrap();
+        tx_b.unbounded_send(Ok(Event::InitApply(2))).unwrap();
+        for _ in 0..2 {
+            assert!(b.next().await.is_some_and(|r| r.is_ok()));
+        }
+        assert!(
+            !health.all_listed(),
+            "b's list is not done before its InitDone"
+        );
+        tx_b.unbounded_send(Ok(Event::InitDone)).unwrap();
+        assert!(b.next().await.is_some_and(|r| r.is_ok()));
+        assert!(health.all_listed(), "both listed");
     }
 
     /// Three failures, then an event: the stream yields only the event, after the three capped

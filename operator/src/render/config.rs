@@ -6,6 +6,7 @@ use tandem_interfaces::config::{
     CONFIG_API_VERSION, CacheConfig, IndexerGeometry, LayerSplit, MemoryPolicy as ConfigMemory,
     Parallelism, Peers, Ports, SpecGuard, Speculative, TransportChoice, WorkerConfig, WorkerRole,
 };
+use tandem_interfaces::memory::AllocatorDomain;
 use tandem_interfaces::model::{Attention, ModelIdentity};
 
 use super::PoolView;
@@ -187,7 +188,13 @@ pub fn worker_config(
         parallelism,
         layer_split,
         memory: ConfigMemory {
-            allocator: policy.allocator,
+            // An engine maps the host pools the worker passes it as memfds (DESIGN §3.1): with no
+            // CacheTier to decide the domain, that is SharedMemory rather than private mmap.
+            allocator: if pool.engine.is_some() && policy.l3.is_none() {
+                AllocatorDomain::SharedMemory
+            } else {
+                policy.allocator
+            },
             client_mode: policy.l3.as_ref().map(|l3| l3.client_mode),
             registration_failure: policy
                 .l3

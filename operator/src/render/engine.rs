@@ -21,7 +21,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use tandem_crds::{EngineKind, EngineSpec};
 use tandem_interfaces::config::{EngineKind as SeatKind, EngineSeat};
 
-use super::PoolView;
+use super::{PoolView, Role};
 
 /// Name of the engine's main container.
 pub const ENGINE_CONTAINER: &str = "engine";
@@ -38,24 +38,41 @@ pub const POD_INDEX_LABEL: &str = "apps.kubernetes.io/pod-index";
 /// A pool names an engine this version does not serve (condition `Degraded`, reason
 /// `EngineUnsupported`; nothing is created or changed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "spec.engine.kind {kind} is not served by this version: the worker serves the engine API to \
-     the Simulated engine only (the SGLang and vLLM adapters are not built yet); set \
-     engine.kind: Simulated or remove spec.engine"
-)]
-pub struct EngineUnsupported {
-    /// The kind asked for.
-    pub kind: EngineKind,
+pub enum EngineUnsupported {
+    /// SGLang or vLLM: their adapters are issue 14.
+    #[error(
+        "spec.engine.kind {kind} is not served by this version: the worker serves the engine API to \
+         the Simulated engine only (the SGLang and vLLM adapters are not built yet); set \
+         engine.kind: Simulated or remove spec.engine"
+    )]
+    Kind {
+        /// The kind asked for.
+        kind: EngineKind,
+    },
+    /// An engine on a DecodePool: the decode worker does not serve the engine API yet (its
+    /// requests are decoded by the worker's built-in engine; issue 13), so an engine container
+    /// there would wait for work that never comes.
+    #[error(
+        "spec.engine on a DecodePool is not served by this version: only prefill workers serve \
+         the engine API so far (decode runs the worker's built-in engine); remove spec.engine \
+         from the DecodePool"
+    )]
+    DecodeRole,
 }
 
 /// Whether the pool's engine (if any) is one this version serves.
 ///
 /// # Errors
-/// [`EngineUnsupported`] for `SGLang` and `vLLM`.
+/// [`EngineUnsupported::Kind`] for `SGLang` and `vLLM`; [`EngineUnsupported::DecodeRole`] for
+/// any engine on a DecodePool.
 pub fn supported(pool: &PoolView<'_>) -> Result<(), EngineUnsupported> {
     match pool.engine.map(|e| e.kind) {
-        None | Some(EngineKind::Simulated) => Ok(()),
-        Some(kind) => Err(EngineUnsupported { kind }),
+        None => Ok(()),
+        Some(EngineKind::Simulated) if pool.role == Role::Decode => {
+            Err(EngineUnsupported::DecodeRole)
+        }
+        Some(EngineKind::Simulated) => Ok(()),
+        Some(kind) => Err(EngineUnsupported::Kind { kind }),
     }
 }
 

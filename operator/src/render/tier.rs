@@ -54,9 +54,9 @@ pub const TIER_CONFIG_API_VERSION: &str = CACHE_TIER_CONFIG_API_VERSION;
 /// Grace period of a store replica: its SIGTERM path syncs the manifest (DESIGN §5).
 pub const STORE_TERMINATION_GRACE_SECONDS: i64 = 60;
 
-/// The resolved config of one store replica: the worker crate's
-/// [`CacheTierConfig`](tandem_interfaces::config::CacheTierConfig) (worker/interfaces/README.md
-/// §2), written as `tier.json` and read by `tandem-worker cache --config /etc/tandem/tier.json`.
+/// The resolved config of one store replica: the worker's [`CacheTierConfig`] (from
+/// `tandem-interfaces`, worker/interfaces/README.md §2), written as `tier.json` and read by
+/// `tandem-worker cache --config /etc/tandem/tier.json`.
 ///
 /// Every CacheTier spec field lands here, in the client pools' worker config (allocator, client
 /// mode, registration-failure policy, write policy, page tokens — see `render::config`), or in the

@@ -490,7 +490,7 @@ impl Default for CacheEviction {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct CachePorts {
-    /// L3 framed-TCP protocol (`cache::l3_wire`), default 7420.
+    /// L3 framed-TCP protocol (`l3::wire`), default 7420.
     #[serde(default = "default_store_port")]
     pub l3: u16,
     /// Health, readiness, metrics and `/report` (HTTP), default 8080.
@@ -587,7 +587,7 @@ pub struct CacheTierConfig {
 }
 
 /// What every object of one L3 store must agree on (DESIGN contract 7; the worker's
-/// `cache::manifest` writes it into every object's manifest). A restart with a different value
+/// `l3::manifest` writes it into every object's manifest). A restart with a different value
 /// (another model, layout, page size or parallel layout) makes every old object a miss
 /// (reference TC-L3-02).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -12,8 +12,6 @@
 //! No I/O, no async runtime, no gRPC stack: parsing works on strings and readers the caller opened;
 //! the peer protocol's client and server are generated in the worker.
 
-#![warn(missing_docs)]
-
 pub mod config;
 pub mod memory;
 pub mod model;

@@ -10,7 +10,7 @@ use std::time::Duration;
 use rustix::mm::{MapFlags, ProtFlags};
 use tonic::transport::{Channel, Endpoint};
 
-use crate::pool::{KvGeometry, PoolLayout, PoolRole};
+use crate::memory::pool::{KvGeometry, PoolLayout, PoolRole};
 use crate::store_client::socket_path::with_socket_address;
 
 use super::error::ApiError;
@@ -282,6 +282,7 @@ pub struct EngineClient {
     /// Spec service.
     pub spec: pb::spec_client::SpecClient<Channel>,
     call_timeout: Duration,
+    socket_dir: PathBuf,
 }
 
 impl EngineClient {
@@ -309,6 +310,7 @@ impl EngineClient {
             tiers: pb::tiers_client::TiersClient::new(channel.clone()),
             spec: pb::spec_client::SpecClient::new(channel),
             call_timeout,
+            socket_dir: socket_dir.to_path_buf(),
         })
     }
 
@@ -340,13 +342,15 @@ impl EngineClient {
         Ok(self.session.attach(r).await?.into_inner())
     }
 
-    /// Attaches, claims the fds and maps every pool.
+    /// Attaches, claims the fds on the pools socket of this client's socket directory (the
+    /// directory as this process sees it; the reply's `pools_socket` is the worker's view of the
+    /// same file, which may be mounted elsewhere) and maps every pool.
     ///
     /// # Errors
     /// The server's refusal; [`ClientError::Pools`] when claiming or mapping fails.
     pub async fn attach(&mut self, identity: pb::EngineIdentity) -> Result<Attached, ClientError> {
         let reply = self.attach_only(identity).await?;
-        let path = PathBuf::from(&reply.pools_socket);
+        let path = self.socket_dir.join(super::POOLS_SOCKET);
         let (id, token) = (reply.attach_id, reply.claim_token);
         let (conn, fds) = tokio::task::spawn_blocking(move || fd_pass::claim(&path, id, token))
             .await
@@ -368,6 +372,16 @@ impl EngineClient {
             pools,
             conn: Some(conn),
         })
+    }
+
+    /// Detach: the worker ends the attach (its live rooms fail through the release path).
+    ///
+    /// # Errors
+    /// The server's refusal (`NOT_ATTACHED`) or the call's failure.
+    pub async fn detach(&mut self, attach_id: u64) -> Result<(), ClientError> {
+        let r = self.req(pb::DetachRequest { attach_id });
+        self.session.detach(r).await?;
+        Ok(())
     }
 
     /// Health.

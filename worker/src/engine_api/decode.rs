@@ -2,9 +2,9 @@
 //! stats, over the release gate of DESIGN contract 3 and the spec guard of contract 8.
 //!
 //! Every decision about a room's pages is the gate's: each room is a
-//! [`ReceiverRoom`](crate::release::receiver::ReceiverRoom) whose [`GateVerdict`]s this module only
+//! [`ReceiverRoom`] whose [`GateVerdict`]s this module only
 //! carries out, and pages whose release is not proven by the ack deadline sit in the
-//! [`Quarantine`](crate::release::quarantine::Quarantine) until a late proof. Finish and Abort hand the
+//! [`Quarantine`] until a late proof. Finish and Abort hand the
 //! pages to the gate; the engine gets them back only in a [`pb::SafeToReuse`] event. The transport
 //! that fills the pages is a [`KvSource`] (a prefill peer in the serving path; [`super::local`] for a
 //! same-host pair): it reports chunks, completion, acks and transport proofs back through
@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tonic::Code;
 
-use crate::pool::{KvPool, PageError, PageId, PoolError};
+use crate::memory::pool::{KvPool, PageError, PageId, PoolError};
 use crate::release::quarantine::Quarantine;
 use crate::release::receiver::{
     AckOutcome, FailureCause, GateMode, GateVerdict, ReceiverRoom, ReceiverState, ReleaseProof,
@@ -123,7 +123,7 @@ pub struct DecodeCounters {
 /// Settings of the decode side.
 #[derive(Debug, Clone, Copy)]
 pub struct DecodeSettings {
-    /// Gate mode ([`GateMode::UnsafeBypass`] only as a negative control).
+    /// Gate mode (`GateMode::UnsafeBypass` only as a negative control).
     pub gate: GateMode,
     /// Ack deadline of a failed room before its pages are quarantined.
     pub ack_timeout: Duration,

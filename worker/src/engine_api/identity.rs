@@ -9,8 +9,8 @@ use tonic::Code;
 
 use crate::config::{IndexerGeometry, WorkerConfig};
 use crate::memory::AllocatorDomain;
+use crate::memory::pool::{PoolLayout, PoolRole};
 use crate::model::{Attention, ModelIdentity};
-use crate::pool::{PoolLayout, PoolRole};
 
 use super::error::ApiError;
 use super::{EngineApiConfig, pb};
@@ -269,16 +269,43 @@ pub fn configured_bytes(cfg: &WorkerConfig, role: PoolRole) -> u64 {
     }
 }
 
+/// The engine name an identity of `kind` presents before its `/version` (`simulated`, `sglang`,
+/// `vllm`; the config's `engine.kind`, DESIGN §3.1).
+pub fn engine_name(kind: crate::config::EngineKind) -> &'static str {
+    match kind {
+        crate::config::EngineKind::Simulated => "simulated",
+        crate::config::EngineKind::SgLang => "sglang",
+        crate::config::EngineKind::Vllm => "vllm",
+    }
+}
+
+/// Whether an identity's `engine` text (`<name>/<version>`, name case-insensitive) names `kind`.
+pub fn engine_matches(kind: crate::config::EngineKind, engine: &str) -> bool {
+    let name = engine.split('/').next().unwrap_or_default();
+    name.eq_ignore_ascii_case(engine_name(kind))
+}
+
 /// Checks `id` against the worker config and API settings; decides the pools.
 ///
 /// # Errors
-/// `MALFORMED`, `IDENTITY_MISMATCH`, `POOL_NOT_CONFIGURED`, `POOL_DOMAIN_MISMATCH` or
-/// `ADOPTION_UNSUPPORTED`, in the order the fields are checked; nothing has happened yet.
+/// `IDENTITY_MISMATCH` (field `engine`) when the config names an engine kind the identity's
+/// `engine` does not ([`engine_matches`]); then `MALFORMED`, `IDENTITY_MISMATCH`,
+/// `POOL_NOT_CONFIGURED`, `POOL_DOMAIN_MISMATCH` or `ADOPTION_UNSUPPORTED`, in the order the fields
+/// are checked; nothing has happened yet.
 pub fn check(
     cfg: &WorkerConfig,
     api: &EngineApiConfig,
     id: &pb::EngineIdentity,
 ) -> Result<AttachPlan, ApiError> {
+    if let Some(seat) = &cfg.engine
+        && !engine_matches(seat.kind, &id.engine)
+    {
+        return Err(mismatch(
+            "engine",
+            format!("{}/…", engine_name(seat.kind)),
+            &id.engine,
+        ));
+    }
     let pm = id
         .model
         .as_ref()
@@ -509,6 +536,17 @@ mod tests {
             dtype_bytes: 2,
             row_extra_bytes: 0,
         }
+    }
+
+    #[test]
+    fn the_engine_kind_of_the_config_must_name_the_attaching_engine() {
+        use crate::config::EngineKind;
+        assert!(engine_matches(EngineKind::Simulated, "simulated/0.1.0"));
+        assert!(engine_matches(EngineKind::SgLang, "SGLang/0.5.23"));
+        assert!(engine_matches(EngineKind::Vllm, "vllm"));
+        assert!(!engine_matches(EngineKind::SgLang, "simulated/0.1.0"));
+        assert!(!engine_matches(EngineKind::Simulated, ""));
+        assert!(!engine_matches(EngineKind::Vllm, "vllm-fork/1"));
     }
 
     #[test]

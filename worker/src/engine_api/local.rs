@@ -8,14 +8,14 @@
 //! a failed room is released only by acks (the ack-only path the RDMA transport needs). The serving
 //! path replaces it by the TCP/RDMA transfer between workers.
 //!
-//! Writes land through [`KvPool::write_chunk`](crate::pool::KvPool::write_chunk), which refuses a
+//! Writes land through [`KvPool::write_chunk`](crate::memory::pool::KvPool::write_chunk), which refuses a
 //! page that is not allocated; a page that was released and reserved again by another room is
 //! written — the late-write hazard the release gate exists for (seed 004).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
-use crate::pool::{KvPool, PageId};
+use crate::memory::pool::{KvPool, PageId};
 use crate::release::receiver::FailureCause;
 use crate::release::sender::AbortAck;
 use crate::release::{DecodeRank, PrefillRank, RoomKey};

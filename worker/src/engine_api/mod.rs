@@ -38,7 +38,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::config::{WorkerConfig, WorkerRole};
-use crate::pool::PoolLayout;
+use crate::memory::pool::PoolLayout;
 
 pub use error::ApiError;
 
@@ -80,6 +80,10 @@ pub struct EngineApiConfig {
     pub decode_rank: u32,
     /// This worker's prefill rank (its acks carry it).
     pub prefill_rank: u32,
+    /// Simulation scaling (`TANDEM_SIM_KV_BYTES_PER_TOKEN`, worker/interfaces/README.md §2): bytes
+    /// per token and layer of the target pool instead of the model's, so that a many-worker demo
+    /// fits one machine. `None` (default, and always with a real engine): the model's geometry.
+    pub target_token_bytes: Option<u64>,
     /// First room id this worker hands out (distinct per decode worker so that prefill tables of
     /// shared peers never see two decode workers' rooms collide).
     pub room_base: u64,
@@ -107,6 +111,7 @@ impl EngineApiConfig {
             ack_timeout: Duration::from_secs(5),
             decode_rank: 0,
             prefill_rank: 0,
+            target_token_bytes: None,
             room_base: (xxhash_rust::xxh3::xxh3_64(
                 format!("{}/{}/{}", cfg.namespace, cfg.pool, std::process::id()).as_bytes(),
             ) & 0x7FFF_FFFF)

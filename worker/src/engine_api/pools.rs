@@ -19,8 +19,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use tonic::Code;
 
 use crate::config::WorkerConfig;
+use crate::memory::pool::{KvGeometry, KvPool, PoolRole, PoolSpec};
 use crate::memory::{AllocatorDomain, host_page_size};
-use crate::pool::{KvGeometry, KvPool, PoolRole, PoolSpec};
 use crate::registration::{AttachOutcome, Phase, Registrar};
 use crate::store_client::StoreClient;
 use crate::store_client::embedded::EmbeddedClient;
@@ -126,19 +126,46 @@ impl AttachedPool {
 #[derive(Debug)]
 pub struct PoolSet {
     cfg: WorkerConfig,
+    target_token_bytes: Option<u64>,
     page_tokens: u32,
-    layout: crate::pool::PoolLayout,
+    layout: crate::memory::pool::PoolLayout,
     pages: u32,
     store: Arc<dyn StoreClient>,
     registrar: Option<Arc<Registrar>>,
     attached: Mutex<Option<Vec<AttachedPool>>>,
 }
 
-fn roles_configured(cfg: &WorkerConfig) -> Vec<PoolRole> {
+/// The pools `cfg` sizes, in delivery order (target, then draft and indexer when their
+/// `memory.*PoolBytes` are non-zero): what a worker allocates at start and what the simulated engine
+/// asks for at Attach.
+pub fn roles_configured(cfg: &WorkerConfig) -> Vec<PoolRole> {
     [PoolRole::Target, PoolRole::Draft, PoolRole::Indexer]
         .into_iter()
         .filter(|r| configured_bytes(cfg, *r) > 0)
         .collect()
+}
+
+/// The model whose geometry sizes `role`'s pool: [`pool_model`], with the target's rows scaled to
+/// [`EngineApiConfig::target_token_bytes`] when set (a one-byte-element MLA row of that many bytes,
+/// same name and layers).
+fn sized_model(
+    cfg: &WorkerConfig,
+    role: PoolRole,
+    target_token_bytes: Option<u64>,
+) -> Option<crate::model::ModelIdentity> {
+    let model = pool_model(cfg, role)?;
+    match (role, target_token_bytes) {
+        (PoolRole::Target, Some(bytes)) => Some(crate::model::ModelIdentity {
+            attention: crate::model::Attention::Mla {
+                kv_lora_rank: u32::try_from(bytes).unwrap_or(u32::MAX),
+                rope_dim: 0,
+            },
+            dtype_bytes: 1,
+            row_extra_bytes: 0,
+            ..model
+        }),
+        _ => Some(model),
+    }
 }
 
 fn page_bytes(
@@ -146,7 +173,8 @@ fn page_bytes(
     api: &EngineApiConfig,
     role: PoolRole,
 ) -> Result<u64, PoolSetError> {
-    let model = pool_model(cfg, role).ok_or(PoolSetError::NoModel(role))?;
+    let model =
+        sized_model(cfg, role, api.target_token_bytes).ok_or(PoolSetError::NoModel(role))?;
     Ok(KvGeometry::new(&model, api.page_tokens, 1, api.layout).page_bytes())
 }
 
@@ -215,6 +243,7 @@ impl PoolSet {
         let pages = Self::page_count(cfg, api)?;
         Ok(Self {
             cfg: cfg.clone(),
+            target_token_bytes: api.target_token_bytes,
             page_tokens: api.page_tokens,
             layout: api.layout,
             pages,
@@ -239,6 +268,64 @@ impl PoolSet {
             .reserve(usize::try_from(bytes).unwrap_or(usize::MAX))
             .map_err(|e| PoolSetError::Segment(e.to_string()))?;
         Self::new(cfg, api, Arc::new(client), None)
+    }
+
+    /// The pools of a worker as its config says (DESIGN §3.1 "Attach", contracts 1–2): without a
+    /// CacheTier, [`PoolSet::unregistered`]; with `clientMode: Embedded`, an in-process store client
+    /// over memfd segments of [`PoolSet::bytes_needed`] bytes; with `Standalone`, the sidecar's
+    /// segments, reached over its socket `sidecar_socket` (seed 000: only buffers inside them
+    /// register). With a CacheTier, pools register through a [`Registrar`] under
+    /// `memory.registrationFailure`, reporting into `health` and `metrics`.
+    ///
+    /// # Errors
+    /// As [`PoolSet::new`]; [`PoolSetError::Segment`] when the store client cannot be reached or
+    /// cannot reserve the segments.
+    pub fn from_config(
+        cfg: &WorkerConfig,
+        api: &EngineApiConfig,
+        health: Arc<crate::health::Health>,
+        metrics: crate::registration::metrics::RegistrationMetrics,
+        sidecar_socket: &std::path::Path,
+    ) -> Result<Self, PoolSetError> {
+        use crate::store_client::ClientMode;
+        let bytes = usize::try_from(Self::bytes_needed(cfg, api)?).unwrap_or(usize::MAX);
+        let store: Arc<dyn StoreClient> = match cfg.memory.client_mode {
+            None => return Self::unregistered(cfg, api),
+            Some(ClientMode::Embedded) => {
+                let client = EmbeddedClient::new(crate::memory::segment::SegmentBackend::Memfd);
+                client
+                    .reserve(bytes)
+                    .map_err(|e| PoolSetError::Segment(e.to_string()))?;
+                Arc::new(client)
+            }
+            Some(ClientMode::Standalone) => {
+                let worker = std::env::var("POD_NAME").unwrap_or_else(|_| cfg.pool.clone());
+                let client = crate::store_client::standalone::StandaloneClient::connect(
+                    sidecar_socket,
+                    &worker,
+                )
+                .map_err(|e| {
+                    PoolSetError::Segment(format!(
+                        "store-client sidecar at {}: {e}",
+                        sidecar_socket.display()
+                    ))
+                })?;
+                client
+                    .reserve(bytes)
+                    .map_err(|e| PoolSetError::Segment(e.to_string()))?;
+                Arc::new(client)
+            }
+        };
+        let registrar = Arc::new(Registrar::new(
+            store.clone(),
+            health,
+            metrics,
+            crate::registration::RegistrarConfig {
+                policy: cfg.memory.registration_failure,
+                ..crate::registration::RegistrarConfig::default()
+            },
+        ));
+        Self::new(cfg, api, store, Some(registrar))
     }
 
     fn lock(&self) -> MutexGuard<'_, Option<Vec<AttachedPool>>> {
@@ -313,7 +400,7 @@ impl PoolSet {
     }
 
     fn spec(&self, role: PoolRole) -> Result<PoolSpec, ApiError> {
-        let model = pool_model(&self.cfg, role)
+        let model = sized_model(&self.cfg, role, self.target_token_bytes)
             .ok_or_else(|| ApiError::internal(format!("no model for the {role} pool")))?;
         Ok(PoolSpec {
             role,
@@ -463,7 +550,7 @@ impl PoolSet {
     }
 }
 
-fn alloc_failed(role: PoolRole, e: &crate::pool::PoolError) -> ApiError {
+fn alloc_failed(role: PoolRole, e: &crate::memory::pool::PoolError) -> ApiError {
     ApiError::new(
         Code::ResourceExhausted,
         pb::ErrorReason::PoolAllocationFailed,

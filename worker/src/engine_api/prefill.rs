@@ -1,5 +1,5 @@
 //! The prefill side of the engine API: PrefillWork, PagesReady and SourceFree over the sender room
-//! table of DESIGN contract 3 ([`SenderRooms`](crate::release::sender::SenderRooms)).
+//! table of DESIGN contract 3 ([`SenderRooms`]).
 //!
 //! The prefill engine owns the allocation of its source pages (as SGLang's and vLLM's allocators
 //! do); it computes a room's KV into them and says PagesReady. Each PagesReady is one write of the
@@ -12,11 +12,12 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tonic::Code;
 
-use crate::pool::KvPool;
+use crate::memory::pool::KvPool;
 use crate::release::sender::{AbortAck, SenderEffect, SenderFailure, SenderRooms, SenderState};
 use crate::release::{DecodeRank, PrefillRank, RoomKey};
 
@@ -51,6 +52,14 @@ pub trait KvSink: Send + Sync + 'static {
     fn send(&self, side: &Arc<PrefillSide>, write: PagesSend);
     /// Delivers an abort ack to its decode rank.
     fn ack(&self, ack: AbortAck);
+    /// The room failed on this side for `reason` (the engine detached or died, or the worker gave
+    /// up on it): the transport tells the decode side, which aborts it through its release gate
+    /// (DESIGN contract 3). Default: nothing to tell.
+    fn room_failed(&self, _key: RoomKey, _reason: &str) {}
+    /// The room's send is terminal and quiescent (no write of it can still land): `sent` when every
+    /// write landed and the input concluded (the room succeeded), false when it failed. Called once
+    /// per room, after its source pages were handed back. Default: nothing to do.
+    fn released(&self, _key: RoomKey, _sent: bool) {}
 }
 
 #[derive(Debug)]
@@ -65,6 +74,23 @@ struct State {
     held: HashMap<RoomKey, Held>,
     busy: HashMap<u32, RoomKey>,
     current_attach: u64,
+    /// The attach that is live now (`None` between an attach's end and the next attach).
+    live_attach: Option<u64>,
+}
+
+/// Counters of a prefill side (monotonic since start).
+#[derive(Debug, Default)]
+pub struct PrefillStats {
+    /// Rooms handed to the engine as PrefillWork.
+    pub rooms_submitted: AtomicU64,
+    /// Rooms whose send succeeded (every write landed).
+    pub rooms_sent: AtomicU64,
+    /// Rooms whose send failed (aborted, transfer failure, engine gone, deadline).
+    pub rooms_failed: AtomicU64,
+    /// PagesReady calls accepted (one write each).
+    pub writes: AtomicU64,
+    /// Source pages returned to the engine in SourceFree events.
+    pub pages_freed: AtomicU64,
 }
 
 /// The prefill side of one worker's engine API.
@@ -74,6 +100,7 @@ pub struct PrefillSide {
     state: Mutex<State>,
     work: EventHub<pb::PrefillWork>,
     source_free: EventHub<pb::SourceFree>,
+    stats: PrefillStats,
 }
 
 impl std::fmt::Debug for PrefillSide {
@@ -95,9 +122,11 @@ impl PrefillSide {
                 held: HashMap::new(),
                 busy: HashMap::new(),
                 current_attach: 0,
+                live_attach: None,
             }),
             work: EventHub::new("PrefillWork"),
             source_free: EventHub::new("SourceFree"),
+            stats: PrefillStats::default(),
         })
     }
 
@@ -116,9 +145,13 @@ impl PrefillSide {
         &self.source_free
     }
 
-    /// A new attach became current.
+    /// A new attach became current (and live: work is accepted for it).
     pub fn set_attach(&self, attach: u64) {
-        lock(&self.state).current_attach = attach;
+        {
+            let mut st = lock(&self.state);
+            st.current_attach = attach;
+            st.live_attach = Some(attach);
+        }
         self.work.reset();
         self.source_free.reset();
     }
@@ -128,16 +161,38 @@ impl PrefillSide {
         lock(&self.state).busy.len() as u32
     }
 
+    /// Rooms in the sender table (live, or failed and still draining writes).
+    pub fn rooms(&self) -> usize {
+        lock(&self.state).table.len()
+    }
+
+    /// Writes of `key` begun and not yet terminal (0 for an unknown room).
+    pub fn outstanding(&self, key: RoomKey) -> u32 {
+        lock(&self.state).table.outstanding(key)
+    }
+
+    /// The attach that is live now, if any.
+    pub fn live_attach(&self) -> Option<u64> {
+        lock(&self.state).live_attach
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &PrefillStats {
+        &self.stats
+    }
+
     /// The sender state of a room.
     pub fn room_state(&self, key: RoomKey) -> Option<SenderState> {
         lock(&self.state).table.state(key)
     }
 
     /// A decode worker opened `work.room` (its destination pages are known to the transport): the room
-    /// opens in the sender table and the engine is asked to compute it.
+    /// opens in the sender table, belongs to the live attach (it fails when that attach ends) and the
+    /// engine is asked to compute it.
     ///
     /// # Errors
-    /// `MALFORMED` without a room; `ROOM_STATE` when the room is already open.
+    /// `MALFORMED` without a room; `NOT_ATTACHED` when no engine is attached (nobody would compute
+    /// the room); `ROOM_STATE` when the room is already open.
     pub fn submit_work(&self, work: pb::PrefillWork) -> Result<(), ApiError> {
         let key: RoomKey = work
             .room
@@ -145,6 +200,13 @@ impl PrefillSide {
             .into();
         {
             let mut st = lock(&self.state);
+            let Some(attach) = st.live_attach else {
+                return Err(ApiError::new(
+                    Code::Unavailable,
+                    pb::ErrorReason::NotAttached,
+                    "no engine is attached to this prefill worker: nobody would compute the room",
+                ));
+            };
             st.table.open(key).map_err(|e| {
                 ApiError::new(
                     Code::FailedPrecondition,
@@ -154,7 +216,15 @@ impl PrefillSide {
                 .field("room")
             })?;
             let _ = st.table.destination_ready(key);
+            st.held.insert(
+                key,
+                Held {
+                    attach,
+                    pages: BTreeSet::new(),
+                },
+            );
         }
+        self.stats.rooms_submitted.fetch_add(1, Ordering::Relaxed);
         self.work.emit(work);
         Ok(())
     }
@@ -229,10 +299,18 @@ impl PrefillSide {
                 ));
             }
             if st.table.begin_write(key).is_err() {
+                // Pages an earlier write of this room still sends come back with the room's
+                // release, once no write from them can be in flight; the others at once.
+                let pages: Vec<u32> = req
+                    .pages
+                    .iter()
+                    .copied()
+                    .filter(|p| !st.busy.contains_key(p))
+                    .collect();
                 drop(st);
                 self.source_free.emit(pb::SourceFree {
                     room: Some(key.into()),
-                    pages: req.pages.clone(),
+                    pages,
                     sent: false,
                 });
                 return Ok(false);
@@ -251,6 +329,7 @@ impl PrefillSide {
                 Vec::new()
             }
         };
+        self.stats.writes.fetch_add(1, Ordering::Relaxed);
         self.perform(effects);
         self.sink.send(
             self,
@@ -287,17 +366,40 @@ impl PrefillSide {
         self.perform(effects);
     }
 
-    /// The attach ended: its rooms fail locally (their pages stay held until their writes drain).
+    /// The attach ended: no work is accepted until the next attach, and every room of the attach
+    /// (submitted, computing or sending) fails locally — the transport is told
+    /// ([`KvSink::room_failed`]) and the pages stay held until the room's writes drain.
     pub fn end_attach(&self, attach: u64) {
-        let keys: Vec<RoomKey> = lock(&self.state)
-            .held
-            .iter()
-            .filter(|(_, h)| h.attach == attach)
-            .map(|(k, _)| *k)
-            .collect();
+        let keys: Vec<RoomKey> = {
+            let mut st = lock(&self.state);
+            if st.live_attach == Some(attach) {
+                st.live_attach = None;
+            }
+            st.held
+                .iter()
+                .filter(|(_, h)| h.attach == attach)
+                .map(|(k, _)| *k)
+                .collect()
+        };
         for k in keys {
-            self.fail(k, SenderFailure::Local);
+            self.fail_with(k, "the engine detached or exited");
         }
+    }
+
+    /// The room fails on this side for `reason` (the engine never produced it, the engine went
+    /// away): the table fails it first (no new write), the transport tells the decode side, and
+    /// the source pages come back once no write of it can land. A terminal or unknown room is left
+    /// as it is.
+    pub fn fail_with(&self, key: RoomKey, reason: &str) {
+        let live = matches!(
+            lock(&self.state).table.state(key),
+            Some(s) if s != SenderState::Success && !matches!(s, SenderState::Failed(_))
+        );
+        if !live {
+            return;
+        }
+        self.sink.room_failed(key, reason);
+        self.fail(key, SenderFailure::Local);
     }
 
     fn perform(&self, effects: Vec<SenderEffect>) {
@@ -319,15 +421,25 @@ impl PrefillSide {
                         debug_assert!(rest.is_empty(), "a terminal room has nothing left to fire");
                         (held, sent, st.current_attach)
                     };
+                    if sent {
+                        self.stats.rooms_sent.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        self.stats.rooms_failed.fetch_add(1, Ordering::Relaxed);
+                    }
                     if let Some(h) = held
                         && h.attach == current
+                        && !h.pages.is_empty()
                     {
+                        self.stats
+                            .pages_freed
+                            .fetch_add(h.pages.len() as u64, Ordering::Relaxed);
                         self.source_free.emit(pb::SourceFree {
                             room: Some(key.into()),
                             pages: h.pages.into_iter().collect(),
                             sent,
                         });
                     }
+                    self.sink.released(key, sent);
                 }
             }
         }

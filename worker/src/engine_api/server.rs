@@ -393,7 +393,7 @@ impl pb::tiers_server::Tiers for Services {
             pools.push(role);
         }
         if pools.is_empty() {
-            pools.push(crate::pool::PoolRole::Target);
+            pools.push(crate::memory::pool::PoolRole::Target);
         }
         let (tx, rx) = mpsc::unbounded_channel();
         self.0.tiers().load(

@@ -76,6 +76,7 @@ pub struct EngineApi {
     prefill: Mutex<Option<Arc<PrefillSide>>>,
     shutting_down: AtomicBool,
     runtime: tokio::runtime::Handle,
+    attached: tokio::sync::watch::Sender<Option<u64>>,
     me: Weak<EngineApi>,
 }
 
@@ -146,6 +147,7 @@ impl EngineApi {
             prefill: Mutex::new(None),
             shutting_down: AtomicBool::new(false),
             runtime,
+            attached: tokio::sync::watch::Sender::new(None),
             me: me.clone(),
         }))
     }
@@ -183,6 +185,13 @@ impl EngineApi {
     /// Attaches completed so far.
     pub fn attaches(&self) -> u64 {
         lock(&self.session).attaches
+    }
+
+    /// The live attach id as it changes: `Some(id)` from a successful Attach, `None` once that
+    /// attach ended (Detach, pools connection closed — the engine exited or was killed —, unclaimed
+    /// fds, shutdown). A role's readiness follows it (DESIGN §3.1).
+    pub fn watch_attach(&self) -> tokio::sync::watch::Receiver<Option<u64>> {
+        self.attached.subscribe()
     }
 
     /// The current attach id, if an engine is attached.
@@ -276,6 +285,7 @@ impl EngineApi {
             claimed: false,
         });
         session.attaches += 1;
+        self.attached.send_replace(Some(attach_id));
         drop(session);
         let me = self.me.clone();
         let deadline = self.api.claim_deadline;
@@ -359,6 +369,7 @@ impl EngineApi {
                 Some(a) if a.id == attach_id => s.current = None,
                 _ => return None,
             }
+            self.attached.send_replace(None);
         }
         let mut failed = 0;
         if let Some(d) = self.decode_side() {

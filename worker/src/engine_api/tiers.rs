@@ -6,7 +6,7 @@
 use tokio::sync::mpsc;
 use tonic::Code;
 
-use crate::pool::PoolRole;
+use crate::memory::pool::PoolRole;
 
 use super::error::ApiError;
 use super::pb;

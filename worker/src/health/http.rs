@@ -61,8 +61,21 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl ServeState {
     /// A state in [`Phase::Starting`] with `reason`.
     pub fn new(role: &'static str, pool: &str, revision: &str, reason: &str) -> Arc<Self> {
+        Self::with_metrics(role, pool, revision, reason, |_| {})
+    }
+
+    /// As [`ServeState::new`], with the role's own metrics added to `/metrics` by `register` (e.g.
+    /// the engine API's pool and registration metrics of a worker with an engine).
+    pub fn with_metrics(
+        role: &'static str,
+        pool: &str,
+        revision: &str,
+        reason: &str,
+        register: impl FnOnce(&mut Registry),
+    ) -> Arc<Self> {
         let counters = Counters::default();
         let mut registry = Registry::default();
+        register(&mut registry);
         counters.register(&mut registry);
         let by_reason = ReasonCounters::default();
         by_reason.register(&mut registry);

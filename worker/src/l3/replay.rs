@@ -6,10 +6,11 @@ use super::store::{L3Error, L3Store};
 use crate::memory::pool::PoolRole;
 use crate::tier::PageKey;
 use crate::tier::hit_accounting::HitAccounting;
+use crate::tier::trace::{TRACE_BLOCK_TOKENS, TracePageKeys, TraceRequest};
 
 /// A request a replay runs: its prompt length and the page keys of its prompt. The Mooncake trace's
-/// `TraceRequest` is one (`crate::cache`); keeping the trace format out of this module keeps `l3`
-/// free of it.
+/// [`TraceRequest`] is one (its pages are the trace's 512-token blocks, keyed by
+/// [`crate::tier::trace`]); the replay itself knows no trace format.
 pub trait ReplayRequest {
     /// Prompt tokens.
     fn input_tokens(&self) -> u64;
@@ -33,6 +34,20 @@ pub trait L3Backend {
     /// # Errors
     /// The backend's error.
     fn put(&self, key: ObjectKey, data: &[u8]) -> Result<(), Self::Error>;
+}
+
+impl ReplayRequest for TraceRequest {
+    fn input_tokens(&self) -> u64 {
+        u64::from(self.input_length)
+    }
+
+    fn page_tokens(&self) -> u64 {
+        TRACE_BLOCK_TOKENS
+    }
+
+    fn page_keys(&self) -> Vec<PageKey> {
+        TracePageKeys::page_keys(self)
+    }
 }
 
 impl L3Backend for L3Store {

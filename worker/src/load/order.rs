@@ -11,7 +11,7 @@
 //!
 //! The negative controls (`ReadPolicy::UnsafeSkipPool`, `FencePolicy::UnsafeSkipFence`,
 //! `EvictionPolicy::UnsafeIgnoreLocks`; feature `negative-controls`) exist only so tests can show
-//! that removing a rule produces stale reads (`tests/cache_load_order.rs`).
+//! that removing a rule produces stale reads (`tests/load_order.rs`).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::mpsc;

@@ -28,7 +28,7 @@
 //! library is absent (reference/rust-stack.md §4). Every type here needs a context from it.
 //!
 //! Device check (a GPU machine): `cargo test -p tandem-worker --features cuda --test
-//! cache_load_order_cuda -- --include-ignored` runs the delayed-indexer-load scenario on the GPU
+//! load_order_cuda -- --include-ignored` runs the delayed-indexer-load scenario on the GPU
 //! (with the waits: zero mismatches; without the indexer wait: the stale pages are found).
 
 use std::collections::HashMap;

@@ -3,8 +3,9 @@
 //! The config file the operator renders is the only start path; each role's `Args` (clap) has
 //! `--config` and at most a few process-level knobs the config does not carry.
 //!
-//! - [`prefill`]: the gRPC `Transfer` service ([`prefill::node`]) with the simulated engine and the
-//!   prefix cache around it ([`prefill::prefix_cache`]: L2 index + L3 store);
+//! - [`prefill`]: the gRPC `Transfer` service ([`prefill::node`]) with the built-in simulated engine
+//!   and the prefix cache around it ([`prefill::prefix_cache`]: L2 index + L3 store), or, when the
+//!   config names an engine, serving the engine API to it ([`prefill::seat`]);
 //! - [`decode`]: the KV receive side and release gate ([`decode::node`]), the same-revision prefill
 //!   peer set ([`decode::peers`]), the request engine with the spec guard ([`decode::engine`]) and
 //!   the OpenAI-compatible front door ([`decode::front_door`]);

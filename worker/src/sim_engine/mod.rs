@@ -14,6 +14,13 @@
 //!
 //! It prints one JSON [`Summary`] line on stdout and exits non-zero when a page was corrupt, a room
 //! failed, or the run did not finish within its bound.
+//!
+//! With `--serve` it is the engine container of a pod (DESIGN §3.1): it attaches to its prefill
+//! worker, serves every PrefillWork until SIGTERM or SIGINT — then Detach, the summary line, exit
+//! 0 — and, when the worker is not up yet or goes away, attaches again with a bounded backoff
+//! (50 ms doubling to `--attach-backoff-max-ms`): the pod's containers may start in either order.
+//! A room the worker refuses (it failed meanwhile) is dropped and its pages reused once free; the
+//! session goes on. Serve mode serves prefill workers only.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::path::PathBuf;
@@ -29,7 +36,7 @@ use crate::engine_api::identity::{
     configured_bytes, fingerprint, kind_to_proto, layout_to_proto, model_to_proto,
 };
 use crate::engine_api::pb;
-use crate::pool::{PoolLayout, PoolRole};
+use crate::memory::pool::{PoolLayout, PoolRole};
 use crate::release::RoomKey;
 
 /// Command-line arguments of `tandem-worker sim-engine`.
@@ -41,9 +48,10 @@ pub struct Args {
     /// The worker config (the engine presents its model, parallelism and pools).
     #[arg(long)]
     pub config: PathBuf,
-    /// Pod ordinal in the group (gives the TP/CP ranks).
-    #[arg(long, default_value_t = 0)]
-    pub ordinal: u32,
+    /// Pod ordinal in the group (gives the TP/CP ranks); default: the numeric suffix of
+    /// `$POD_NAME`, as the worker derives its own (else 0).
+    #[arg(long)]
+    pub ordinal: Option<u32>,
     /// Tokens per page (default: the CacheTier's, else 512).
     #[arg(long)]
     pub page_tokens: Option<u32>,
@@ -68,9 +76,58 @@ pub struct Args {
     /// Deadline of each unary call, milliseconds.
     #[arg(long, default_value_t = 10_000)]
     pub call_timeout_ms: u64,
-    /// Bound of the whole run, seconds.
+    /// Bound of the whole run, seconds (bounded mode only).
     #[arg(long, default_value_t = 120)]
     pub run_timeout_s: u64,
+    /// Serve until SIGTERM/SIGINT instead of a bounded run (the engine container of a prefill pod).
+    #[arg(long)]
+    pub serve: bool,
+    /// Prefill compute time per prompt token, microseconds (the cost model: spent before each
+    /// layer half's PagesReady). Default: `$TANDEM_SIM_PREFILL_US_PER_TOKEN`, else 0 in bounded
+    /// mode and 20 in serve mode (the built-in engine's default).
+    #[arg(long)]
+    pub prefill_us_per_token: Option<u64>,
+    /// Longest wait between two attach attempts in serve mode, milliseconds.
+    #[arg(long, default_value_t = 2_000)]
+    pub attach_backoff_max_ms: u64,
+    /// Negative control: flip one byte of the first target chunk written, after its PagesReady
+    /// content was computed (the decode side must count it corrupt). Only in builds with the
+    /// `negative-controls` feature.
+    #[cfg(feature = "negative-controls")]
+    #[arg(long, hide = true)]
+    pub corrupt_one_byte: bool,
+}
+
+impl Args {
+    /// The pod ordinal: `--ordinal`, else `$POD_NAME`'s suffix, else 0.
+    fn ordinal(&self) -> u32 {
+        self.ordinal.unwrap_or_else(|| {
+            std::env::var("POD_NAME")
+                .ok()
+                .and_then(|n| n.rsplit_once('-').and_then(|(_, d)| d.parse().ok()))
+                .unwrap_or(0)
+        })
+    }
+
+    /// Compute time per prompt token.
+    fn per_token(&self) -> Duration {
+        let env = std::env::var("TANDEM_SIM_PREFILL_US_PER_TOKEN")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        let default = if self.serve { 20 } else { 0 };
+        Duration::from_micros(self.prefill_us_per_token.or(env).unwrap_or(default))
+    }
+
+    fn corrupt_once(&self) -> bool {
+        #[cfg(feature = "negative-controls")]
+        {
+            self.corrupt_one_byte
+        }
+        #[cfg(not(feature = "negative-controls"))]
+        {
+            false
+        }
+    }
 }
 
 /// What a run did (printed as one JSON line).
@@ -102,6 +159,12 @@ pub struct Summary {
     pub spec_steps: u32,
     /// Rooms the spec guard tripped (decode).
     pub spec_trips: u32,
+    /// Serve mode: attaches made (re-attaches after the worker went away included).
+    #[serde(default)]
+    pub attaches: u32,
+    /// Serve mode / prefill: rooms the worker refused or failed while the engine computed them.
+    #[serde(default)]
+    pub rooms_dropped: u32,
 }
 
 /// Why a run failed.
@@ -209,7 +272,13 @@ pub fn run_blocking(args: Args) -> Result<Summary, SimError> {
         .enable_all()
         .build()
         .map_err(|e| SimError::Setup(format!("runtime: {e}")))?;
-    let summary = rt.block_on(run(args));
+    let summary = rt.block_on(async move {
+        if args.serve {
+            serve(args).await
+        } else {
+            run(args).await
+        }
+    });
     match &summary {
         Ok(s) => println!("{}", serde_json::to_string(s).unwrap_or_default()),
         Err(SimError::Verification { summary, .. }) => {
@@ -247,7 +316,7 @@ async fn run_inner(args: Args) -> Result<Summary, SimError> {
     });
     let call = Duration::from_millis(args.call_timeout_ms);
     let mut client = EngineClient::connect(&args.socket_dir, call).await?;
-    let identity = identity_from_config(&cfg, page_tokens, layout, args.ordinal);
+    let identity = identity_from_config(&cfg, page_tokens, layout, args.ordinal());
     let attached = client.attach(identity).await?;
     for p in &attached.pools {
         if (p.geometry().bytes_per_token_layer as usize) < TAG_BYTES {
@@ -277,6 +346,135 @@ async fn run_inner(args: Args) -> Result<Summary, SimError> {
         });
     }
     Ok(summary)
+}
+
+/// First wait between two attach attempts in serve mode.
+pub const ATTACH_BACKOFF_MIN: Duration = Duration::from_millis(50);
+
+enum Session {
+    /// SIGTERM or SIGINT.
+    Stop,
+    /// The session ended on its own (the worker went away, a stream failed).
+    Ended(Result<(), SimError>),
+}
+
+/// Serve mode (`--serve`): attach, serve prefill work until SIGTERM/SIGINT, then Detach and return
+/// the summary; re-attach with a bounded backoff whenever the worker is not up or goes away.
+///
+/// # Errors
+/// [`SimError::Setup`] when the config is unreadable, the signal handlers cannot be installed, or
+/// the worker is a decode worker (serve mode serves prefill workers only).
+pub async fn serve(args: Args) -> Result<Summary, SimError> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term =
+        signal(SignalKind::terminate()).map_err(|e| SimError::Setup(format!("SIGTERM: {e}")))?;
+    let mut int =
+        signal(SignalKind::interrupt()).map_err(|e| SimError::Setup(format!("SIGINT: {e}")))?;
+    let config = crate::config::resolve_path(&args.config);
+    let cfg = <WorkerConfig as crate::config::LoadConfig>::load(&config)
+        .map_err(|e| SimError::Setup(e.to_string()))?;
+    let socket_dir = crate::config::resolve_path(&args.socket_dir);
+    let layout = parse_layout(&args.layout)?;
+    let page_tokens = page_tokens_of(&args, &cfg);
+    let call = Duration::from_millis(args.call_timeout_ms);
+    let max_backoff = Duration::from_millis(args.attach_backoff_max_ms.max(1));
+    let mut total = Summary {
+        role: "prefill".into(),
+        ..Summary::default()
+    };
+    let mut backoff = ATTACH_BACKOFF_MIN;
+    loop {
+        let attempt = async {
+            let mut client = EngineClient::connect(&socket_dir, call).await?;
+            let identity = identity_from_config(&cfg, page_tokens, layout, args.ordinal());
+            let attached = client.attach(identity).await?;
+            Ok::<_, ClientError>((client, attached))
+        };
+        let attached = tokio::select! {
+            _ = term.recv() => None,
+            _ = int.recv() => None,
+            r = attempt => Some(r),
+        };
+        let (mut client, attached) = match attached {
+            None => return Ok(total),
+            Some(Ok(a)) => a,
+            Some(Err(e)) => {
+                tracing::info!(error = %e, retry_in_ms = backoff.as_millis() as u64,
+                    "worker not reachable or refused the attach; retrying");
+                let stop = tokio::select! {
+                    _ = term.recv() => true,
+                    _ = int.recv() => true,
+                    () = tokio::time::sleep(backoff) => false,
+                };
+                if stop {
+                    return Ok(total);
+                }
+                backoff = (backoff * 2).min(max_backoff);
+                continue;
+            }
+        };
+        backoff = ATTACH_BACKOFF_MIN;
+        if attached.reply.role != "prefill" {
+            let _ = client.detach(attached.id()).await;
+            return Err(SimError::Setup(format!(
+                "serve mode serves prefill workers; the worker at {} is {}",
+                socket_dir.display(),
+                attached.reply.role
+            )));
+        }
+        check_row_bytes(&attached)?;
+        total.attaches += 1;
+        total.attach_id = attached.id();
+        total.pools = attached.pools.iter().map(|p| p.role.to_string()).collect();
+        tracing::info!(attach_id = attached.id(), pools = ?total.pools, "attached; serving prefill work");
+        let session = tokio::select! {
+            _ = term.recv() => Session::Stop,
+            _ = int.recv() => Session::Stop,
+            r = prefill_loop(&args, &mut client, &attached, &mut total) => Session::Ended(r),
+        };
+        match session {
+            Session::Stop => {
+                match client.detach(attached.id()).await {
+                    Ok(()) => tracing::info!(attach_id = attached.id(), "detached; exiting"),
+                    Err(e) => tracing::warn!(error = %e, "detach failed; exiting"),
+                }
+                return Ok(total);
+            }
+            Session::Ended(r) => {
+                tracing::warn!(result = ?r.err(), "the attach ended; attaching again");
+                drop(attached);
+            }
+        }
+    }
+}
+
+fn parse_layout(v: &str) -> Result<PoolLayout, SimError> {
+    match v {
+        "page-first" => Ok(PoolLayout::PageFirst),
+        "layer-first" => Ok(PoolLayout::LayerFirst),
+        other => Err(SimError::Setup(format!("unknown layout {other:?}"))),
+    }
+}
+
+fn page_tokens_of(args: &Args, cfg: &WorkerConfig) -> u32 {
+    args.page_tokens.unwrap_or_else(|| {
+        cfg.cache
+            .as_ref()
+            .map_or(crate::engine_api::DEFAULT_PAGE_TOKENS, |c| c.page_tokens)
+    })
+}
+
+fn check_row_bytes(attached: &Attached) -> Result<(), SimError> {
+    for p in &attached.pools {
+        if (p.geometry().bytes_per_token_layer as usize) < TAG_BYTES {
+            return Err(SimError::Setup(format!(
+                "the {} pool has {} B per token and layer; the simulated engine's content needs at least {TAG_BYTES}",
+                p.role,
+                p.geometry().bytes_per_token_layer
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn key_of(r: Option<pb::RoomRef>) -> Option<RoomKey> {
@@ -456,25 +654,41 @@ async fn prefill_loop(
         .ok_or_else(|| SimError::Setup("no target pool".into()))?;
     let g = *target.geometry();
     let stream_deadline = Duration::from_secs(args.run_timeout_s);
+    // Serve mode: the streams live as long as the attach.
+    let stream_req = |m| {
+        if args.serve {
+            tonic::Request::new(m)
+        } else {
+            client.req_within(m, stream_deadline)
+        }
+    };
+    let work_req = stream_req(pb::WatchWorkRequest { attach_id: id });
     let mut work = client
         .prefill
-        .watch_work(client.req_within(pb::WatchWorkRequest { attach_id: id }, stream_deadline))
+        .watch_work(work_req)
         .await
         .map_err(ClientError::from)?
         .into_inner();
-    let mut freed = client
-        .prefill
-        .watch_source_free(client.req_within(
+    let free_req = if args.serve {
+        tonic::Request::new(pb::WatchSourceFreeRequest { attach_id: id })
+    } else {
+        client.req_within(
             pb::WatchSourceFreeRequest { attach_id: id },
             stream_deadline,
-        ))
+        )
+    };
+    let mut freed = client
+        .prefill
+        .watch_source_free(free_req)
         .await
         .map_err(ClientError::from)?
         .into_inner();
     let mut free: BTreeSet<u32> = (0..g.pages).collect();
     let mut queue: VecDeque<pb::PrefillWork> = VecDeque::new();
     let started = Instant::now();
-    while s.rooms < args.requests || free.len() < g.pages as usize {
+    let mut corrupt = args.corrupt_once();
+    let per_token = args.per_token();
+    while args.serve || s.rooms < args.requests || free.len() < g.pages as usize {
         // Serve queued work whose pages are available.
         if let Some(w) = queue.front() {
             let need = w.tokens.div_ceil(g.page_tokens).max(1) as usize;
@@ -490,13 +704,30 @@ async fn prefill_loop(
                 for p in &pages {
                     free.remove(p);
                 }
-                compute_and_send(client, att, id, &w, &pages, s).await?;
+                match compute_and_send(client, att, id, &w, &pages, s, &mut corrupt, per_token)
+                    .await
+                {
+                    Ok(()) => {}
+                    Err(Refused {
+                        any_accepted,
+                        error,
+                    }) if args.serve => {
+                        // The room failed meanwhile (deadline, abort): drop it and go on. Pages
+                        // the worker took come back in a SourceFree; the others are free now.
+                        tracing::warn!(room = ?w.room, %error, "the worker refused a PagesReady");
+                        s.rooms_dropped += 1;
+                        if !any_accepted {
+                            free.extend(pages);
+                        }
+                    }
+                    Err(Refused { error, .. }) => return Err(error.into()),
+                }
                 s.rooms += 1;
                 continue;
             }
         }
         tokio::select! {
-            w = work.next(), if s.rooms + (queue.len() as u32) < args.requests => {
+            w = work.next(), if args.serve || s.rooms + (queue.len() as u32) < args.requests => {
                 let w = w.ok_or_else(|| SimError::Setup("work stream ended".into()))?.map_err(ClientError::from)?;
                 queue.push_back(w);
             }
@@ -506,13 +737,21 @@ async fn prefill_loop(
                 free.extend(f.pages);
             }
         }
-        if started.elapsed() > stream_deadline {
+        if !args.serve && started.elapsed() > stream_deadline {
             return Err(SimError::Timeout(stream_deadline));
         }
     }
     Ok(())
 }
 
+/// A PagesReady the worker refused; `any_accepted` when an earlier PagesReady of the room was
+/// accepted (the worker then returns the pages in a SourceFree).
+struct Refused {
+    any_accepted: bool,
+    error: ClientError,
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn compute_and_send(
     client: &mut EngineClient,
     att: &Attached,
@@ -520,7 +759,14 @@ async fn compute_and_send(
     w: &pb::PrefillWork,
     pages: &[u32],
     s: &mut Summary,
-) -> Result<(), SimError> {
+    corrupt: &mut bool,
+    per_token: Duration,
+) -> Result<(), Refused> {
+    let mut any_accepted = false;
+    let refused = |any_accepted: bool, error: ClientError| Refused {
+        any_accepted,
+        error,
+    };
     let layers = att
         .pool(PoolRole::Target)
         .map_or(1, |p| p.geometry().layers);
@@ -529,7 +775,11 @@ async fn compute_and_send(
     } else {
         vec![(0, layers, true)]
     };
+    let cost = per_token.saturating_mul(w.tokens) / halves.len().max(1) as u32;
     for (start, end, last) in halves {
+        if !cost.is_zero() {
+            tokio::time::sleep(cost).await;
+        }
         for pool in &att.pools {
             let top = pool.geometry().layers;
             for (k, &page) in pages.iter().enumerate() {
@@ -537,7 +787,19 @@ async fn compute_and_send(
                     let spec = chunk_spec(pool, w.request_id, w.tokens, k as u32, layer);
                     let mut buf = vec![0u8; spec.bytes()];
                     fill_chunk(&mut buf, &spec);
-                    pool.write(page, layer, 0, &buf)?;
+                    if *corrupt && pool.role == PoolRole::Target && buf.len() > 20 {
+                        // Negative control (--corrupt-one-byte): one wrong byte in one chunk.
+                        buf[20] ^= 0x40;
+                        *corrupt = false;
+                        tracing::warn!(
+                            request = w.request_id,
+                            page,
+                            layer,
+                            "negative control: one byte of this chunk is wrong"
+                        );
+                    }
+                    pool.write(page, layer, 0, &buf)
+                        .map_err(|e| refused(any_accepted, e))?;
                     s.chunks += 1;
                 }
             }
@@ -555,12 +817,15 @@ async fn compute_and_send(
             .prefill
             .pages_ready(r)
             .await
-            .map_err(ClientError::from)?
+            .map_err(|e| refused(any_accepted, ClientError::from(e)))?
             .into_inner()
             .accepted;
         if !accepted {
+            // The room failed: the worker returns this call's pages in a SourceFree.
+            s.rooms_dropped += 1;
             break;
         }
+        any_accepted = true;
     }
     s.pages += (pages.len() * att.pools.len()) as u64;
     Ok(())

@@ -9,8 +9,8 @@
 //!   refuses free pages): a write that arrives after its snapshot's slots were released and before
 //!   they are reused changes nothing;
 //! - every slot has its own lock: writes and reads of one slot are serialised, and
-//!   [`SnapshotRegion::release`] takes the locks of the slots it frees, so no write is half-applied
-//!   in a slot that is already free.
+//!   `SnapshotRegion::release` (crate-private) takes the locks of the slots it frees, so no write
+//!   is half-applied in a slot that is already free.
 //!
 //! A write that arrives after a slot was *reused* cannot be told apart here (the region sees offsets,
 //! not rooms): the room generation check of the TCP receiver drops it, and for one-sided transports

@@ -9,12 +9,15 @@
 //! - [`page_key`]: chained page hashes;
 //! - [`prefix_index`]: per-tier residency (pending is never a hit), LRU per tier;
 //! - [`hit_accounting`]: token-weighted hits per tier;
-//! - [`prefetch`]: L3 → L2 prefetch with a bounded wait, and the MIN publication rule over pools.
+//! - [`prefetch`]: L3 → L2 prefetch with a bounded wait, and the MIN publication rule over pools;
+//! - [`trace`]: the Mooncake request trace (its format lives in `tandem-interfaces`) as page keys,
+//!   and its replay through a [`PrefixIndex`].
 
 pub mod hit_accounting;
 pub mod page_key;
 pub mod prefetch;
 pub mod prefix_index;
+pub mod trace;
 
 pub use hit_accounting::HitAccounting;
 pub use page_key::PageKey;

@@ -13,7 +13,7 @@
 //! they hang from (the radix-tree rule of SGLang and vLLM, obtained without a tree). Because the touch
 //! order depends only on the request stream, the per-tier LRU keeps the inclusion property: a smaller
 //! capacity holds a subset of what a larger one holds, so the hit ratio never rises as capacity shrinks
-//! (tested on the Mooncake trace in `tests/cache_trace_replay.rs`).
+//! (tested on the Mooncake trace in `tests/tier_trace_replay.rs`).
 
 use std::num::NonZeroUsize;
 

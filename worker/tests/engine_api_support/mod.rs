@@ -16,8 +16,8 @@ use tandem_worker::engine_api::tiers::NoTiers;
 use tandem_worker::engine_api::{ApiError, EngineApiConfig, pb};
 use tandem_worker::health::Health;
 use tandem_worker::memory::AllocatorDomain;
+use tandem_worker::memory::pool::{PoolLayout, PoolRole};
 use tandem_worker::model::{Attention, ModelIdentity};
-use tandem_worker::pool::{PoolLayout, PoolRole};
 use tandem_worker::registration::fault::{FaultInjector, FaultyClient};
 use tandem_worker::registration::{
     FailurePolicy, Registrar, RegistrarConfig, metrics::RegistrationMetrics,

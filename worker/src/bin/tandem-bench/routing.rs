@@ -25,9 +25,9 @@ use std::collections::BinaryHeap;
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 
-use tandem_worker::cache::trace::{TRACE_BLOCK_TOKENS, TracePageKeys, TraceRequest, read_trace};
 use tandem_worker::roles::decode::routing::{self, AffinityTable, Candidate, Routing};
 use tandem_worker::tier::hit_accounting::page_token_len;
+use tandem_worker::tier::trace::{TRACE_BLOCK_TOKENS, TracePageKeys, TraceRequest, read_trace};
 use tandem_worker::tier::{PrefixIndex, Residency, Tier};
 
 /// Arguments of `tandem-bench routing`.
@@ -187,7 +187,7 @@ pub fn run(args: &RoutingArgs) -> Result<RoutingReport, RoutingBenchError> {
     }
     let ceiling = {
         let mut idx = PrefixIndex::unbounded();
-        tandem_worker::cache::trace::replay(&mut idx, Tier::L3Store, &requests).token_hit_ratio()
+        tandem_worker::tier::trace::replay(&mut idx, Tier::L3Store, &requests).token_hit_ratio()
     };
     let mut rows = Vec::new();
     for (setting, l3) in [

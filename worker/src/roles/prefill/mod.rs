@@ -14,12 +14,23 @@
 //! The data port (`ports.data`) is where a decode worker's KV receiver listens; the prefill side
 //! only dials it, so a prefill binds no data port.
 //!
-//! - [`node`]: the `Transfer` service and the sender side of every room (contract 3);
-//! - [`prefix_cache`]: the L2 index and the L3 store around the simulated engine (contract 7);
+//! Which engine computes the rooms follows `config.engine` (DESIGN §3.1): `None` — the built-in
+//! in-process simulated engine, as before (logged, and `/report` says `"engine": {"kind":
+//! "builtin"}`); `Some` — the engine beside the worker, through the engine API ([`seat`],
+//! [`node::engine`]): the pools are allocated and registered at start, the worker is not ready
+//! until an engine attached, and every room is computed by that engine and moved from its shared
+//! pool.
+//!
+//! - [`node`]: the `Transfer` service and the sender side of every room (contract 3), with the
+//!   engine path in [`node::engine`];
+//! - [`seat`]: the engine seat (pools, engine-API server, readiness, metrics) of a worker with an
+//!   engine;
+//! - [`prefix_cache`]: the L2 index and the L3 store around the built-in engine (contract 7);
 //! - here: the CLI ([`Args`], [`run`]) and the server that wires them ([`PrefillServer`]).
 
 pub mod node;
 pub mod prefix_cache;
+pub mod seat;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -120,6 +131,7 @@ pub struct PrefillServer {
     grace: Duration,
     cache: Arc<PrefixCache>,
     layout: crate::control::KvLayout,
+    seat: Option<seat::Seat>,
 }
 
 impl PrefillServer {
@@ -132,8 +144,17 @@ impl PrefillServer {
         knobs: SimKnobs,
         opts: PrefillOptions,
     ) -> Result<Self, ServeError> {
-        let state = ServeState::new("prefill", &cfg.pool, &cfg.revision, "starting");
-        let layout = knobs.layout(cfg);
+        let engine_metrics = seat::EngineMetrics::default();
+        let state =
+            ServeState::with_metrics("prefill", &cfg.pool, &cfg.revision, "starting", |r| {
+                if cfg.engine.is_some() {
+                    engine_metrics.register(r);
+                }
+            });
+        let (layout, target_token_bytes) = match &cfg.engine {
+            None => (knobs.layout(cfg), None),
+            Some(_) => seat::engine_layout(cfg, &knobs)?,
+        };
         let transport = Arc::new(TcpTransport::new(TcpConfig::default()));
         let rank = ordinal_from_env();
         let node = PrefillNode::new(
@@ -181,6 +202,7 @@ impl PrefillServer {
             None => st.health.recover("l3"),
         });
         let with_tier = l3.is_some();
+        let l3_configured = with_tier;
         let cache = Arc::new(PrefixCache::new(
             l2_pages,
             l3,
@@ -189,7 +211,38 @@ impl PrefillServer {
             state.counters.clone(),
             sink,
         ));
-        service.planner = Some(cache.clone());
+        // The engine seat: pools allocated and registered now, the engine-API server, readiness that
+        // follows the engine's attach (DESIGN §3.1). Without one, the built-in engine computes.
+        let seat = match &cfg.engine {
+            Some(engine) => Some(seat::Seat::start(
+                cfg,
+                engine,
+                &node,
+                &state,
+                rank,
+                &engine_metrics,
+                target_token_bytes,
+            )?),
+            None => {
+                state.set_extra(|| {
+                    let mut m = serde_json::Map::new();
+                    m.insert("engine".into(), seat::report(None));
+                    m
+                });
+                None
+            }
+        };
+        // The prefix cache and L3 loadback plan the built-in engine's compute; an engine reaches
+        // the tiers through the engine API's tier calls instead.
+        let with_tier = with_tier && seat.is_none();
+        if seat.is_none() {
+            service.planner = Some(cache.clone());
+        } else if l3_configured {
+            tracing::warn!(
+                "a CacheTier is configured: with an engine the prefill's L2/L3 prefix cache is not \
+                 consulted (the engine API's tier calls are not wired into the serving path yet)"
+            );
+        }
         // With a tier, no room is admitted before the hot prefixes are back in L2.
         service.admitting.store(!with_tier, Ordering::SeqCst);
         let n = node.clone();
@@ -244,10 +297,17 @@ impl PrefillServer {
                 admitting.store(true, Ordering::SeqCst);
                 st.set_ready(Ok(()));
             });
-        } else {
+        } else if seat.is_none() {
             state.set_ready(Ok(()));
         }
-        tracing::info!(%control_addr, %health_addr, revision = %cfg.revision, ?layout, "prefill serving");
+        match &seat {
+            Some(s) => {
+                tracing::info!(%control_addr, %health_addr, revision = %cfg.revision, ?layout,
+                engine = ?s.kind, socket_dir = %s.socket_dir.display(), "prefill serving through the engine API")
+            }
+            None => tracing::info!(%control_addr, %health_addr, revision = %cfg.revision, ?layout,
+                engine = "builtin", "prefill serving with the built-in simulated engine"),
+        }
         Ok(Self {
             state,
             control_addr,
@@ -260,6 +320,7 @@ impl PrefillServer {
             grace: opts.drain_grace,
             cache,
             layout,
+            seat,
         })
     }
 
@@ -286,6 +347,14 @@ impl PrefillServer {
             tracing::error!("writes still in flight at the drain deadline");
         }
         self.transport.shutdown();
+        if let Some(seat) = self.seat {
+            let errors = seat.stop().await;
+            if errors.is_empty() {
+                tracing::info!("engine API stopped; pools deregistered and freed");
+            } else {
+                tracing::error!(?errors, "releasing the engine pools failed");
+            }
+        }
         let (cache, layout) = (self.cache.clone(), self.layout);
         let flushed = tokio::task::spawn_blocking(move || cache.flush(layout))
             .await

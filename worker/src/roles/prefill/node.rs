@@ -28,6 +28,9 @@ use crate::transfer::{RegionId, TransferHandle, TransferStatus, Transport, Write
 use crate::control::pb::transfer_server::Transfer;
 use crate::control::pb::{self, peer_message::Body};
 use crate::control::{KvLayout, REVISION_HEADER, WORKER_ID_HEADER, room_of};
+use crate::engine_api::service::EngineApi;
+
+pub mod engine;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -90,6 +93,10 @@ pub trait RoomPlanner: Send + Sync {
 }
 
 /// The prefill side of every room on this worker.
+///
+/// With the built-in engine the node owns the sender room table; with an engine beside it
+/// ([`PrefillNode::set_engine`], `config.engine`), the engine API's [`PrefillSide`](crate::engine_api::prefill::PrefillSide) owns the table and
+/// the node carries the peer protocol and the transfers ([`engine`]).
 pub struct PrefillNode {
     cfg: PrefillConfig,
     rooms: Mutex<SenderRooms>,
@@ -98,6 +105,9 @@ pub struct PrefillNode {
     peers: Mutex<HashMap<String, SignalTx>>,
     events: broadcast::Sender<pb::RoomEvent>,
     stats: PrefillStats,
+    engine: std::sync::OnceLock<std::sync::Weak<EngineApi>>,
+    abort_from: Mutex<HashMap<RoomKey, String>>,
+    me: std::sync::Weak<PrefillNode>,
 }
 
 fn msg(body: Body) -> pb::PeerMessage {
@@ -131,7 +141,7 @@ impl PrefillNode {
     /// A node sending through `transport`.
     pub fn new(cfg: PrefillConfig, transport: Arc<TcpTransport>) -> Arc<PrefillNode> {
         let (events, _) = broadcast::channel(1024);
-        Arc::new(PrefillNode {
+        Arc::new_cyclic(|me| PrefillNode {
             rooms: Mutex::new(SenderRooms::new(PrefillRank(cfg.rank))),
             cfg,
             plans: Mutex::new(HashMap::new()),
@@ -139,6 +149,9 @@ impl PrefillNode {
             peers: Mutex::new(HashMap::new()),
             events,
             stats: PrefillStats::default(),
+            engine: std::sync::OnceLock::new(),
+            abort_from: Mutex::new(HashMap::new()),
+            me: me.clone(),
         })
     }
 
@@ -152,16 +165,31 @@ impl PrefillNode {
         &self.transport
     }
 
-    /// Rooms still held (live or draining).
+    /// Rooms still held (live or draining), in whichever table owns them.
     pub fn rooms_held(&self) -> usize {
-        lock(&self.rooms).len()
+        match self.engine_side() {
+            Some(side) => side.rooms(),
+            None => lock(&self.rooms).len(),
+        }
+    }
+
+    /// The sender state and outstanding writes of a room, from whichever table owns it.
+    fn room_view(&self, key: RoomKey) -> (Option<SenderState>, u32) {
+        match self.engine_side() {
+            Some(side) => (side.room_state(key), side.outstanding(key)),
+            None => {
+                let rooms = lock(&self.rooms);
+                (rooms.state(key), rooms.outstanding(key))
+            }
+        }
     }
 
     fn publish(&self, key: RoomKey) {
-        let (state, outstanding) = {
-            let rooms = lock(&self.rooms);
-            (rooms.state(key), rooms.outstanding(key))
-        };
+        let (state, outstanding) = self.room_view(key);
+        self.publish_state(key, state, outstanding);
+    }
+
+    fn publish_state(&self, key: RoomKey, state: Option<SenderState>, outstanding: u32) {
         let _ = self.events.send(pb::RoomEvent {
             room: Some(key.into()),
             state: state_code(state) as i32,
@@ -211,6 +239,14 @@ impl PrefillNode {
 
     fn abort(&self, key: RoomKey, decode_rank: DecodeRank, from_worker: &str) -> Vec<AbortAck> {
         self.stats.aborts_received.fetch_add(1, Ordering::Relaxed);
+        if let Some(side) = self.engine_side() {
+            // The engine side's table decides; its acks reach the decode worker through
+            // `KvSink::ack` on the signal stream.
+            lock(&self.abort_from).insert(key, from_worker.to_owned());
+            side.abort(key, decode_rank);
+            self.publish(key);
+            return Vec::new();
+        }
         let effects = lock(&self.rooms).abort(key, decode_rank);
         let immediate: Vec<AbortAck> = effects
             .iter()
@@ -478,7 +514,10 @@ impl Transfer for PrefillService {
             return Err(Status::invalid_argument("room without destination pages"));
         }
         let spec = r.request.clone().unwrap_or_default();
-        let request = r.request.map(|q| q.request_id).unwrap_or(key.room.0);
+        let request = r.request.as_ref().map_or(key.room.0, |q| q.request_id);
+        if self.node.engine_mode() {
+            return self.open_engine_room(key, request, r).map(Response::new);
+        }
         {
             let mut rooms = lock(&self.node.rooms);
             rooms
@@ -540,6 +579,11 @@ impl Transfer for PrefillService {
     ) -> Result<Response<pb::OpResult>, Status> {
         let r = req.into_inner();
         let key = room_of(r.room).ok_or_else(|| Status::invalid_argument("chunk without room"))?;
+        if self.node.engine_mode() {
+            return Err(Status::failed_precondition(
+                "this prefill worker serves through its engine: pages come from the engine's PagesReady",
+            ));
+        }
         let node = self.node.clone();
         tokio::task::spawn_blocking(move || node.submit_pages(key, r.first_page, r.pages, r.last))
             .await
@@ -578,11 +622,11 @@ impl Transfer for PrefillService {
         let key = RoomKey::from(req.into_inner());
         let rx = self.node.events.subscribe();
         let first = {
-            let rooms = lock(&self.node.rooms);
+            let (state, outstanding) = self.node.room_view(key);
             pb::RoomEvent {
                 room: Some(key.into()),
-                state: state_code(rooms.state(key)) as i32,
-                outstanding: rooms.outstanding(key),
+                state: state_code(state) as i32,
+                outstanding,
             }
         };
         let want: pb::RoomRef = key.into();

@@ -21,7 +21,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::node::{ComputePlan, RoomPlanner};
-use crate::cache::trace::TRACE_BLOCK_TOKENS;
 use crate::config::WritePolicy;
 use crate::control::KvLayout;
 use crate::control::pb;
@@ -33,6 +32,7 @@ use crate::l3::placement::{self, Placement};
 use crate::memory::pool::PoolRole;
 use crate::roles::resolve::Resolver;
 use crate::tier::hit_accounting::page_token_len;
+use crate::tier::trace::TRACE_BLOCK_TOKENS;
 use crate::tier::{PageKey, PrefixIndex, Residency, Tier};
 
 /// The L3 protocol port of store replicas (worker/interfaces/README.md §2).

@@ -1,5 +1,5 @@
 //! Load-before-read on a GPU (feature `cuda`; DESIGN contract 5, seed 004 BugFix #2): the
-//! delayed-indexer-load scenario of `cache_load_order.rs`, run by the CUDA backend on real CUDA
+//! delayed-indexer-load scenario of `load_order.rs`, run by the CUDA backend on real CUDA
 //! streams and events.
 //!
 //! Device pages start with request A's bytes; request B is loaded from pinned host pages with the
@@ -17,7 +17,7 @@
 //! The GPU tests are ignored where there is no device. On a GPU machine, run them with:
 //!
 //! ```text
-//! cargo test -p tandem-worker --features cuda --test cache_load_order_cuda -- --include-ignored
+//! cargo test -p tandem-worker --features cuda --test load_order_cuda -- --include-ignored
 //! ```
 #![cfg(feature = "cuda")]
 

@@ -1,13 +1,13 @@
 //! L2 → L3 write-through against the real store: while puts run, the prefix index never claims an L3
 //! hit that the store cannot serve; the optimistic marking (negative control) does.
 
-mod cache_support;
+mod l3_support;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Duration;
 
-use cache_support::{config, identity, object_bytes};
+use l3_support::{config, identity, object_bytes};
 use tandem_worker::l3::backup::{BackupMarking, backup_sequence};
 use tandem_worker::l3::manifest::{ObjectKey, ShardCoords};
 use tandem_worker::l3::replay::L3Backend;

@@ -5,7 +5,7 @@
 //! against a deterministic function of (page key, pool, layer, offset). Device pages start with another
 //! request's bytes, so a read before its load finished is a detected mismatch. Every rule has a
 //! negative control that must produce mismatches. The host executor runs the plans of
-//! `load::plan`, the same the CUDA backend runs (its device check: `cache_load_order_cuda.rs`).
+//! `load::plan`, the same the CUDA backend runs (its device check: `load_order_cuda.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -3,13 +3,13 @@
 //! probe replay returns to its value before the kill (DESIGN §7 "L3 loadback after restart"); a start
 //! under a changed model identity serves misses without crashing; SIGTERM exits cleanly.
 
-mod cache_support;
+mod l3_support;
 mod serve_support;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use cache_support::{identity, load_trace, object_bytes};
+use l3_support::{identity, load_trace, object_bytes};
 use serve_support::{Proc, World};
 use tandem_worker::config::{
     CACHE_TIER_CONFIG_API_VERSION, CACHE_TIER_CONFIG_FILE, CacheEviction, CachePorts,

@@ -8,9 +8,9 @@
 
 pub use tandem_interfaces::trace::{LineError, TraceError, TraceReader, TraceRequest, read_trace};
 
-use crate::tier::hit_accounting::HitAccounting;
-use crate::tier::page_key::PageKey;
-use crate::tier::prefix_index::{PrefixIndex, Residency, Tier};
+use super::hit_accounting::HitAccounting;
+use super::page_key::PageKey;
+use super::prefix_index::{PrefixIndex, Residency, Tier};
 
 /// Tokens per block of the Mooncake traces, as the `u64` the hit accounting counts in
 /// ([`tandem_interfaces::trace::BLOCK_TOKENS`]).

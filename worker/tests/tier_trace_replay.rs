@@ -2,41 +2,15 @@
 //!
 //! The trace is read from `../shared/data/mooncake/conversation_trace.jsonl` (never copied into the
 //! repository); `TANDEM_MOONCAKE_TRACE` overrides the path. Without the file the test prints why and
-//! passes without checking anything.
+//! passes without checking anything, unless `TANDEM_REQUIRE_DATA=1` (CI): then it fails.
 
-use std::fs::File;
-use std::io::BufReader;
+mod l3_support;
+
 use std::num::NonZeroUsize;
-use std::path::PathBuf;
 
-use tandem_worker::cache::trace::{TracePageKeys, TraceRequest, read_trace, replay};
+use l3_support::load_trace;
+use tandem_worker::tier::trace::{TracePageKeys, replay};
 use tandem_worker::tier::{PrefixIndex, Tier};
-
-fn trace_path() -> PathBuf {
-    if let Some(p) = std::env::var_os("TANDEM_MOONCAKE_TRACE") {
-        return PathBuf::from(p);
-    }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/data/mooncake/conversation_trace.jsonl")
-}
-
-fn load() -> Option<Vec<TraceRequest>> {
-    let path = trace_path();
-    let Ok(file) = File::open(&path) else {
-        // CI sets TANDEM_REQUIRE_DATA=1: missing test data fails instead of skipping.
-        assert!(
-            std::env::var_os("TANDEM_REQUIRE_DATA").is_none_or(|v| v != "1"),
-            "TANDEM_REQUIRE_DATA=1 and the Mooncake trace is not at {}",
-            path.display()
-        );
-        println!(
-            "SKIP: Mooncake trace not found at {} (set TANDEM_MOONCAKE_TRACE)",
-            path.display()
-        );
-        return None;
-    };
-    Some(read_trace(BufReader::new(file)).expect("the shared trace is valid"))
-}
 
 fn l3_only(capacity_pages: Option<usize>) -> PrefixIndex {
     PrefixIndex::new([None, None, capacity_pages.and_then(NonZeroUsize::new)])
@@ -44,7 +18,7 @@ fn l3_only(capacity_pages: Option<usize>) -> PrefixIndex {
 
 #[test]
 fn unbounded_replay_gives_the_readme_hit_ratio_and_bounded_lru_is_monotone() {
-    let Some(requests) = load() else { return };
+    let Some(requests) = load_trace() else { return };
     assert_eq!(requests.len(), 12_031, "row count of the README");
     let refs: usize = requests.iter().map(|r| r.hash_ids.len()).sum();
     assert_eq!(refs, 288_500, "block references of the README");
@@ -86,7 +60,7 @@ fn unbounded_replay_gives_the_readme_hit_ratio_and_bounded_lru_is_monotone() {
 
 #[test]
 fn pending_l3_writes_are_not_counted_as_hits_during_a_replay() {
-    let Some(requests) = load() else { return };
+    let Some(requests) = load_trace() else { return };
     let head = &requests[..2_000];
     // Same replay, but every write stays pending: no lookup may hit.
     let mut idx = l3_only(None);

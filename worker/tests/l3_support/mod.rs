@@ -1,4 +1,5 @@
-//! Shared helpers of the cache tests: a small store identity, deterministic object bytes, the trace.
+//! Shared helpers of the L3 and trace tests: a small store identity, deterministic object bytes,
+//! the Mooncake trace.
 #![allow(dead_code)] // each test file uses a subset
 
 use std::fs::File;
@@ -6,11 +7,11 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use tandem_worker::cache::trace::{TraceRequest, read_trace};
 use tandem_worker::l3::manifest::{ObjectKey, StoreIdentity};
 use tandem_worker::l3::store::L3Config;
 use tandem_worker::memory::pool::PoolLayout;
 use tandem_worker::model::{Attention, ModelIdentity};
+use tandem_worker::tier::trace::{TraceRequest, read_trace};
 
 pub fn identity(name: &str) -> StoreIdentity {
     StoreIdentity {

@@ -1,12 +1,12 @@
 //! The L3 store on disk: visibility, atomic manifests, eviction, restart loadback and its failure
 //! cases (DESIGN contract 7; reference TC-L3-01..04).
 
-mod cache_support;
+mod l3_support;
 
 use std::fs;
 use std::sync::Arc;
 
-use cache_support::{config, identity, load_trace, object_bytes};
+use l3_support::{config, identity, load_trace, object_bytes};
 use tandem_worker::l3::manifest::{ObjectKey, ShardCoords, StoreIdentity};
 use tandem_worker::l3::replay::{ReplayMode, replay_l3};
 use tandem_worker::l3::store::{L3Error, L3Store, PutOutcome, WarmState};

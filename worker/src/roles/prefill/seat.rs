@@ -1,0 +1,359 @@
+//! The engine seat of a prefill worker whose config names an engine (`config.engine`, DESIGN §3.1):
+//! the pools, the engine-API server, readiness that follows the engine's attach, and what `/metrics`
+//! and `/report` say about them.
+//!
+//! At start the worker allocates every configured pool (target, plus draft and indexer when sized) in
+//! the configured allocator domain through [`PoolSet::from_config`] and registers them
+//! transactionally with the configured client mode and failure policy (DESIGN contracts 1–2); a
+//! failure refuses the start. Then it serves the engine API on `engine.socketDir`. `/readyz` answers
+//! 503 `engine not attached` until an engine attached, and again from the moment that attach ends
+//! (Detach, or the engine's pools connection closing because it exited or was killed); the attach's
+//! open rooms then fail through the sender's release path.
+//!
+//! `/metrics`: `tandem_engine_pool_bytes{pool,domain}`, `tandem_engine_pool_registered{pool,state}`
+//! (1 for the pool's registration state: `none`, `committed` or `fallback_l2`), the registration
+//! counters of [`RegistrationMetrics`], `tandem_engine_attached` (0/1), `tandem_engine_attaches`,
+//! `tandem_engine_rooms_{submitted,sent,failed}`, `tandem_engine_writes`,
+//! `tandem_engine_source_pages_held`. `/report` carries the same under `engine`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use serde_json::{Value, json};
+
+use super::node::PrefillNode;
+use crate::config::{EngineKind, EngineSeat, WorkerConfig, resolve_path};
+use crate::control::KvLayout;
+use crate::engine_api::pools::{PoolSet, Registration, roles_configured};
+use crate::engine_api::server::{self, RunningServer};
+use crate::engine_api::service::{Backend, EngineApi};
+use crate::engine_api::tiers::NoTiers;
+use crate::engine_api::{DEFAULT_PAGE_TOKENS, EngineApiConfig};
+use crate::health::Health;
+use crate::health::counters::mirror;
+use crate::health::http::ServeState;
+use crate::registration::metrics::RegistrationMetrics;
+use crate::roles::ServeError;
+use crate::roles::store_client::SIDECAR_SOCKET;
+
+type Labels = Vec<(String, String)>;
+
+/// The readiness reason while no engine is attached.
+pub const NOT_ATTACHED: &str = "engine not attached";
+
+/// The engine seat's metrics; cheap to clone (clones share their values).
+#[derive(Debug, Clone, Default)]
+pub struct EngineMetrics {
+    /// Bytes of each pool's mapping, by pool and allocator domain.
+    pub pool_bytes: Family<Labels, Gauge>,
+    /// 1 for each pool's registration state (`none`, `committed`, `fallback_l2`).
+    pub pool_registered: Family<Labels, Gauge>,
+    /// The registration transactions (commits, rollbacks, fallbacks, quarantines) by pool.
+    pub registration: RegistrationMetrics,
+    /// 1 while an engine is attached.
+    pub attached: Gauge,
+    /// Attaches so far.
+    pub attaches: Counter,
+    /// Rooms handed to the engine.
+    pub rooms_submitted: Counter,
+    /// Rooms the engine produced and the transport delivered.
+    pub rooms_sent: Counter,
+    /// Rooms that failed on the engine path (aborted, engine gone, deadline, transfer).
+    pub rooms_failed: Counter,
+    /// PagesReady writes accepted.
+    pub writes: Counter,
+    /// Source pages the worker holds for in-flight sends.
+    pub source_pages_held: Gauge,
+}
+
+impl EngineMetrics {
+    /// Registers every metric in `r` (`tandem_engine_*` and the registration counters).
+    pub fn register(&self, r: &mut Registry) {
+        r.register(
+            "tandem_engine_pool_bytes",
+            "Bytes of each engine-API pool, by pool and allocator domain",
+            self.pool_bytes.clone(),
+        );
+        r.register(
+            "tandem_engine_pool_registered",
+            "Registration state of each engine-API pool (1 for the state it is in)",
+            self.pool_registered.clone(),
+        );
+        self.registration.register(r);
+        r.register(
+            "tandem_engine_attached",
+            "1 while an engine is attached",
+            self.attached.clone(),
+        );
+        r.register(
+            "tandem_engine_attaches",
+            "Engine attaches",
+            self.attaches.clone(),
+        );
+        r.register(
+            "tandem_engine_rooms_submitted",
+            "Rooms handed to the engine",
+            self.rooms_submitted.clone(),
+        );
+        r.register(
+            "tandem_engine_rooms_sent",
+            "Rooms the engine produced and the transport delivered",
+            self.rooms_sent.clone(),
+        );
+        r.register(
+            "tandem_engine_rooms_failed",
+            "Rooms failed on the engine path",
+            self.rooms_failed.clone(),
+        );
+        r.register(
+            "tandem_engine_writes",
+            "PagesReady writes accepted",
+            self.writes.clone(),
+        );
+        r.register(
+            "tandem_engine_source_pages_held",
+            "Source pages held for in-flight sends",
+            self.source_pages_held.clone(),
+        );
+    }
+}
+
+/// The KV layout of the engine path: the target pool's geometry — the model's layers and the
+/// CacheTier's page size, with rows of the model's bytes per token and layer, or, when the
+/// simulation knob `TANDEM_SIM_KV_BYTES_PER_TOKEN` scales KV (`knobs`), the rows the knob implies
+/// (the pool is then sized to them: [`EngineApiConfig::target_token_bytes`]). Returns the layout
+/// and the pool's row override. The decode side derives its layout from the same knobs, so both
+/// agree.
+///
+/// # Errors
+/// [`ServeError::Config`] when the knobs are unset and the model's rows differ from what they
+/// imply (tensor parallelism splits a rank's rows; the engine API has no per-rank scaling yet).
+pub fn engine_layout(
+    cfg: &WorkerConfig,
+    knobs: &crate::roles::sim::SimKnobs,
+) -> Result<(KvLayout, Option<u64>), ServeError> {
+    let builtin = knobs.layout(cfg);
+    if knobs.kv_bytes_per_token.is_some() {
+        return Ok((builtin, Some(u64::from(builtin.token_bytes))));
+    }
+    let layout = KvLayout {
+        layers: cfg.model.layers,
+        page_tokens: cfg
+            .cache
+            .as_ref()
+            .map_or(DEFAULT_PAGE_TOKENS, |c| c.page_tokens),
+        token_bytes: u32::try_from(cfg.model.bytes_per_token_layer()).unwrap_or(u32::MAX),
+    };
+    if layout != builtin {
+        return Err(ServeError::Config(format!(
+            "with an engine the KV rows are the model's ({layout:?}); the decode side expects \
+             {builtin:?}; set TANDEM_SIM_KV_BYTES_PER_TOKEN on both pools to scale them"
+        )));
+    }
+    Ok((layout, None))
+}
+
+/// A running engine seat.
+pub struct Seat {
+    /// The engine kind the config names.
+    pub kind: EngineKind,
+    /// The socket directory (resolved through `$TANDEM_ROOT`).
+    pub socket_dir: PathBuf,
+    /// The engine API.
+    pub api: Arc<EngineApi>,
+    server: RunningServer,
+}
+
+/// The `/report` value of a worker's engine: `{"kind": "builtin"}` without a seat.
+pub fn report(seat: Option<(&EngineKind, &Arc<EngineApi>)>) -> Value {
+    let Some((kind, api)) = seat else {
+        return json!({ "kind": "builtin" });
+    };
+    let pools: Vec<Value> = api
+        .pools()
+        .attached()
+        .iter()
+        .map(|p| {
+            let (state, reason) = registration_state(&p.registration);
+            json!({
+                "pool": p.role.as_str(),
+                "domain": p.pool.domain().to_string(),
+                "bytes": p.pool.buffer().len(),
+                "registration": state,
+                "reason": reason,
+            })
+        })
+        .collect();
+    let side = api.prefill_side();
+    let stat = |f: fn(&crate::engine_api::prefill::PrefillStats) -> u64| {
+        side.as_ref().map_or(0, |s| f(s.stats()))
+    };
+    json!({
+        "kind": format!("{kind:?}"),
+        "attached": api.current_attach().is_some(),
+        "attach_id": api.current_attach().unwrap_or(0),
+        "attaches": api.attaches(),
+        "pools": pools,
+        "rooms_submitted": stat(|s| s.rooms_submitted.load(Ordering::Relaxed)),
+        "rooms_sent": stat(|s| s.rooms_sent.load(Ordering::Relaxed)),
+        "rooms_failed": stat(|s| s.rooms_failed.load(Ordering::Relaxed)),
+        "writes": stat(|s| s.writes.load(Ordering::Relaxed)),
+        "pages_freed": stat(|s| s.pages_freed.load(Ordering::Relaxed)),
+        "source_pages_held": side.as_ref().map_or(0, |s| s.held_pages()),
+        "rooms_open": side.as_ref().map_or(0, |s| s.rooms()),
+    })
+}
+
+fn registration_state(r: &Registration) -> (&'static str, String) {
+    match r {
+        Registration::None => ("none", String::new()),
+        Registration::Committed => ("committed", String::new()),
+        Registration::FallbackL2(why) => ("fallback_l2", why.clone()),
+    }
+}
+
+impl Seat {
+    /// Allocates and registers the pools, starts the engine-API server on `seat.socket_dir` and
+    /// makes readiness follow the engine's attach. `rank` is this worker's ordinal;
+    /// `target_token_bytes` scales the target pool's rows ([`engine_layout`]).
+    ///
+    /// # Errors
+    /// [`ServeError::Config`] when the pools cannot be made or registered (fail-closed), or the
+    /// server cannot bind its sockets.
+    pub fn start(
+        cfg: &WorkerConfig,
+        seat: &EngineSeat,
+        node: &Arc<PrefillNode>,
+        state: &Arc<ServeState>,
+        rank: u32,
+        metrics: &EngineMetrics,
+        target_token_bytes: Option<u64>,
+    ) -> Result<Self, ServeError> {
+        let socket_dir = resolve_path(&seat.socket_dir);
+        let mut api_cfg = EngineApiConfig::for_worker(cfg, &socket_dir);
+        api_cfg.target_token_bytes = target_token_bytes;
+        api_cfg.ranks = cfg.parallelism.ranks_of(rank);
+        api_cfg.prefill_rank = rank;
+        let health = Arc::new(Health::new());
+        let sidecar = resolve_path(std::path::Path::new(SIDECAR_SOCKET));
+        let pools = PoolSet::from_config(
+            cfg,
+            &api_cfg,
+            health.clone(),
+            metrics.registration.clone(),
+            &sidecar,
+        )
+        .map_err(|e| ServeError::Config(format!("engine pools: {e}")))?;
+        let attached = pools
+            .attach(&roles_configured(cfg))
+            .map_err(|e| ServeError::Config(format!("engine pools: {e}")))?;
+        for p in &attached {
+            let (reg, reason) = registration_state(&p.registration);
+            metrics
+                .pool_bytes
+                .get_or_create(&vec![
+                    ("pool".into(), p.role.as_str().into()),
+                    ("domain".into(), p.pool.domain().to_string()),
+                ])
+                .set(p.pool.buffer().len() as i64);
+            metrics
+                .pool_registered
+                .get_or_create(&vec![
+                    ("pool".into(), p.role.as_str().into()),
+                    ("state".into(), reg.into()),
+                ])
+                .set(1);
+            if !reason.is_empty() {
+                state
+                    .health
+                    .degrade(&format!("pool/{}", p.role), "FallbackL2", reason.clone());
+            }
+            tracing::info!(pool = %p.role, domain = %p.pool.domain(), bytes = p.pool.buffer().len(),
+                registration = reg, reason, "engine pool allocated");
+        }
+        drop(attached);
+        let api = EngineApi::new(
+            cfg,
+            api_cfg,
+            pools,
+            Backend::Prefill(node.clone()),
+            Arc::new(NoTiers),
+            health.clone(),
+        )
+        .map_err(|e| ServeError::Config(e.to_string()))?;
+        node.set_engine(&api);
+        let server = server::start(api.clone()).map_err(|e| ServeError::Config(e.to_string()))?;
+        // Readiness follows the attach (not ready from now on until an engine attached).
+        state.set_ready(Err(NOT_ATTACHED.into()));
+        let mut rx = api.watch_attach();
+        let st = state.clone();
+        let dir = socket_dir.clone();
+        tokio::spawn(async move {
+            loop {
+                let now = *rx.borrow_and_update();
+                match now {
+                    Some(id) => {
+                        tracing::info!(attach_id = id, "engine attached: ready");
+                        st.set_ready(Ok(()));
+                    }
+                    None => {
+                        tracing::warn!(socket_dir = %dir.display(), "{NOT_ATTACHED}: not ready");
+                        st.set_ready(Err(NOT_ATTACHED.into()));
+                    }
+                }
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+        // Metrics and the registrar's degradations follow the API on every scrape.
+        let (a, m) = (api.clone(), metrics.clone());
+        state.on_refresh(move |s| {
+            m.attached.set(i64::from(a.current_attach().is_some()));
+            mirror(&m.attaches, a.attaches());
+            for d in health.report().degraded {
+                s.health.degrade(&d.component, &d.code, d.message);
+            }
+            if let Some(side) = a.prefill_side() {
+                let st = side.stats();
+                mirror(
+                    &m.rooms_submitted,
+                    st.rooms_submitted.load(Ordering::Relaxed),
+                );
+                mirror(&m.rooms_sent, st.rooms_sent.load(Ordering::Relaxed));
+                mirror(&m.rooms_failed, st.rooms_failed.load(Ordering::Relaxed));
+                mirror(&m.writes, st.writes.load(Ordering::Relaxed));
+                m.source_pages_held.set(i64::from(side.held_pages()));
+            }
+        });
+        let (kind, a) = (seat.kind, api.clone());
+        state.set_extra(move || {
+            let mut m = serde_json::Map::new();
+            m.insert("engine".into(), report(Some((&kind, &a))));
+            m
+        });
+        tracing::info!(kind = ?seat.kind, socket_dir = %socket_dir.display(),
+            "prefill serves through the engine API; {NOT_ATTACHED} yet");
+        Ok(Self {
+            kind: seat.kind,
+            socket_dir,
+            api,
+            server,
+        })
+    }
+
+    /// Teardown (DESIGN contract 9), after the rooms drained and the transport closed: the live
+    /// attach ends, the server stops and removes its sockets, and the pools are deregistered and
+    /// freed with the allocator that made them. Returns the release errors, one line each.
+    pub async fn stop(mut self) -> Vec<String> {
+        self.server.stop().await;
+        let api = self.api.clone();
+        drop(self);
+        api.release_pools()
+    }
+}
