@@ -419,18 +419,15 @@ mod tests {
         let page = 64 << 10;
         let py = python_api(&env, page, 64, 1, 8, 16).unwrap();
         assert!(py > 0.0);
-        let tuned = cpp_bench(&env, page, CppSetting::Tuned, 1)
-            .or_else(|_| cpp_bench(&env, page, CppSetting::Tuned, 1))
-            .unwrap();
-        assert!(tuned > 0.0);
-        // In its defaults (12 threads) Mooncake itself now and then ends on a transfer it reports
-        // FAILED over loopback: that is a figure about Mooncake, not a broken driver; anything
-        // else (no port, no throughput line, a launch error) fails the test.
-        let defaults = cpp_bench(&env, page, CppSetting::Defaults, 1)
-            .or_else(|_| cpp_bench(&env, page, CppSetting::Defaults, 1));
-        match defaults {
-            Ok(g) => assert!(g > 0.0),
-            Err(e) => assert!(e.0.ends_with("FAILED"), "{e}"),
+        // Mooncake's C++ bench itself now and then ends on a transfer it reports FAILED over
+        // loopback (more often in its defaults, 12 threads, but seen in the tuned setting too):
+        // that is a figure about Mooncake, not a broken driver; anything else (no port, no
+        // throughput line, a launch error) fails the test.
+        for setting in [CppSetting::Tuned, CppSetting::Defaults] {
+            match cpp_bench(&env, page, setting, 1).or_else(|_| cpp_bench(&env, page, setting, 1)) {
+                Ok(g) => assert!(g > 0.0),
+                Err(e) => assert!(e.0.ends_with("FAILED"), "{e}"),
+            }
         }
         // No C++ bench outlives its row (the wrapper's child once did, 1 GiB each).
         let left: Vec<String> = fs::read_dir("/proc")
