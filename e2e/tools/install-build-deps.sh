@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the workspace needs to build (idempotent; no-op when present).
 #   ibverbs-sys (feature `rdma`): cmake, libclang-dev (bindgen), libibverbs-dev, libnl-3-dev,
-#   libnl-route-3-dev; openssl for the e2e control plane's PKI.
+#   libnl-route-3-dev; openssl for the e2e control plane's PKI; libibverbs1 for Mooncake's wheel
+#   (worker/tools/mooncake-venv.sh, `tandem-bench transfer --against mooncake`), even over TCP.
 set -euo pipefail
-pkgs=(cmake libclang-dev libibverbs-dev libnl-3-dev libnl-route-3-dev pkg-config openssl)
+pkgs=(cmake libclang-dev libibverbs-dev libibverbs1 libnl-3-dev libnl-route-3-dev pkg-config openssl)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

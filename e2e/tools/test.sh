@@ -6,7 +6,8 @@
 # dependency rules (operator and e2e free of the worker crate, one feature set for the demo),
 # formatting, clippy with warnings denied, the whole workspace's tests (cluster suites included),
 # the CRD drift check, clippy of the `cuda` and `rdma` features and the `cuda` host-side tests, and
-# the negative controls behind the `negative-controls` feature.
+# the negative controls behind the `negative-controls` feature, and the Mooncake rows of
+# `tandem-bench transfer --against mooncake` (a cached venv from PyPI).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -96,5 +97,11 @@ cargo test -p tandem-worker --features rdma --lib transfer::
 step "negative controls: abandoned requests leak without the room guard's hand-over (issue 19)"
 cargo clippy -p tandem-worker --features negative-controls --all-targets -- -D warnings
 cargo test -p tandem-worker --features negative-controls --test transfer_cancel --test serve_cancel
+
+# The venv comes from PyPI once (~30 s), then from ~/.cache/tandem (instant); the test starts
+# Mooncake's Python engine and its C++ bench on loopback through `tandem-bench transfer`'s code.
+step "Mooncake side by side: the cached venv and tandem-bench transfer's Mooncake rows on loopback"
+bash worker/tools/mooncake-venv.sh >/dev/null
+cargo test -p tandem-worker --bin tandem-bench -- --ignored mooncake_rows_measure_with_the_venv
 
 step "all tests passed"

@@ -36,7 +36,7 @@ enum Bench {
     Registration(registration::RegistrationArgs),
     /// KV pool page alloc/free rate vs a bare free list.
     Pool(pool::PoolArgs),
-    /// TCP transport throughput vs a plain socket copy.
+    /// TCP transport throughput vs a plain socket copy (and Mooncake's engine, `--against mooncake`).
     Transfer(transfer::TransferArgs),
     /// Abort stress: corrupt pages read with the release gate (and with it bypassed, `--unsafe`, in
     /// builds with the `negative-controls` feature).
@@ -61,7 +61,7 @@ fn main() -> ExitCode {
             .map_err(|e| e.to_string()),
         Bench::Pool(a) => pool::run(&a).map(|r| r.lines()).map_err(|e| e.to_string()),
         Bench::Transfer(a) => transfer::run(&a)
-            .map(|rs| rs.iter().map(|r| r.line()).collect())
+            .map(|rs| rs.iter().flat_map(|r| r.lines()).collect())
             .map_err(|e| e.to_string()),
         Bench::AbortStress(a) => abort_stress::run(&a)
             .map(|r| r.lines(a.unsafe_gate))
