@@ -285,7 +285,13 @@ async fn replay_times_retries_classifies_and_reports() {
         assert!((r.scheduled_ms - r.index as f64 * 100.0).abs() < 1e-6);
         if r.outcome != Outcome::Failed {
             assert!(r.ttft_ms.unwrap() >= TTFT.as_millis() as f64 - 1.0);
-            assert!(r.tpot_ms.unwrap() >= TPOT.as_millis() as f64 * 0.5);
+            // TPOT is measured (not a timing bound: under load the first token can arrive late and
+            // the next ones bunched behind it, so inter-token gaps shrink below the server's sleep).
+            assert!(
+                r.tpot_ms.is_some_and(|t| t > 0.0),
+                "request {} has no TPOT",
+                r.index
+            );
             assert_eq!(r.completion_tokens, 6);
         }
     }
