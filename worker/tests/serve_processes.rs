@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use serve_support::*;
-use tandem_worker::config::WorkerRole;
+use tandem_worker::config::{TransportChoice, WorkerRole};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_and_plain_completions_through_prefill_and_decode() {
@@ -134,7 +134,32 @@ async fn streaming_and_plain_completions_through_prefill_and_decode() {
 /// the prefill acks, no page is quarantined, and the pages serve the next request intact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kv_deadline_aborts_the_room_through_the_release_protocol() {
-    let w = World::new(47);
+    let r = kv_deadline_abort(47, "fence").await;
+    assert_eq!(r["release_gate"]["proof"], "fence", "{r}");
+    // Over TCP with the fence as proof, the fence or the ack frees the pages, whichever is first.
+    assert_eq!(
+        r["rooms"]["freed_on_ack"].as_u64().unwrap()
+            + r["rooms"]["freed_on_transport"].as_u64().unwrap(),
+        1,
+        "{r}"
+    );
+}
+
+/// The gate's ack-only mode (the proof rule RDMA needs, selected over TCP with
+/// `TANDEM_DECODE_GATE_PROOF=ack-only`): the aborted room's pages come back on the prefill's ack and
+/// never on the receiver's fence, and the next request reads intact KV from them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ack_only_gate_frees_an_aborted_room_on_the_prefill_ack() {
+    let r = kv_deadline_abort(141, "ack-only").await;
+    assert_eq!(r["release_gate"]["proof"], "ack-only", "{r}");
+    assert_eq!(r["rooms"]["freed_on_ack"], 1, "{r}");
+    assert_eq!(r["rooms"]["freed_on_transport"], 0, "{r}");
+}
+
+/// Runs the KV-deadline abort of seed 004 with the given gate proof on loopback net `net`; returns
+/// the decode's `/report` after the aborted room's pages served the next request intact.
+async fn kv_deadline_abort(net: u8, proof: &str) -> Value {
+    let w = World::new(net);
     w.publish(&[2]);
     let _p = w.spawn(
         2,
@@ -144,7 +169,10 @@ async fn a_kv_deadline_aborts_the_room_through_the_release_protocol() {
     let _d = w.spawn(
         9,
         &config(WorkerRole::Decode, "r1", w.ports),
-        &[("TANDEM_DECODE_KV_DEADLINE_MS", "300")],
+        &[
+            ("TANDEM_DECODE_KV_DEADLINE_MS", "300"),
+            ("TANDEM_DECODE_GATE_PROOF", proof),
+        ],
     );
     let (health, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
     until(Duration::from_secs(15), || async {
@@ -184,6 +212,75 @@ async fn a_kv_deadline_aborts_the_room_through_the_release_protocol() {
     assert_eq!(code, 200, "{}", text(&frames));
     let v: Value = serde_json::from_str(&text(&frames)).unwrap();
     assert_eq!(v["tandem"]["corrupt_chunks"], 0);
+    get_json(health, "/report").await.1
+}
+
+/// `transport: rdma` on a machine without a usable RDMA device (this one; and no build serves KV
+/// over RDMA yet): both roles start, say why in `/readyz` and `/report`, and never become Ready;
+/// the decode's front door refuses requests. The same world with `transport: tcp` serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transport_rdma_without_a_usable_device_is_never_ready_and_says_why() {
+    let w = World::new(142);
+    w.publish(&[2]);
+    let with = |role, transport| {
+        let mut c = config(role, "r1", w.ports);
+        c.transport = transport;
+        c
+    };
+    let _p = w.spawn(2, &with(WorkerRole::Prefill, TransportChoice::Rdma), &[]);
+    let _d = w.spawn(9, &with(WorkerRole::Decode, TransportChoice::Rdma), &[]);
+    for id in [2, 9] {
+        let health = w.addr(id, w.ports.health);
+        until(Duration::from_secs(15), || async {
+            get_json(health, "/report").await.1["transport"]["in_use"] == "none"
+        })
+        .await;
+        let (_, r) = get_json(health, "/report").await;
+        assert_eq!(r["ready"], false, "{r}");
+        assert_eq!(r["transport"]["requested"], "rdma", "{r}");
+        let reason = r["reason"].as_str().unwrap_or_default();
+        assert!(reason.contains("RDMA"), "{r}");
+        assert!(
+            r["degraded"]
+                .as_array()
+                .is_some_and(|d| d.iter().any(|x| x["code"] == "TransportUnavailable")),
+            "{r}"
+        );
+        assert_eq!(status(health, "/readyz").await, Some(503));
+        let (_, m) = http(health, "GET", "/metrics", None).await;
+        assert!(
+            text(&m).contains("tandem_transport_in_use{transport=\"none\"} 1"),
+            "{}",
+            text(&m)
+        );
+    }
+    let (code, _) = http(
+        w.addr(9, w.ports.front),
+        "POST",
+        "/v1/completions",
+        Some(completion(100, 2, false)),
+    )
+    .await;
+    assert_eq!(code, 503);
+    // Control: in the same world, a TCP prefill and an `Auto` decode (TCP here, logged) become
+    // Ready and serve, so the refusal above is the transport's.
+    let _p3 = w.spawn(3, &with(WorkerRole::Prefill, TransportChoice::Tcp), &[]);
+    w.publish(&[3]);
+    let _d8 = w.spawn(8, &with(WorkerRole::Decode, TransportChoice::Auto), &[]);
+    let h8 = w.addr(8, w.ports.health);
+    until(Duration::from_secs(15), || async {
+        status(h8, "/readyz").await == Some(200)
+    })
+    .await;
+    let (_, r) = get_json(h8, "/report").await;
+    assert_eq!(r["transport"]["in_use"], "tcp", "{r}");
+    assert!(
+        r["transport"]["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("Auto:"),
+        "{r}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

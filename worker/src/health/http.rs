@@ -13,6 +13,8 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use serde_json::{Map, Value, json};
 use tandem_interfaces::report::{ReportPhase, WorkerReport};
@@ -52,6 +54,9 @@ pub struct ServeState {
     registry: Registry,
     refresh: Mutex<Vec<Hook>>,
     extra: Mutex<Option<Extra>>,
+    sections: Mutex<Map<String, Value>>,
+    blocked: Mutex<Option<String>>,
+    transport: Family<Vec<(String, String)>, Gauge>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -79,6 +84,12 @@ impl ServeState {
         counters.register(&mut registry);
         let by_reason = ReasonCounters::default();
         by_reason.register(&mut registry);
+        let transport = Family::<Vec<(String, String)>, Gauge>::default();
+        registry.register(
+            "tandem_transport_in_use",
+            "KV transport this worker sends or receives over (1 on the one in use; none: refused)",
+            transport.clone(),
+        );
         Arc::new(Self {
             role,
             pool: pool.to_owned(),
@@ -90,6 +101,9 @@ impl ServeState {
             registry,
             refresh: Mutex::new(Vec::new()),
             extra: Mutex::new(None),
+            sections: Mutex::new(Map::new()),
+            blocked: Mutex::new(None),
+            transport,
         })
     }
 
@@ -108,17 +122,42 @@ impl ServeState {
         *lock(&self.phase) == Phase::Draining
     }
 
-    /// Ready, or not ready for `reason`. Ignored once draining (draining is final).
+    /// Ready, or not ready for `reason`. Ignored once draining (draining is final); while
+    /// [`ServeState::block_ready`] holds a reason, that reason wins over `Ok`.
     pub fn set_ready(&self, ready: Result<(), String>) {
+        let blocked = lock(&self.blocked).clone();
         let mut p = lock(&self.phase);
         if *p == Phase::Draining {
             return;
         }
-        *p = match ready {
-            Ok(()) => Phase::Ready,
-            Err(reason) => Phase::Starting(reason),
+        *p = match (blocked, ready) {
+            (Some(reason), _) | (None, Err(reason)) => Phase::Starting(reason),
+            (None, Ok(())) => Phase::Ready,
         };
         self.health.set_ready(*p == Phase::Ready);
+    }
+
+    /// Never ready again in this process's life, for `reason` (a startup refusal the worker
+    /// reports instead of exiting, e.g. `transport: RDMA` with no usable device: the pod stays
+    /// not Ready with the reason in `/readyz`, `/report` and its events). Draining still works.
+    pub fn block_ready(&self, reason: String) {
+        *lock(&self.blocked) = Some(reason.clone());
+        self.set_ready(Err(reason));
+    }
+
+    /// Records the KV transport in use (`tcp`, `rdma`; `none` when refused) as
+    /// `tandem_transport_in_use{transport} 1`.
+    pub fn set_transport(&self, in_use: &str) {
+        self.transport.clear();
+        self.transport
+            .get_or_create(&vec![("transport".to_owned(), in_use.to_owned())])
+            .set(1);
+    }
+
+    /// Adds a fixed top-level field to `/report` (e.g. `transport`), kept beside the role's
+    /// [`ServeState::set_extra`] fields (which win on a name clash).
+    pub fn set_section(&self, name: &str, value: Value) {
+        lock(&self.sections).insert(name.to_owned(), value);
     }
 
     /// Enters [`Phase::Draining`]: `/readyz` answers 503 from now on.
@@ -168,6 +207,9 @@ impl ServeState {
             ..WorkerReport::default()
         };
         let mut doc = serde_json::to_value(report).unwrap_or_else(|_| json!({}));
+        if let Some(obj) = doc.as_object_mut() {
+            obj.extend(lock(&self.sections).clone());
+        }
         if let (Some(extra), Some(obj)) = (lock(&self.extra).as_ref(), doc.as_object_mut()) {
             obj.extend(extra());
         }
@@ -244,4 +286,34 @@ pub async fn spawn_http(
         }
     });
     Ok((local, task))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_blocked_state_never_becomes_ready_but_still_drains() {
+        let s = ServeState::new("decode", "p", "r1", "starting");
+        s.set_ready(Ok(()));
+        assert!(s.admitting());
+        s.block_ready("transport RDMA requested, but no usable RDMA device".into());
+        assert!(!s.admitting());
+        s.set_ready(Ok(()));
+        assert_eq!(
+            s.phase(),
+            Phase::Starting("transport RDMA requested, but no usable RDMA device".into())
+        );
+        s.set_section("transport", json!({"in_use": "none"}));
+        s.set_transport("none");
+        let r = s.report();
+        assert_eq!(r["transport"]["in_use"], "none");
+        assert_eq!(r["ready"], false);
+        assert!(
+            s.metrics_text()
+                .contains("tandem_transport_in_use{transport=\"none\"} 1")
+        );
+        s.begin_drain();
+        assert!(s.draining());
+    }
 }

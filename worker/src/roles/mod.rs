@@ -96,6 +96,30 @@ pub fn ordinal_of(pod_name: &str) -> Option<u32> {
     pod_name.rsplit_once('-').and_then(|(_, n)| n.parse().ok())
 }
 
+/// Resolves the config's `transport` for a serving role ([`crate::transfer::select::for_serving`])
+/// and records it on `state`: `/report.transport`, `tandem_transport_in_use`, and — when refused
+/// (`RDMA` this worker cannot serve) — readiness blocked for good with the reason and the
+/// degradation `TransportUnavailable`. The worker keeps running so that the pod's status and
+/// events carry the reason (a crash loop would hide it behind restarts).
+pub fn apply_transport(
+    choice: crate::config::TransportChoice,
+    state: &crate::health::http::ServeState,
+) -> crate::transfer::select::ServingTransport {
+    let t = crate::transfer::select::for_serving(choice);
+    state.set_section("transport", t.report());
+    state.set_transport(
+        t.in_use
+            .map_or("none", crate::transfer::TransportKind::as_str),
+    );
+    if let Some(reason) = t.refusal() {
+        state
+            .health
+            .degrade("transport", "TransportUnavailable", reason.to_owned());
+        state.block_ready(reason.to_owned());
+    }
+    t
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

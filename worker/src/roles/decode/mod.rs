@@ -66,7 +66,11 @@ pub fn run(args: Args) -> Result<(), RoleError> {
     super::runtime()?.block_on(async move {
         let stop = signals::terminated()
             .map_err(|e| RoleError::Failed(format!("signal handlers: {e}")))?;
-        let server = DecodeServer::start(&cfg, knobs, DecodeOptions::from_env())
+        let mut opts = DecodeOptions::from_env();
+        if let Ok(v) = std::env::var("TANDEM_DECODE_GATE_PROOF") {
+            opts.gate_proof = GateProof::parse(&v).map_err(RoleError::Failed)?;
+        }
+        let server = DecodeServer::start(&cfg, knobs, opts)
             .await
             .map_err(|e| RoleError::Failed(e.to_string()))?;
         println!("listening on {}", server.front_addr);
@@ -100,6 +104,46 @@ pub struct DecodeOptions {
     /// Control port of the prefill peers (default: this config's `ports.control`, the pools'
     /// common port).
     pub peer_port: Option<u16>,
+    /// What the release gate accepts as proof that no write of an aborted room can still land
+    /// (DESIGN contract 3, seed 004).
+    pub gate_proof: GateProof,
+}
+
+/// The release gate's proof rule for an aborted room's pages (DESIGN contract 3, seed 004).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GateProof {
+    /// The TCP receiver's fence (writes of a fenced room are refused on arrival) or the prefill's
+    /// ack, whichever comes first — the default over TCP.
+    #[default]
+    Fence,
+    /// The prefill's ack (or the peer's transport torn down) only: the rule RDMA needs, because a
+    /// posted one-sided write lands whatever the receiver's state. Selectable over TCP so that the
+    /// ack path runs in the demo and the live tests (`TANDEM_DECODE_GATE_PROOF=ack-only`).
+    AckOnly,
+}
+
+impl GateProof {
+    /// Parses `fence` or `ack-only`.
+    ///
+    /// # Errors
+    /// The unknown value, named.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "fence" => Ok(Self::Fence),
+            "ack-only" => Ok(Self::AckOnly),
+            other => Err(format!(
+                "TANDEM_DECODE_GATE_PROOF={other:?}: expected \"fence\" or \"ack-only\""
+            )),
+        }
+    }
+
+    /// Lower-case name for `/report` and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Fence => "fence",
+            Self::AckOnly => "ack-only",
+        }
+    }
 }
 
 impl DecodeOptions {
@@ -126,6 +170,7 @@ impl DecodeOptions {
             heartbeat: Duration::from_millis(500),
             drain_grace: Duration::from_secs(25),
             peer_port: None,
+            gate_proof: GateProof::default(),
         }
     }
 }
@@ -171,6 +216,15 @@ impl DecodeServer {
             &cfg.revision,
             "connecting to prefill peers",
         );
+        let transport = super::apply_transport(cfg.transport, &state);
+        state.set_section(
+            "release_gate",
+            serde_json::json!({"proof": opts.gate_proof.as_str()}),
+        );
+        tracing::info!(
+            proof = opts.gate_proof.as_str(),
+            "release gate: an aborted room's pages return after this proof"
+        );
         let layout = knobs.layout(cfg);
         if opts.bind_ip.is_unspecified() {
             tracing::warn!(
@@ -186,10 +240,12 @@ impl DecodeServer {
             data_bind: SocketAddr::new(opts.bind_ip, cfg.ports.data).to_string(),
             ack_timeout: Duration::from_secs(30),
             heartbeat: opts.heartbeat,
-            // The node receives KV through its TCP receiver: derive the gate's proof rule from that.
-            fence_is_proof: crate::transfer::select::receiver_fence_is_proof(
-                crate::transfer::TransportKind::Tcp,
-            ),
+            // The gate's proof rule follows the transport in use (the fence proves nothing under
+            // RDMA) and the configured proof (ack-only runs the path RDMA needs, over TCP too).
+            fence_is_proof: opts.gate_proof == GateProof::Fence
+                && transport
+                    .in_use
+                    .is_some_and(crate::transfer::select::receiver_fence_is_proof),
             gate: GateMode::Safe,
         })?;
         // Negative control of the abandoned-request tests only (feature `negative-controls`):
@@ -263,7 +319,9 @@ impl DecodeServer {
             m.insert(
                 "rooms".into(),
                 serde_json::json!({"opened": t.opened, "released": t.released,
-                    "quarantined": t.quarantined, "abandoned": t.abandoned}),
+                    "quarantined": t.quarantined, "abandoned": t.abandoned,
+                    "freed_on_ack": t.freed_on_ack,
+                    "freed_on_transport": t.freed_on_transport}),
             );
             let cancelled: serde_json::Map<String, serde_json::Value> = engine::Stage::ALL
                 .iter()

@@ -262,6 +262,12 @@ pub struct RoomTally {
     /// Rooms whose owner was dropped without an ending (the request's future was dropped: a
     /// client that went away); each was failed through the gate with [`FailureCause::ClientAbort`].
     pub abandoned: u64,
+    /// Failed rooms whose pages were freed on the prefill's acks (the ack-only path; DESIGN
+    /// contract 3).
+    pub freed_on_ack: u64,
+    /// Failed rooms whose pages were freed on a transport proof (the TCP receiver's fence, or the
+    /// peer's transport torn down).
+    pub freed_on_transport: u64,
 }
 
 /// Pages no live request holds and the gate is not releasing (see [`DecodeNode::stranded`]).
@@ -762,6 +768,13 @@ impl DecodeNode {
                 proof,
             } => {
                 tracing::debug!(%key, ?proof, "room pages released");
+                match proof {
+                    crate::release::receiver::ReleaseProof::AllAcks => st.tally.freed_on_ack += 1,
+                    crate::release::receiver::ReleaseProof::Transport(_) => {
+                        st.tally.freed_on_transport += 1;
+                    }
+                    _ => {}
+                }
                 let pages = if from_quarantine {
                     st.quarantine.release(key).unwrap_or_default()
                 } else {

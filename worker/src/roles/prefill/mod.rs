@@ -155,6 +155,8 @@ impl PrefillServer {
             None => (knobs.layout(cfg), None),
             Some(_) => seat::engine_layout(cfg, &knobs)?,
         };
+        let serving_transport = super::apply_transport(cfg.transport, &state);
+        let refused = serving_transport.refusal().is_some();
         let transport = Arc::new(TcpTransport::new(TcpConfig::default()));
         let rank = ordinal_from_env();
         let node = PrefillNode::new(
@@ -243,8 +245,11 @@ impl PrefillServer {
                  consulted (the engine API's tier calls are not wired into the serving path yet)"
             );
         }
-        // With a tier, no room is admitted before the hot prefixes are back in L2.
-        service.admitting.store(!with_tier, Ordering::SeqCst);
+        // With a tier, no room is admitted before the hot prefixes are back in L2; with a refused
+        // transport, none at all.
+        service
+            .admitting
+            .store(!with_tier && !refused, Ordering::SeqCst);
         let n = node.clone();
         state.on_refresh(move |s| {
             let st = n.stats();
@@ -294,7 +299,7 @@ impl PrefillServer {
                     elapsed_ms = started.elapsed().as_millis() as u64,
                     "L3 loadback into L2 done; admitting"
                 );
-                admitting.store(true, Ordering::SeqCst);
+                admitting.store(!refused, Ordering::SeqCst);
                 st.set_ready(Ok(()));
             });
         } else if seat.is_none() {
