@@ -156,6 +156,47 @@ async fn ack_only_gate_frees_an_aborted_room_on_the_prefill_ack() {
     assert_eq!(r["rooms"]["freed_on_transport"], 0, "{r}");
 }
 
+/// `TANDEM_DECODE_KV_DEADLINE_US_PER_TOKEN`: the KV deadline grows with the prompt, so a long
+/// prompt that computes at the prefill's speed is not aborted by a deadline meant for queueing;
+/// with a per-token budget below the prefill's speed, the same prompt is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kv_deadline_grows_with_the_prompt() {
+    let w = World::new(143);
+    w.publish(&[2]);
+    let _p = w.spawn(
+        2,
+        &config(WorkerRole::Prefill, "r1", w.ports),
+        &[("TANDEM_SIM_PREFILL_US_PER_TOKEN", "1000")],
+    );
+    let env = |per_token| {
+        [
+            ("TANDEM_DECODE_KV_DEADLINE_MS", "200"),
+            ("TANDEM_DECODE_KV_DEADLINE_US_PER_TOKEN", per_token),
+        ]
+    };
+    // 1024 tokens at 1 ms each: 200 ms + 1024 × 3 ms covers it, 200 ms + 1024 × 0.1 ms does not.
+    let _spared = w.spawn(9, &config(WorkerRole::Decode, "r1", w.ports), &env("3000"));
+    let _tight = w.spawn(8, &config(WorkerRole::Decode, "r1", w.ports), &env("100"));
+    for (id, want, block) in [(9, 200, 21), (8, 503, 31)] {
+        let health = w.addr(id, w.ports.health);
+        until(Duration::from_secs(15), || async {
+            status(health, "/readyz").await == Some(200)
+        })
+        .await;
+        // Distinct prefixes: the second prompt must not hit what the first one computed.
+        let mut body = completion(1024, 2, false);
+        body["kv_block_hashes"] = serde_json::json!([block, block + 1]);
+        let (code, frames) = http(
+            w.addr(id, w.ports.front),
+            "POST",
+            "/v1/completions",
+            Some(body),
+        )
+        .await;
+        assert_eq!(code, want, "decode {id}: {}", text(&frames));
+    }
+}
+
 /// Runs the KV-deadline abort of seed 004 with the given gate proof on loopback net `net`; returns
 /// the decode's `/report` after the aborted room's pages served the next request intact.
 async fn kv_deadline_abort(net: u8, proof: &str) -> Value {

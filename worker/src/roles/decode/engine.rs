@@ -360,6 +360,11 @@ pub struct DecodeEngine {
     pub(super) draft_tokens: Option<u32>,
     pub(super) spec_guard: Option<config::SpecGuard>,
     pub(super) kv_deadline: Duration,
+    /// Added to [`Self::kv_deadline`] per prompt token (default zero): a prefill that computes at
+    /// its usual speed meets the deadline whatever the prompt's length, so only queueing in front
+    /// of the prefill trips it — the seed 004 setting, where decode aborts requests whose prefill
+    /// queued too long (`TANDEM_DECODE_KV_DEADLINE_US_PER_TOKEN`).
+    pub(super) kv_deadline_per_token: Duration,
     pub(super) retry_budget: u32,
     pub(super) next_request: AtomicU64,
 }
@@ -558,6 +563,8 @@ impl DecodeEngine {
         };
         let hashes = &spec.hash_ids;
         let c = &self.state.counters;
+        let kv_deadline =
+            self.kv_deadline + self.kv_deadline_per_token.saturating_mul(spec.input_tokens);
         let mut tried: Vec<String> = Vec::new();
         let mut last_error = None;
         for attempt in 0..=self.retry_budget {
@@ -576,7 +583,7 @@ impl DecodeEngine {
             tried.push(link.addr().to_owned());
             match self
                 .node
-                .transfer_held(&link, spec.clone(), self.kv_deadline)
+                .transfer_held(&link, spec.clone(), kv_deadline)
                 .await
             {
                 Ok((
@@ -608,7 +615,7 @@ impl DecodeEngine {
                     c.rooms_aborted.inc();
                     tracing::warn!(request_id, %key, ?cause, peer = %link.addr(), "room failed");
                     if cause == FailureCause::Timeout {
-                        return Err(RequestError::Timeout(self.kv_deadline));
+                        return Err(RequestError::Timeout(kv_deadline));
                     }
                     self.peers.forget_if_dead(link.addr());
                     last_error = Some(format!("prefill peer {} failed: {cause:?}", link.addr()));

@@ -91,6 +91,8 @@ pub struct DecodeOptions {
     pub worker_id: String,
     /// Deadline for a request's KV; past it the room aborts through the release protocol.
     pub kv_deadline: Duration,
+    /// Added to `kv_deadline` per prompt token (default zero; see `DecodeEngine`).
+    pub kv_deadline_per_token: Duration,
     /// Retries on another prefill peer after a peer failure.
     pub retry_budget: u32,
     /// Requests admitted at once; beyond, 429.
@@ -148,8 +150,10 @@ impl GateProof {
 
 impl DecodeOptions {
     /// Options from the pod environment: `$POD_IP`, `$POD_NAME`, and the optional overrides
-    /// `TANDEM_DECODE_RETRY_BUDGET` (default 2) and `TANDEM_DECODE_KV_DEADLINE_MS` (default
-    /// 30000); the rest as documented on the fields.
+    /// `TANDEM_DECODE_RETRY_BUDGET` (default 2), `TANDEM_DECODE_KV_DEADLINE_MS` (default
+    /// 30000) and `TANDEM_DECODE_KV_DEADLINE_US_PER_TOKEN` (default 0); the rest as documented on
+    /// the fields. `TANDEM_DECODE_GATE_PROOF` (`fence` | `ack-only`) is read by [`run`], which
+    /// refuses a bad value.
     pub fn from_env() -> Self {
         let num = |k: &str| {
             std::env::var(k)
@@ -161,6 +165,9 @@ impl DecodeOptions {
             worker_id: std::env::var("POD_NAME").unwrap_or_else(|_| "decode-0".into()),
             kv_deadline: Duration::from_millis(
                 num("TANDEM_DECODE_KV_DEADLINE_MS").unwrap_or(30_000),
+            ),
+            kv_deadline_per_token: Duration::from_micros(
+                num("TANDEM_DECODE_KV_DEADLINE_US_PER_TOKEN").unwrap_or(0),
             ),
             retry_budget: num("TANDEM_DECODE_RETRY_BUDGET")
                 .and_then(|n| u32::try_from(n).ok())
@@ -293,6 +300,7 @@ impl DecodeServer {
             draft_tokens: cfg.speculative.as_ref().map(|s| s.draft_tokens.max(1)),
             spec_guard,
             kv_deadline: opts.kv_deadline,
+            kv_deadline_per_token: opts.kv_deadline_per_token,
             retry_budget: opts.retry_budget,
             next_request: AtomicU64::new(1),
         });
