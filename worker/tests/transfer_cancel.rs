@@ -124,10 +124,13 @@ async fn assert_released_once_then_full_size_works(
             opened: 1,
             released: 1,
             quarantined: 0,
-            abandoned: 1
+            abandoned: 1,
+            // Which proof freed the pages is checked below.
+            ..d.tally()
         }
     );
     if via_ack {
+        assert_eq!(d.tally().freed_on_ack, 1, "{:?}", d.tally());
         assert!(
             d.acks_received() > acks_before,
             "the pages came back without the prefill's ack: the gate was bypassed"
@@ -256,7 +259,8 @@ async fn every_ending_releases_once_and_a_prompt_larger_than_the_region_is_refus
             opened: 2,
             released: 2,
             quarantined: 0,
-            abandoned: 0
+            abandoned: 0,
+            ..d.tally()
         }
     );
     assert_eq!(d.pages().free, PAGES as usize);
