@@ -122,7 +122,7 @@ async fn chart_lints_renders_and_rejects_bad_values() {
     );
 
     // The schema and the guards refuse bad values before anything is applied.
-    let refusals: [(&[&str], &str); 5] = [
+    let refusals: [(&[&str], &str); 6] = [
         (&["--set", "replicas=-1"], "replicas"),
         (&["--set", "replicaCount=2"], "replicaCount"),
         (
@@ -141,6 +141,10 @@ async fn chart_lints_renders_and_rejects_bad_values() {
         (
             &["--set", "serviceMonitor.enabled=true"],
             "no monitoring.coreos.com/v1 ServiceMonitor",
+        ),
+        (
+            &["--set", "podMonitor.enabled=true"],
+            "no monitoring.coreos.com/v1 PodMonitor",
         ),
     ];
     for (args, want) in refusals {
@@ -188,6 +192,41 @@ async fn chart_lints_renders_and_rejects_bad_values() {
     )
     .unwrap();
     assert!(monitored.contains("kind: ServiceMonitor"));
+    assert!(!default.contains("kind: PodMonitor"));
+    // The workers' PodMonitor selects every pod role the operator renders, on the port the
+    // operator names `health`, in every namespace unless one is watched.
+    let workers = template(
+        &helm,
+        &[
+            "--set",
+            "podMonitor.enabled=true",
+            "--api-versions",
+            "monitoring.coreos.com/v1/PodMonitor",
+        ],
+    )
+    .unwrap();
+    assert!(workers.contains("kind: PodMonitor"), "{workers}");
+    assert!(
+        workers.contains("values: [prefill, decode, cache]"),
+        "{workers}"
+    );
+    assert!(workers.contains("- port: health") && workers.contains("any: true"));
+    let scoped_workers = template(
+        &helm,
+        &[
+            "--set",
+            "podMonitor.enabled=true",
+            "--set",
+            "watchNamespace=serving",
+            "--api-versions",
+            "monitoring.coreos.com/v1/PodMonitor",
+        ],
+    )
+    .unwrap();
+    assert!(
+        scoped_workers.contains("matchNames: [\"serving\"]"),
+        "{scoped_workers}"
+    );
     let no_le = template(&helm, &["--set", "leaderElection.enabled=false"]).unwrap();
     assert!(no_le.contains("--no-leader-election") && !no_le.contains("kind: Role\n"));
 }
