@@ -279,6 +279,13 @@ async fn transport_rdma_without_a_usable_device_is_never_ready_and_says_why() {
         let (_, r) = get_json(health, "/report").await;
         assert_eq!(r["ready"], false, "{r}");
         assert_eq!(r["transport"]["requested"], "rdma", "{r}");
+        // The built-in engine allocates no pool through the allocator: the report says so.
+        assert!(
+            r["config"]["unused"]
+                .as_array()
+                .is_some_and(|u| u.iter().any(|f| f["field"] == "memory.allocator")),
+            "{r}"
+        );
         let reason = r["reason"].as_str().unwrap_or_default();
         assert!(reason.contains("RDMA"), "{r}");
         assert!(

@@ -10,6 +10,7 @@
 //!   peer set ([`decode::peers`]), the request engine with the spec guard ([`decode::engine`]) and
 //!   the OpenAI-compatible front door ([`decode::front_door`]);
 //! - [`cache`]: one CacheTier store replica (contract 7);
+//! - [`config_use`]: the config fields a role does not act on (logged, in `/report.config`);
 //! - [`store_client`]: the standalone store client that owns the shared-memory segments;
 //! - shared by the roles: [`sim`] (the simulation knobs and the KV layout they imply), [`resolve`]
 //!   (Service names through `$TANDEM_HOSTS_FILE` or DNS), [`signals`] (SIGTERM/SIGINT as a future).
@@ -19,6 +20,7 @@
 //! variant of the binary's `Role` (src/main.rs).
 
 pub mod cache;
+pub mod config_use;
 pub mod decode;
 pub mod prefill;
 pub mod resolve;
@@ -47,6 +49,24 @@ pub fn load_worker_config(
         path,
     ))
     .map_err(|e| RoleError::Failed(e.to_string()))
+}
+
+/// Refuses a config rendered for another role (`tandem-worker prefill` given a decode pool's
+/// config, or the reverse): the config's `role` decides which mechanisms its fields size.
+///
+/// # Errors
+/// [`RoleError::Failed`] naming both roles.
+pub fn check_role(
+    cfg: &crate::config::WorkerConfig,
+    serving: crate::config::WorkerRole,
+) -> Result<(), RoleError> {
+    if cfg.role == serving {
+        return Ok(());
+    }
+    Err(RoleError::Failed(format!(
+        "the config's role is {:?} but this process serves {serving:?}: pass the config rendered for this role",
+        cfg.role
+    )))
 }
 
 /// A multi-threaded tokio runtime for a role.

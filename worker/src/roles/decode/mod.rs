@@ -62,6 +62,7 @@ pub struct Args {
 /// cannot start, or a port cannot be bound.
 pub fn run(args: Args) -> Result<(), RoleError> {
     let cfg = load_worker_config(&args.config)?;
+    super::check_role(&cfg, crate::config::WorkerRole::Decode)?;
     let knobs = SimKnobs::from_env().map_err(|e| RoleError::Failed(e.to_string()))?;
     super::runtime()?.block_on(async move {
         let stop = signals::terminated()
@@ -224,6 +225,7 @@ impl DecodeServer {
             "connecting to prefill peers",
         );
         let transport = super::apply_transport(cfg.transport, &state);
+        super::config_use::apply(cfg, &state);
         state.set_section(
             "release_gate",
             serde_json::json!({"proof": opts.gate_proof.as_str()}),

@@ -68,6 +68,7 @@ pub struct Args {
 /// cannot start, or a port cannot be bound.
 pub fn run(args: Args) -> Result<(), RoleError> {
     let cfg = load_worker_config(&args.config)?;
+    super::check_role(&cfg, crate::config::WorkerRole::Prefill)?;
     let knobs = SimKnobs::from_env().map_err(|e| RoleError::Failed(e.to_string()))?;
     super::runtime()?.block_on(async move {
         let stop = signals::terminated()
@@ -156,6 +157,7 @@ impl PrefillServer {
             Some(_) => seat::engine_layout(cfg, &knobs)?,
         };
         let serving_transport = super::apply_transport(cfg.transport, &state);
+        super::config_use::apply(cfg, &state);
         let refused = serving_transport.refusal().is_some();
         let transport = Arc::new(TcpTransport::new(TcpConfig::default()));
         let rank = ordinal_from_env();

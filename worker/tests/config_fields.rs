@@ -1,0 +1,459 @@
+//! The worker-side field test (issue 13): every leaf of `WorkerConfig` is acted on, refused at
+//! start, or named by the worker as unused — never silently dropped.
+//!
+//! The test walks the leaves of a fully populated config (every optional section set) and requires
+//! a row for each. A row says how the worker treats the field:
+//! - `Derived`: changing the field changes what the worker derives from the config through the
+//!   same functions its roles call at start (KV layout, region pages, pool set, model identity,
+//!   spec-guard thresholds, transport); the probe's output must differ;
+//! - `Refused`: the changed value is refused before anything starts (`WorkerConfig::check`, or
+//!   the role check of `roles::check_role`);
+//! - `Unused`: the worker lists the field in `/report.config.unused` (`roles::config_use`) in the
+//!   mode where it does not act on it; the test requires the listing;
+//! - `Wired`: bound or resolved at start (ports, Service names, pool identity); the row names the
+//!   process test that shows it, and the test checks that test still exists.
+//!
+//! A field added to the config without a row fails [`every_config_leaf_has_a_row`].
+
+use std::collections::BTreeSet;
+
+use serde_json::Value;
+use tandem_worker::config::{
+    EngineKind, EngineSeat, IndexerGeometry, LayerSplit, TransportChoice, WorkerConfig, WorkerRole,
+};
+use tandem_worker::engine_api::identity::{fingerprint, pool_model};
+use tandem_worker::engine_api::pools::roles_configured;
+use tandem_worker::model::{Attention, ModelIdentity};
+use tandem_worker::roles::config_use::unused;
+use tandem_worker::roles::sim::{SimKnobs, region_pages};
+use tandem_worker::spec_guard::Thresholds;
+use tandem_worker::store_client::ClientMode;
+use tandem_worker::transfer::select::for_serving_with;
+
+/// The sample decode config of worker/interfaces with every optional section set.
+fn full(role: WorkerRole) -> WorkerConfig {
+    let text = include_str!("../interfaces/samples/decode-worker.json");
+    let mut c: WorkerConfig = serde_json::from_str(text).unwrap();
+    c.role = role;
+    c.indexer = Some(IndexerGeometry {
+        head_dim: 128,
+        dtype_bytes: 1,
+    });
+    c.memory.indexer_pool_bytes = 64 << 20;
+    c.memory.snapshot_buffer_bytes = 32 << 20;
+    c.memory.segment_bytes = c.memory.target_pool_bytes
+        + c.memory.draft_pool_bytes
+        + c.memory.indexer_pool_bytes
+        + c.memory.snapshot_buffer_bytes;
+    c.parallelism.context = 2;
+    c.layer_split = LayerSplit::contiguous(c.model.layers, 2);
+    c.peers.decode_service = Some("d-peers".into());
+    c.engine = Some(EngineSeat {
+        kind: EngineKind::Simulated,
+        socket_dir: "/run/tandem/engine".into(),
+    });
+    c.check().expect("the full config is valid");
+    c
+}
+
+/// What the worker derives from a config at start, through the functions its roles call.
+fn derived(c: &WorkerConfig) -> String {
+    let knobs = SimKnobs::from_lookup(|_| None).unwrap();
+    let layout = knobs.layout(c);
+    let pools: Vec<_> = roles_configured(c)
+        .into_iter()
+        .map(|r| (r, pool_model(c, r).map(|m| fingerprint(&m))))
+        .collect();
+    format!(
+        "layout {layout:?} pages {} model {} ranks {:?} pools {pools:?} guard {:?} transport {:?}",
+        region_pages(c.memory.target_pool_bytes, layout),
+        fingerprint(&c.model),
+        c.parallelism.ranks_of(1),
+        c.spec_guard.as_ref().map(Thresholds::from),
+        for_serving_with(c.transport, || Err("no device".into())),
+    )
+}
+
+type Mutate = fn(&mut WorkerConfig);
+
+/// Sets a GQA model's KV heads or head width (the attention fields are flattened into the model).
+fn gqa(m: &mut ModelIdentity, heads: Option<u32>, dim: Option<u32>) {
+    if let Attention::Gqa { kv_heads, head_dim } = &mut m.attention {
+        *kv_heads = heads.unwrap_or(*kv_heads);
+        *head_dim = dim.unwrap_or(*head_dim);
+    } else {
+        panic!("the sample models are GQA");
+    }
+}
+
+/// The same KV sizes under multi-head attention.
+fn as_mha(m: &mut ModelIdentity) {
+    if let Attention::Gqa { kv_heads, head_dim } = m.attention {
+        m.attention = Attention::Mha { kv_heads, head_dim };
+    }
+}
+
+enum Row {
+    Derived(Mutate),
+    Refused(Mutate),
+    /// Listed as unused in the builtin mode (`engine` unset) when set.
+    UnusedBuiltin,
+    /// Listed as unused in every mode when set.
+    UnusedAlways,
+    /// Listed as unused by a decode worker when set.
+    UnusedDecode,
+    /// The process test that shows it: (file under worker/tests, test fn).
+    Wired(&'static str, &'static str),
+}
+use Row::*;
+
+fn rows() -> Vec<(&'static str, Row)> {
+    vec![
+        (
+            "apiVersion",
+            Refused(|c| c.api_version = "tandem.dev/worker-config/v0".into()),
+        ),
+        (
+            "role",
+            Refused(|c| {
+                c.role = match c.role {
+                    WorkerRole::Prefill => WorkerRole::Decode,
+                    WorkerRole::Decode => WorkerRole::Prefill,
+                }
+            }),
+        ),
+        (
+            "namespace",
+            Wired(
+                "serve_processes.rs",
+                "streaming_and_plain_completions_through_prefill_and_decode",
+            ),
+        ),
+        (
+            "pool",
+            Wired(
+                "serve_processes.rs",
+                "streaming_and_plain_completions_through_prefill_and_decode",
+            ),
+        ),
+        (
+            "revision",
+            Wired(
+                "serve_processes.rs",
+                "decode_refuses_a_prefill_of_another_revision",
+            ),
+        ),
+        ("model.name", Derived(|c| c.model.name = "other".into())),
+        ("model.layers", Derived(|c| c.model.layers = 40)),
+        (
+            "model.attention",
+            Derived(|c| {
+                as_mha(&mut c.model);
+            }),
+        ),
+        (
+            "model.kv_heads",
+            Derived(|c| gqa(&mut c.model, Some(4), None)),
+        ),
+        (
+            "model.head_dim",
+            Derived(|c| gqa(&mut c.model, None, Some(64))),
+        ),
+        ("model.dtype_bytes", Derived(|c| c.model.dtype_bytes = 1)),
+        (
+            "indexer.headDim",
+            Derived(|c| c.indexer.as_mut().unwrap().head_dim = 64),
+        ),
+        (
+            "indexer.dtypeBytes",
+            Derived(|c| c.indexer.as_mut().unwrap().dtype_bytes = 2),
+        ),
+        ("parallelism.tensor", Derived(|c| c.parallelism.tensor = 2)),
+        (
+            "parallelism.context",
+            Derived(|c| {
+                c.parallelism.context = 1;
+                c.layer_split = None;
+            }),
+        ),
+        ("layerSplit.owners", UnusedAlways),
+        ("memory.allocator", UnusedBuiltin),
+        ("memory.clientMode", UnusedBuiltin),
+        ("memory.registrationFailure", UnusedBuiltin),
+        (
+            "memory.targetPoolBytes",
+            Derived(|c| {
+                c.memory.target_pool_bytes /= 2;
+                c.memory.segment_bytes -= c.memory.target_pool_bytes;
+            }),
+        ),
+        ("memory.draftPoolBytes", UnusedBuiltin),
+        ("memory.indexerPoolBytes", UnusedBuiltin),
+        ("memory.snapshotBufferBytes", UnusedAlways),
+        (
+            "memory.segmentBytes",
+            Refused(|c| c.memory.segment_bytes += 1),
+        ),
+        ("cache.tier", UnusedDecode),
+        ("cache.service", UnusedDecode),
+        ("cache.replicas", UnusedDecode),
+        (
+            "cache.pageTokens",
+            Derived(|c| c.cache.as_mut().unwrap().page_tokens = 256),
+        ),
+        ("cache.writePolicy", UnusedDecode),
+        (
+            "speculative.draftModel.name",
+            Derived(|c| {
+                c.speculative.as_mut().unwrap().draft_model.name = "other-draft".into();
+            }),
+        ),
+        (
+            "speculative.draftModel.layers",
+            Derived(|c| {
+                c.speculative.as_mut().unwrap().draft_model.layers = 16;
+            }),
+        ),
+        (
+            "speculative.draftModel.attention",
+            Derived(|c| {
+                as_mha(&mut c.speculative.as_mut().unwrap().draft_model);
+            }),
+        ),
+        (
+            "speculative.draftModel.kv_heads",
+            Derived(|c| {
+                gqa(
+                    &mut c.speculative.as_mut().unwrap().draft_model,
+                    Some(4),
+                    None,
+                );
+            }),
+        ),
+        (
+            "speculative.draftModel.head_dim",
+            Derived(|c| {
+                gqa(
+                    &mut c.speculative.as_mut().unwrap().draft_model,
+                    None,
+                    Some(64),
+                );
+            }),
+        ),
+        (
+            "speculative.draftModel.dtype_bytes",
+            Derived(|c| {
+                c.speculative.as_mut().unwrap().draft_model.dtype_bytes = 1;
+            }),
+        ),
+        (
+            "speculative.draftTokens",
+            Wired(
+                "serve_spec_guard.rs",
+                "the_guard_aborts_an_anomalous_decode_and_retries_or_refuses",
+            ),
+        ),
+        (
+            "specGuard.minAcceptLength",
+            Derived(|c| c.spec_guard.as_mut().unwrap().min_accept_length = 2.0),
+        ),
+        (
+            "specGuard.maxAcceptRate",
+            Derived(|c| c.spec_guard.as_mut().unwrap().max_accept_rate = 0.5),
+        ),
+        (
+            "specGuard.afterTokens",
+            Derived(|c| c.spec_guard.as_mut().unwrap().after_tokens = 64),
+        ),
+        (
+            "specGuard.retryBudget",
+            Wired(
+                "serve_spec_guard.rs",
+                "the_guard_aborts_an_anomalous_decode_and_retries_or_refuses",
+            ),
+        ),
+        (
+            "transport",
+            Derived(|c| c.transport = TransportChoice::Rdma),
+        ),
+        (
+            "peers.prefillService",
+            Wired(
+                "serve_processes.rs",
+                "streaming_and_plain_completions_through_prefill_and_decode",
+            ),
+        ),
+        (
+            "peers.decodeService",
+            Wired(
+                "serve_processes.rs",
+                "streaming_and_plain_completions_through_prefill_and_decode",
+            ),
+        ),
+        (
+            "ports.control",
+            Wired(
+                "serve_processes.rs",
+                "streaming_and_plain_completions_through_prefill_and_decode",
+            ),
+        ),
+        (
+            "ports.data",
+            Wired(
+                "serve_processes.rs",
+                "streaming_and_plain_completions_through_prefill_and_decode",
+            ),
+        ),
+        (
+            "ports.health",
+            Wired(
+                "serve_processes.rs",
+                "sigterm_turns_readiness_off_finishes_in_flight_work_and_exits_zero",
+            ),
+        ),
+        (
+            "ports.frontDoor",
+            Wired(
+                "serve_processes.rs",
+                "streaming_and_plain_completions_through_prefill_and_decode",
+            ),
+        ),
+        (
+            "engine.kind",
+            Wired(
+                "serve_engine.rs",
+                "requests_are_served_by_the_engine_through_the_engine_api",
+            ),
+        ),
+        (
+            "engine.socketDir",
+            Wired(
+                "serve_engine.rs",
+                "requests_are_served_by_the_engine_through_the_engine_api",
+            ),
+        ),
+    ]
+}
+
+/// Leaf paths of a JSON value (objects recurse; arrays and scalars are leaves).
+fn leaves(v: &Value, prefix: &str, out: &mut BTreeSet<String>) {
+    match v.as_object() {
+        Some(o) => {
+            for (k, v) in o {
+                let p = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                leaves(v, &p, out);
+            }
+        }
+        None => {
+            out.insert(prefix.to_owned());
+        }
+    }
+}
+
+#[test]
+fn every_config_leaf_has_a_row() {
+    let mut all = BTreeSet::new();
+    leaves(
+        &serde_json::to_value(full(WorkerRole::Decode)).unwrap(),
+        "",
+        &mut all,
+    );
+    let covered: BTreeSet<String> = rows().iter().map(|(p, _)| (*p).to_owned()).collect();
+    let missing: Vec<_> = all.difference(&covered).collect();
+    let stale: Vec<_> = covered.difference(&all).collect();
+    assert!(
+        missing.is_empty(),
+        "config fields without a row: {missing:?}"
+    );
+    assert!(
+        stale.is_empty(),
+        "rows for fields the config no longer has: {stale:?}"
+    );
+}
+
+fn unused_names(c: &WorkerConfig) -> String {
+    unused(c)
+        .iter()
+        .map(|u| u.field)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[test]
+fn every_field_is_acted_on_refused_or_named_unused() {
+    let tests_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
+    for role in [WorkerRole::Decode, WorkerRole::Prefill] {
+        let base = full(role);
+        let mut builtin = base.clone();
+        builtin.engine = None;
+        for (path, row) in rows() {
+            match row {
+                Derived(m) => {
+                    let mut c = base.clone();
+                    m(&mut c);
+                    assert_ne!(
+                        derived(&base),
+                        derived(&c),
+                        "{path}: changing it changes nothing"
+                    );
+                }
+                Refused(m) => {
+                    let mut c = base.clone();
+                    m(&mut c);
+                    let refused =
+                        c.check().is_err() || tandem_worker::roles::check_role(&c, role).is_err();
+                    assert!(refused, "{path}: the changed value is accepted");
+                }
+                UnusedBuiltin => {
+                    let names = unused_names(&builtin);
+                    assert!(
+                        names.contains(path),
+                        "{path}: builtin mode lists only [{names}]"
+                    );
+                    assert!(
+                        !unused_names(&base).contains(path),
+                        "{path}: listed unused behind the engine API too"
+                    );
+                }
+                UnusedAlways => {
+                    let p = path.split('.').next().unwrap();
+                    assert!(unused_names(&base).contains(p), "{path} not listed");
+                    assert!(unused_names(&builtin).contains(p), "{path} not listed");
+                }
+                UnusedDecode => {
+                    let names = unused_names(&base);
+                    assert_eq!(
+                        names.contains(path),
+                        role == WorkerRole::Decode,
+                        "{path} ({role:?}): [{names}]"
+                    );
+                }
+                Wired(file, test) => {
+                    let src = std::fs::read_to_string(tests_dir.join(file))
+                        .unwrap_or_else(|e| panic!("{path}: {file}: {e}"));
+                    assert!(src.contains(test), "{path}: {file} lacks {test}");
+                }
+            }
+        }
+    }
+}
+
+/// The rows' mutations are real: each Derived field's probe would be blind if the worker's
+/// derivation ignored it (negative control of the probe: a field the worker does not read, the
+/// snapshot buffer, changes nothing derived).
+#[test]
+fn the_probe_does_not_see_fields_the_worker_ignores() {
+    let base = full(WorkerRole::Prefill);
+    let mut c = base.clone();
+    c.memory.snapshot_buffer_bytes *= 2;
+    c.memory.segment_bytes += base.memory.snapshot_buffer_bytes;
+    assert_eq!(derived(&base), derived(&c));
+    assert!(unused_names(&c).contains("memory.snapshotBufferBytes"));
+    let mut standalone = base.clone();
+    standalone.memory.client_mode = Some(ClientMode::Embedded);
+    assert!(standalone.check().is_ok());
+}
