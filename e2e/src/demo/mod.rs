@@ -210,7 +210,19 @@ pub fn load_workload(
 /// model's real KV geometry (llama-3-70b, 320 KiB per token) would make a 12k-token prompt move
 /// 4 GB through a 1 GiB host pool on a 2-core machine; 1 KiB per token keeps every mechanism
 /// (pages, transfer, tiers, loadback) exercised at a size the machine can replay in real time.
-pub const DEFAULT_POD_ENV: [&str; 1] = ["TANDEM_SIM_KV_BYTES_PER_TOKEN=1024"];
+///
+/// The decode side runs seed 004's setting: a KV deadline of 300 ms plus 30 µs per prompt token
+/// (1.5 × the simulated prefill's 20 µs per token), so a prefill computing at its usual speed always
+/// makes it and a request that queued too long in front of a busy prefill is aborted — while the
+/// prefill may still be writing its KV — and retried by the client. The release gate runs
+/// ack-only (the proof rule RDMA needs): an aborted room's pages come back only on the prefill's
+/// ack. The report's `aborts` line counts them; corrupt pages must stay 0.
+pub const DEFAULT_POD_ENV: [&str; 4] = [
+    "TANDEM_SIM_KV_BYTES_PER_TOKEN=1024",
+    "TANDEM_DECODE_GATE_PROOF=ack-only",
+    "TANDEM_DECODE_KV_DEADLINE_MS=300",
+    "TANDEM_DECODE_KV_DEADLINE_US_PER_TOKEN=30",
+];
 
 /// `DEFAULT_POD_ENV` overridden by the user's `K=V` entries (same key: the user's wins), then the
 /// user's other entries, in order.
@@ -683,15 +695,15 @@ mod tests {
 
     #[test]
     fn pod_env_defaults_yield_to_the_user() {
-        assert_eq!(
-            effective_pod_env(&[]),
-            vec!["TANDEM_SIM_KV_BYTES_PER_TOKEN=1024".to_owned()]
-        );
+        assert_eq!(effective_pod_env(&[]), DEFAULT_POD_ENV.map(str::to_owned));
         let user = vec![
             "TANDEM_SIM_KV_BYTES_PER_TOKEN=8".to_owned(),
             "TANDEM_SIM_TPOT_MS=1".to_owned(),
         ];
-        assert_eq!(effective_pod_env(&user), user);
+        let env = effective_pod_env(&user);
+        assert!(!env.contains(&"TANDEM_SIM_KV_BYTES_PER_TOKEN=1024".to_owned()));
+        assert_eq!(env[env.len() - 2..], user[..], "{env:?}");
+        assert!(env.contains(&"TANDEM_DECODE_GATE_PROOF=ack-only".to_owned()));
     }
 
     #[test]
