@@ -10,6 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use tandem_e2e::cluster::{self, BuildMode, ClusterConfig, Ports, client_for};
 use tandem_e2e::demo::DemoOptions;
 use tandem_e2e::replay::ReplayConfig;
+use tandem_e2e::replay::driver::AbortProbe;
 use tandem_e2e::replay::targets::{
     TargetSet, decode_selector, discover_front_doors, spawn_discovery,
 };
@@ -69,6 +70,14 @@ struct WorkloadArgs {
     /// Model name sent in each request.
     #[arg(long, default_value = "llama-3-70b")]
     model: String,
+    /// Seed 004's abort probe: the first attempt of every N-th request carries a KV deadline
+    /// shorter than its prefill (`--abort-deadline-ms`), so the decode aborts the room while its KV
+    /// is being written; the client retries it without. 0 turns the probe off.
+    #[arg(long, default_value_t = 10)]
+    abort_every: usize,
+    /// The abort probe's KV deadline, in ms (≥ 1).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    abort_deadline_ms: u64,
 }
 
 impl WorkloadArgs {
@@ -78,6 +87,10 @@ impl WorkloadArgs {
             time_scale: self.time_scale,
             concurrency_limit: self.concurrency_limit,
             retry_budget: self.retry_budget,
+            abort_probe: (self.abort_every > 0).then_some(AbortProbe {
+                every: self.abort_every,
+                kv_deadline_ms: self.abort_deadline_ms,
+            }),
             ..ReplayConfig::default()
         }
     }

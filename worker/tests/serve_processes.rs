@@ -195,6 +195,27 @@ async fn the_kv_deadline_grows_with_the_prompt() {
         .await;
         assert_eq!(code, want, "decode {id}: {}", text(&frames));
     }
+    // A request's own `kv_deadline_ms` (the demo's abort probe) shortens the spared decode's
+    // deadline for that request only; 0 is refused.
+    let front = w.addr(9, w.ports.front);
+    let mut probe = completion(1024, 2, false);
+    probe["kv_block_hashes"] = serde_json::json!([41, 42]);
+    probe["kv_deadline_ms"] = serde_json::json!(50);
+    let (code, frames) = http(front, "POST", "/v1/completions", Some(probe.clone())).await;
+    assert_eq!(code, 503, "{}", text(&frames));
+    assert!(
+        text(&frames).contains("kv_deadline_exceeded"),
+        "{}",
+        text(&frames)
+    );
+    probe["kv_deadline_ms"] = serde_json::json!(0);
+    let (code, frames) = http(front, "POST", "/v1/completions", Some(probe)).await;
+    assert_eq!(code, 400, "{}", text(&frames));
+    assert!(
+        text(&frames).contains("kv_deadline_ms"),
+        "{}",
+        text(&frames)
+    );
 }
 
 /// Runs the KV-deadline abort of seed 004 with the given gate proof on loopback net `net`; returns

@@ -37,6 +37,28 @@ pub struct ReplayConfig {
     pub backoff_max: Duration,
     /// One attempt's deadline (connect to `[DONE]`).
     pub attempt_timeout: Duration,
+    /// Induces seed 004's race on a known fraction of requests (None: off).
+    pub abort_probe: Option<AbortProbe>,
+}
+
+/// Seed 004's race, induced on purpose: the first attempt of every `every`-th request carries a
+/// KV deadline of `kv_deadline_ms` — shorter than its prefill takes — so the decode aborts the room
+/// while the prefill may still be computing and writing its pages, and the release gate must keep
+/// the pages until the prefill's ack. The 503 `kv_deadline_exceeded` is retried like any 503, without
+/// the deadline, so no request is lost to the probe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AbortProbe {
+    /// Every N-th request (N ≥ 1; request indexes N−1, 2N−1, …).
+    pub every: usize,
+    /// The probe attempt's KV deadline, in ms (≥ 1).
+    pub kv_deadline_ms: u64,
+}
+
+impl AbortProbe {
+    /// Whether request `index` (0-based) is probed.
+    pub fn probes(&self, index: usize) -> bool {
+        self.every > 0 && index % self.every == self.every - 1
+    }
 }
 
 impl Default for ReplayConfig {
@@ -49,6 +71,7 @@ impl Default for ReplayConfig {
             backoff_base: Duration::from_millis(100),
             backoff_max: Duration::from_secs(2),
             attempt_timeout: Duration::from_secs(120),
+            abort_probe: None,
         }
     }
 }
@@ -241,7 +264,14 @@ async fn one_request(
     req: &TraceRequest,
     scheduled_ms: f64,
 ) -> RequestResult {
-    let body = CompletionRequest::from_trace(&config.model, req);
+    let plain = CompletionRequest::from_trace(&config.model, req);
+    let probe = config
+        .abort_probe
+        .filter(|p| p.probes(index))
+        .map(|p| CompletionRequest {
+            kv_deadline_ms: Some(p.kv_deadline_ms.max(1)),
+            ..plain.clone()
+        });
     let sent_ms = clock.ms();
     let mut errors = Vec::new();
     let mut attempts = 0;
@@ -251,13 +281,18 @@ async fn one_request(
             tokio::time::sleep(backoff(attempts, config.backoff_base, config.backoff_max)).await;
         }
         attempts += 1;
+        // The probe's deadline rides on the first attempt only.
+        let body = match (&probe, attempts) {
+            (Some(p), 1) => p,
+            _ => &plain,
+        };
         match attempt(
             http,
             targets,
             config,
             clock,
             index + attempts as usize - 1,
-            &body,
+            body,
         )
         .await
         {
@@ -398,4 +433,23 @@ async fn stream_completion(
         target: target.to_owned(),
         events,
     })
+}
+
+#[cfg(test)]
+mod abort_probe_tests {
+    use super::AbortProbe;
+
+    #[test]
+    fn the_probe_picks_every_nth_request() {
+        let p = AbortProbe {
+            every: 10,
+            kv_deadline_ms: 30,
+        };
+        let picked: Vec<usize> = (0..35).filter(|i| p.probes(*i)).collect();
+        assert_eq!(picked, [9, 19, 29]);
+        let all = AbortProbe { every: 1, ..p };
+        assert!((0..5).all(|i| all.probes(i)));
+        let off = AbortProbe { every: 0, ..p };
+        assert!(!(0..5).any(|i| off.probes(i)));
+    }
 }

@@ -23,6 +23,10 @@ pub struct CompletionRequest {
     pub input_tokens: u32,
     /// Prefix identity (the trace's `hash_ids`).
     pub kv_block_hashes: Vec<u64>,
+    /// This attempt's KV deadline in ms (Tandem extension; unset: the worker's own). Set only on
+    /// the first attempt of an abort probe ([`super::driver::AbortProbe`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_deadline_ms: Option<u64>,
 }
 
 impl CompletionRequest {
@@ -35,6 +39,7 @@ impl CompletionRequest {
             stream: true,
             input_tokens: r.input_length,
             kv_block_hashes: r.hash_ids.clone(),
+            kv_deadline_ms: None,
         }
     }
 }

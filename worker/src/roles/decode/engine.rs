@@ -553,6 +553,7 @@ impl DecodeEngine {
         input_tokens: u32,
         output_tokens: u32,
         kv_block_hashes: Vec<u64>,
+        kv_deadline: Option<Duration>,
         avoid: &[String],
     ) -> Result<(Prefilled, KvLease), RequestError> {
         let spec = pb::RequestSpec {
@@ -563,8 +564,8 @@ impl DecodeEngine {
         };
         let hashes = &spec.hash_ids;
         let c = &self.state.counters;
-        let kv_deadline =
-            self.kv_deadline + self.kv_deadline_per_token.saturating_mul(spec.input_tokens);
+        let ours = self.kv_deadline + self.kv_deadline_per_token.saturating_mul(spec.input_tokens);
+        let kv_deadline = kv_deadline.map_or(ours, |d| d.min(ours));
         let mut tried: Vec<String> = Vec::new();
         let mut last_error = None;
         for attempt in 0..=self.retry_budget {

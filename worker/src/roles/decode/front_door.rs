@@ -2,7 +2,8 @@
 //!
 //! - `POST /v1/completions`: body `model`, `prompt` (string, array of strings, or array of token
 //!   ids), `max_tokens` (default 16), `stream`, and the Tandem extensions `kv_block_hashes` (prefix
-//!   identity, one hash per 512-token block) and `input_tokens` (prompt length to simulate).
+//!   identity, one hash per 512-token block), `input_tokens` (prompt length to simulate) and
+//!   `kv_deadline_ms` (this request's KV deadline, capped at the worker's).
 //!   Unknown OpenAI fields (`temperature`, …) are accepted and ignored; `model` is echoed as the
 //!   served model. Streaming: one `data:` event per generated token (the first marks TTFT; it is
 //!   sent as soon as the KV is in), a last event with `finish_reason: "length"`, `usage` and the
@@ -31,7 +32,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Bytes;
@@ -97,6 +98,12 @@ pub struct CompletionRequest {
     /// Prompt length to simulate when the prompt is a placeholder.
     #[serde(default)]
     pub input_tokens: Option<u32>,
+    /// This request's KV deadline in milliseconds (Tandem extension; ≥ 1), capped at the worker's
+    /// own (`TANDEM_DECODE_KV_DEADLINE_*`): past it the room is aborted through the release gate
+    /// (seed 004) and the request fails with 503 `kv_deadline_exceeded`. The demo sets it on a
+    /// known fraction of first attempts to induce aborts while KV writes are in flight.
+    #[serde(default)]
+    pub kv_deadline_ms: Option<u64>,
 }
 
 impl CompletionRequest {
@@ -380,6 +387,13 @@ async fn completions(
             format!("max_tokens {max_tokens} exceeds {MAX_TOKENS_LIMIT}"),
         );
     }
+    if req.kv_deadline_ms == Some(0) {
+        return invalid(
+            "malformed",
+            Some("kv_deadline_ms"),
+            "kv_deadline_ms must be at least 1",
+        );
+    }
     let prompt_tokens = req.prompt_tokens();
     // A prompt the whole pool cannot hold is the client's error for good (400), not "full now".
     if let Err(e) = engine.check_context(prompt_tokens) {
@@ -407,6 +421,7 @@ async fn completions(
                 prompt_tokens,
                 max_tokens,
                 req.kv_block_hashes.clone(),
+                req.kv_deadline_ms.map(Duration::from_millis),
                 &avoid,
             )
             .await
