@@ -17,7 +17,10 @@ cd "$(dirname "$0")/../.."
 python=${PYTHON:-python3}
 command -v "$python" >/dev/null || { echo "python-venv: $python not found" >&2; exit 1; }
 req=worker/python/requirements.txt
-key=$({ cat "$req"; "$python" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
+# The SGLang release the adapter is written against: its wheel (~39 MB, not installed: it needs torch)
+# is kept in the venv for the contract test, which reads its source (tests/test_sglang_contract.py).
+sglang_pin=sglang==0.5.23
+key=$({ cat "$req"; echo "$sglang_pin"; "$python" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
 root="${TANDEM_PY_VENV_ROOT:-$HOME/.cache/tandem}"
 venv="$root/python-venv-$key"
 py="$venv/bin/python"
@@ -27,6 +30,7 @@ if ! [[ -x $py && -e $venv/.complete ]]; then
   mkdir -p "$root"
   "$python" -m venv "$venv" >&2
   "$py" -m pip install --quiet --disable-pip-version-check --no-input -r "$req" >&2
+  "$py" -m pip download --quiet --disable-pip-version-check --no-input --no-deps "$sglang_pin" -d "$venv/wheels" >&2
   touch "$venv/.complete"
 fi
 "$py" -m pip install --quiet --disable-pip-version-check --no-input --no-deps --no-build-isolation \
