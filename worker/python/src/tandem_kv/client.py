@@ -157,10 +157,19 @@ class EngineClient:
             raise errors.from_rpc_error(e, method) from None
 
     def stream(self, stub, method: str, request, timeout=None):
-        """Iterates a server stream with a deadline (`timeout` seconds for the whole stream); typed
-        exceptions on failure, also mid-stream. `CallTimeout`/`DeadlineExceeded` end a stream whose
-        deadline passed."""
+        """Starts a server stream with a deadline (`timeout` seconds for the whole stream) and
+        returns an iterator of its messages once the worker has accepted it (its headers came).
+        Typed exceptions on failure, at the start or mid-stream; `CallTimeout`/`DeadlineExceeded`
+        end a stream whose deadline passed."""
         call = getattr(stub, method)(request, timeout=self._t(timeout))
+        try:
+            call.initial_metadata()  # waits for the headers or the end, within the deadline
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e, method) from None
+        return self._iterate(call, method)
+
+    @staticmethod
+    def _iterate(call, method):
         try:
             for item in call:
                 yield item
