@@ -142,3 +142,12 @@ def test_a_hung_worker_costs_at_most_the_timeout(worker, backend):
     finally:
         worker.signal(signal.SIGCONT)
     until(lambda: backend._session() is not None, 10, "re-attach once the worker runs again")
+
+
+def test_calls_before_registration_are_misses(worker, backend):
+    keys = chain_keys(2)
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_set_v1(keys, indices([0, 1])) == [False, False]
+    assert backend.batch_get_v1(keys, indices([0, 1])) == [False, False]
+    assert backend.batch_get_v1([], []) == [] and backend.batch_exists([]) == 0
+    assert backend.client.health().attach_id == 0

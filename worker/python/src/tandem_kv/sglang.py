@@ -296,6 +296,8 @@ class TandemHiCacheStorage(_Base):
         """Stores each page; a list of bools (True: the worker holds the page)."""
         keys = list(keys)
         out = [False] * len(keys)
+        if self.mem_pool_host is None or not keys:
+            return out
         try:
             spans = self._pages(keys, host_indices)
 
@@ -328,6 +330,8 @@ class TandemHiCacheStorage(_Base):
         """Loads the leading pages present into the host pool; a list of bools (True: loaded)."""
         keys = list(keys)
         out = [False] * len(keys)
+        if self.mem_pool_host is None or not keys:
+            return out
         try:
             spans = self._pages(keys, host_indices)
 
