@@ -69,7 +69,8 @@ export TANDEM_REQUIRE_DATA=1
 step "cargo test --workspace (unit, integration, cluster suites)"
 cargo test --workspace
 
-# The venv comes from PyPI once (~15 s, ~70 MB), then from ~/.cache/tandem (instant); the tests start
+# The venv comes from PyPI once (~50 s cold, 105 MB with the SGLang wheel the contract test reads),
+# then from ~/.cache/tandem (the package is reinstalled from the checkout, ~3 s); the tests (~10 s) start
 # the tandem-worker binary the workspace tests just built (before the feature builds below rebuild it).
 step "tandem-kv: the Python client of the engine API and the SGLang backend against a real tandem-worker"
 py=$(bash worker/tools/python-venv.sh)
