@@ -151,3 +151,43 @@ def test_negative_control_a_corrupt_copy_is_detected(tmp_path, monkeypatch):
     finally:
         b.close()
         f.stop()
+
+
+def test_concurrent_prefetch_and_backup_threads_do_not_mix_pages(tmp_path):
+    """SGLang calls batch_get_v1 (prefetch thread) and batch_set_v1 (backup thread) at once; both
+    go through the same staging pages, so each batch must still read back its own bytes."""
+    import threading
+
+    f = FakeWorker(str(tmp_path / "s"), pages=2).start()
+    pool = HostPool(16)
+    b = backend_on(f.dir, pool)
+    try:
+        pool.fill("concurrent")
+        base = chain_keys(4, salt=40)
+        assert b.batch_set_v1(base, indices(range(4))) == [True] * 4
+        want = [pool.page_bytes(p) for p in range(4)]
+        errs = []
+
+        def backup():
+            for i in range(10):
+                keys = chain_keys(4, salt=100 + i)
+                if b.batch_set_v1(keys, indices(range(4, 8))) != [True] * 4:
+                    errs.append(f"set {i}")
+
+        def prefetch():
+            for i in range(10):
+                dst = list(range(8 + (i % 2) * 4, 12 + (i % 2) * 4))
+                if b.batch_get_v1(base, indices(dst)) != [True] * 4:
+                    errs.append(f"get {i}")
+                elif [pool.page_bytes(p) for p in dst] != want:
+                    errs.append(f"bytes {i}")
+
+        ts = [threading.Thread(target=backup), threading.Thread(target=prefetch)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert not any(t.is_alive() for t in ts) and errs == []
+    finally:
+        b.close()
+        f.stop()

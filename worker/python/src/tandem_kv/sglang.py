@@ -106,6 +106,9 @@ class TandemHiCacheStorage(_Base):
         self._attached = None
         self._retry_at = 0.0
         self._lock = threading.RLock()
+        # SGLang's prefetch and backup threads call concurrently: the staging pages are one
+        # resource, so the calls that use them (Store, Load and their copies) run one at a time.
+        self._staging_lock = threading.Lock()
         self._last_log = {}
         self.stats = {"attaches": 0, "lost": 0, "stored": 0, "loaded": 0, "lookups": 0, "refused": 0}
 
@@ -228,15 +231,19 @@ class TandemHiCacheStorage(_Base):
 
     # -- calls with the failure contract ---------------------------------------------------------
 
-    def _call(self, f, *args):
-        """Runs f(att, *args) on the live attach; re-attaches once after NotAttached (a restarted
-        worker). Returns (ok, value): ok False when the worker cannot serve it now."""
+    def _call(self, f, staging=True):
+        """Runs f(att) on the live attach (holding the staging pages unless `staging` is False);
+        re-attaches once after NotAttached (a restarted worker). Returns (ok, value): ok False when
+        the worker cannot serve it now."""
         for attempt in (0, 1):
             att = self._session()
             if att is None:
                 return False, None
             try:
-                return True, f(att, *args)
+                if not staging:
+                    return True, f(att)
+                with self._staging_lock:
+                    return True, f(att)
             except _LOST as e:
                 self._drop(e)
                 if not isinstance(e, errors.NotAttached) or attempt:
@@ -283,7 +290,7 @@ class TandemHiCacheStorage(_Base):
                         break
                 return total
 
-            ok, n = self._call(run)
+            ok, n = self._call(run, staging=False)
             return int(n) if ok else 0
         except Exception as e:  # never into SGLang's threads
             self._log("exists", "tandem: batch_exists failed: %r", e)
