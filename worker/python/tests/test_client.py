@@ -127,15 +127,34 @@ def test_one_engine_at_a_time_and_claims_are_checked(worker, client):
     assert e.value.reason in ("ALREADY_CLAIMED", "NOT_ATTACHED")
 
 
-def test_tier_calls_map_tier_unavailable(worker, client):
-    # This worker has no CacheTier (`cache: null`): the Tiers calls answer TIER_UNAVAILABLE.
+def test_tier_calls_are_typed_and_round_trip_when_wired(worker, client):
     a = client.attach(ident())
     try:
         h = [b"\x00\x01\x02\x03\x04\x05\x06\x07"]
-        for call in (lambda: client.lookup(a.id, h), lambda: client.store(a.id, h, [0]), lambda: client.load(a.id, h, [0])):
-            with pytest.raises(errors.TierUnavailable) as e:
-                call()
-            assert e.value.reason == "TIER_UNAVAILABLE" and e.value.code.name == "FAILED_PRECONDITION"
+        # A pool this attach does not have: refused as malformed, typed, before any tier is asked.
+        with pytest.raises(errors.Malformed) as e:
+            client.load(a.id, h, [0], pools=[pb.POOL_KIND_DRAFT])
+        assert e.value.field == "pools[0]"
+        try:
+            client.lookup(a.id, h)
+        except errors.TierUnavailable as e:
+            # A worker build without the Tiers calls wired (main at this commit): every tier call
+            # says so, typed.
+            assert e.reason == "TIER_UNAVAILABLE" and e.code.name == "FAILED_PRECONDITION"
+            for call in (lambda: client.store(a.id, h, [0]), lambda: client.load(a.id, h, [0])):
+                with pytest.raises(errors.TierUnavailable):
+                    call()
+            return
+        # Wired: Store copies the page, Lookup finds it, Load writes it back into another page.
+        p = a.pool()
+        data = bytes((i * 7 + 3) & 0xFF for i in range(p.page_bytes))
+        p.write_page(2, data)
+        assert client.store(a.id, h, [2]).pages == 1
+        assert sum(t.pages for t in client.lookup(a.id, h + [b"\xff" * 8]).hits) == 1
+        events = client.load(a.id, h, [5])
+        assert events[-1].WhichOneof("event") == "done" and events[-1].done.pages == 1
+        assert {(e.layer.layer) for e in events if e.WhichOneof("event") == "layer"} == set(range(p.layers))
+        assert p.read_page(5) == data
     finally:
         a.close()
 

@@ -1,6 +1,7 @@
 """TandemHiCacheStorage inside real SGLang 0.5.23 classes: the dynamic factory
 (`StorageBackendFactory.create_backend("dynamic", cfg, None)`), a real `MHATokenToKVPoolHost` on CPU
-with the `shm` allocator, torch tensors as host indices.
+with the `shm` allocator, torch tensors as host indices: a byte-identical round trip per layout
+against the fake engine API and, when its build serves the Tiers calls, a real worker (net 135).
 
 Needs torch and SGLang, which CI's venv does not have (a cold torch + sglang venv took 428 s and
 6.0 GB here, over the 5-minute budget): the module skips without them. Run it by hand in a venv with
@@ -55,14 +56,27 @@ def spans_bytes(host, idx):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_real_factory_and_host_pool_round_trip(tmp_path, layout):
-    f = FakeWorker(str(tmp_path / "s"), pages=3).start()
+@pytest.mark.parametrize("kind", ["fake", "worker"])
+def test_real_factory_and_host_pool_round_trip(tmp_path, make_worker, kind, layout):
+    if kind == "fake":
+        f = FakeWorker(str(tmp_path / "s"), pages=3).start()
+        sock = f.dir
+    else:
+        f = None
+        sock = make_worker(135).socket_dir
     host = host_pool(layout)
-    b = backend(f.dir, layout)
+    b = backend(sock, layout)
     try:
         b.register_mem_pool_host(host)
         b.on_host_pools_registered()
         assert b._attached is not None
+        if kind == "worker":
+            from tandem_kv import errors
+
+            try:
+                b.client.lookup(b._attached.id, [b"\0" * 8])
+            except errors.TierUnavailable:
+                pytest.skip("this worker build answers TIER_UNAVAILABLE (Tiers not wired yet)")
         host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape).to(host.kv_buffer.dtype))
         idx = torch.arange(5 * PS, dtype=torch.int64)
         want = spans_bytes(host, idx)
@@ -74,7 +88,8 @@ def test_real_factory_and_host_pool_round_trip(tmp_path, layout):
         assert spans_bytes(host, idx) == want
     finally:
         b.close()
-        f.stop()
+        if f:
+            f.stop()
 
 
 def test_real_host_pool_attaches_to_a_real_worker(make_worker):
