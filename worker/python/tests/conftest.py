@@ -58,7 +58,7 @@ def worker_config(ports, engine_kind="SGLang", model=MODEL, pool_bytes=8 << 20, 
         "layerSplit": None,
         "memory": {
             "allocator": "SharedMemory",
-            "clientMode": None,
+            "clientMode": "Embedded" if cache else None,
             "registrationFailure": "failClosed",
             "targetPoolBytes": pool_bytes,
             "draftPoolBytes": 0,
@@ -77,16 +77,20 @@ def worker_config(ports, engine_kind="SGLang", model=MODEL, pool_bytes=8 << 20, 
 
 
 class Worker:
-    """One `tandem-worker prefill` process: `start()`, `kill()` (SIGKILL), `stop()`, `restart()`."""
+    """One `tandem-worker <role>` process (`prefill` by default; `cache` with `config_file=
+    "tier.json"`): `start()`, `kill()` (SIGKILL), `stop()`, `restart()`. `hosts` lines are added to
+    the test's hosts file (name resolution of the worker's peers)."""
 
-    def __init__(self, base: Path, net: int, host: int, config: dict):
+    def __init__(self, base: Path, net: int, host: int, config: dict, role="prefill", config_file="worker.json", names=("prefill.svc",)):
         self.root = base / f"root-{host}"
         self.ip = f"127.0.{net}.{host}"
         self.config = config
+        self.role, self.config_file = role, config_file
         self.hosts = base / "hosts"
-        self.hosts.write_text(f"{self.ip} prefill.svc\n")
+        with open(self.hosts, "a") as f:
+            f.writelines(f"{self.ip} {n}\n" for n in names)
         self.proc = None
-        self.log = base / f"worker-{host}.log"
+        self.log = base / f"{role}-{host}.log"
 
     @property
     def socket_dir(self) -> str:
@@ -96,18 +100,18 @@ class Worker:
         etc = self.root / "etc" / "tandem"
         etc.mkdir(parents=True, exist_ok=True)
         (self.root / "dev" / "shm").mkdir(parents=True, exist_ok=True)
-        (etc / "worker.json").write_text(json.dumps(self.config))
+        (etc / self.config_file).write_text(json.dumps(self.config))
         env = dict(
             os.environ,
             TANDEM_ROOT=str(self.root),
             TANDEM_HOSTS_FILE=str(self.hosts),
             POD_IP=self.ip,
-            POD_NAME="prefill-g0-1",
+            POD_NAME=f"{self.role}-g0-1",
             RUST_LOG="info",
         )
         log = open(self.log, "ab")
         self.proc = subprocess.Popen(
-            [worker_bin(), "prefill", "--config", "/etc/tandem/worker.json"],
+            [worker_bin(), self.role, "--config", f"/etc/tandem/{self.config_file}"],
             env=env,
             stdout=subprocess.PIPE,
             stderr=log,
@@ -120,6 +124,8 @@ class Worker:
         if not line or not line[0].startswith(b"listening on "):
             self.kill()
             raise RuntimeError(f"worker did not start within {within}s: {line!r}; log {self.log}")
+        if self.role != "prefill":
+            return self
         sock = Path(self.socket_dir) / "engine.sock"
         end = time.monotonic() + within
         while not sock.exists():
@@ -174,6 +180,12 @@ def make_worker(tmp_path, request):
         made.append(w)
         return w
 
+    def make_cache(net: int, host: int, config: dict, names):
+        w = Worker(tmp_path, net, host, config, role="cache", config_file="tier.json", names=names).start()
+        made.append(w)
+        return w
+
+    make.cache = make_cache
     yield make
     for w in made:
         if w.proc and w.proc.poll() is None and w.proc.returncode is None:
