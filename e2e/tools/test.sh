@@ -7,7 +7,8 @@
 # formatting, clippy with warnings denied, the whole workspace's tests (cluster suites included),
 # the CRD drift check, clippy of the `cuda` and `rdma` features and the `cuda` host-side tests, and
 # the negative controls behind the `negative-controls` feature, and the Mooncake rows of
-# `tandem-bench transfer --against mooncake` (a cached venv from PyPI).
+# `tandem-bench transfer --against mooncake` (a cached venv from PyPI), and the Python client's tests
+# (worker/python, a cached venv from PyPI).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -67,6 +68,13 @@ export TANDEM_REQUIRE_DATA=1
 
 step "cargo test --workspace (unit, integration, cluster suites)"
 cargo test --workspace
+
+# The venv comes from PyPI once (~50 s cold, 105 MB with the SGLang wheel the contract test reads),
+# then from ~/.cache/tandem (the package is reinstalled from the checkout, ~3 s); the tests (~10 s) start
+# the tandem-worker binary the workspace tests just built (before the feature builds below rebuild it).
+step "tandem-kv: the Python client of the engine API and the SGLang backend against a real tandem-worker"
+py=$(bash worker/tools/python-venv.sh)
+TANDEM_WORKER_BIN="$PWD/target/debug/tandem-worker" "$py" -m pytest -q -p no:cacheprovider worker/python/tests
 
 step "CRDs in charts/tandem/crds match the types"
 cargo run --quiet -p tandem-crds --bin crdgen -- --check

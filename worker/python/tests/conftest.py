@@ -1,0 +1,196 @@
+"""A real `tandem-worker prefill` for the tests, started the way a pod runs it.
+
+The binary is `$TANDEM_WORKER_BIN`, else `<repo>/target/debug/tandem-worker` (built by `cargo build
+-p tandem-worker` / `cargo test`); a missing binary fails the tests (never a skip). Each test module
+takes its own loopback net (127.0.131–139.x); each worker gets its own `$TANDEM_ROOT`, and its
+engine sockets live in `<root>/run/tandem/engine`. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+SOCKET_DIR = "/run/tandem/engine"
+
+# 8 layers x 64 B per token and layer (1 KV head of 16 elements, K and V, 2 B): 512-token pages of
+# 256 KiB; a 8 MiB pool holds 32 pages.
+MODEL = {"name": "tiny-8l", "layers": 8, "attention": "gqa", "kv_heads": 1, "head_dim": 16, "dtype_bytes": 2}
+PAGE_TOKENS = 512
+
+
+def worker_bin() -> str:
+    b = os.environ.get("TANDEM_WORKER_BIN") or str(REPO / "target" / "debug" / "tandem-worker")
+    if not os.access(b, os.X_OK):
+        pytest.fail(f"tandem-worker binary not found at {b}: run `cargo build -p tandem-worker` or set TANDEM_WORKER_BIN")
+    return b
+
+
+def free_ports(n: int):
+    held = [socket.socket() for _ in range(n)]
+    for s in held:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in held]
+    for s in held:
+        s.close()
+    return ports
+
+
+def worker_config(ports, engine_kind="SGLang", model=MODEL, pool_bytes=8 << 20, cache=None):
+    return {
+        "apiVersion": "tandem.dev/worker-config/v1",
+        "role": "prefill",
+        "namespace": "serving",
+        "pool": "p",
+        "revision": "r1",
+        "model": model,
+        "indexer": None,
+        "parallelism": {"tensor": 1, "context": 1},
+        "layerSplit": None,
+        "memory": {
+            "allocator": "SharedMemory",
+            "clientMode": "Embedded" if cache else None,
+            "registrationFailure": "failClosed",
+            "targetPoolBytes": pool_bytes,
+            "draftPoolBytes": 0,
+            "indexerPoolBytes": 0,
+            "snapshotBufferBytes": 0,
+            "segmentBytes": pool_bytes,
+        },
+        "cache": cache,
+        "speculative": None,
+        "specGuard": None,
+        "transport": "tcp",
+        "peers": {"prefillService": "prefill.svc", "decodeService": None},
+        "ports": {"control": ports[0], "data": ports[1], "health": ports[2], "frontDoor": None},
+        "engine": {"kind": engine_kind, "socketDir": SOCKET_DIR},
+    }
+
+
+class Worker:
+    """One `tandem-worker <role>` process (`prefill` by default; `cache` with `config_file=
+    "tier.json"`): `start()`, `kill()` (SIGKILL), `stop()`, `restart()`. `hosts` lines are added to
+    the test's hosts file (name resolution of the worker's peers)."""
+
+    def __init__(self, base: Path, net: int, host: int, config: dict, role="prefill", config_file="worker.json", names=("prefill.svc",)):
+        self.root = base / f"root-{host}"
+        self.ip = f"127.0.{net}.{host}"
+        self.config = config
+        self.role, self.config_file = role, config_file
+        self.hosts = base / "hosts"
+        with open(self.hosts, "a") as f:
+            f.writelines(f"{self.ip} {n}\n" for n in names)
+        self.proc = None
+        self.log = base / f"{role}-{host}.log"
+
+    @property
+    def socket_dir(self) -> str:
+        return str(self.root / SOCKET_DIR.lstrip("/"))
+
+    def start(self, within: float = 60.0):
+        etc = self.root / "etc" / "tandem"
+        etc.mkdir(parents=True, exist_ok=True)
+        (self.root / "dev" / "shm").mkdir(parents=True, exist_ok=True)
+        (etc / self.config_file).write_text(json.dumps(self.config))
+        env = dict(
+            os.environ,
+            TANDEM_ROOT=str(self.root),
+            TANDEM_HOSTS_FILE=str(self.hosts),
+            POD_IP=self.ip,
+            POD_NAME=f"{self.role}-g0-1",
+            RUST_LOG="info",
+        )
+        log = open(self.log, "ab")
+        self.proc = subprocess.Popen(
+            [worker_bin(), self.role, "--config", f"/etc/tandem/{self.config_file}"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=log,
+        )
+        log.close()
+        line = []
+        t = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(within)
+        if not line or not line[0].startswith(b"listening on "):
+            self.kill()
+            raise RuntimeError(f"worker did not start within {within}s: {line!r}; log {self.log}")
+        if self.role != "prefill":
+            return self
+        sock = Path(self.socket_dir) / "engine.sock"
+        end = time.monotonic() + within
+        while not sock.exists():
+            if time.monotonic() > end:
+                raise RuntimeError(f"{sock} did not appear within {within}s")
+            time.sleep(0.02)
+        return self
+
+    def kill(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def signal(self, sig):
+        self.proc.send_signal(sig)
+
+    def restart(self):
+        self.kill()
+        return self.start()
+
+
+def until(pred, within: float, what: str, step: float = 0.05):
+    """Polls `pred()` until truthy (returned) or `within` seconds pass (AssertionError)."""
+    end = time.monotonic() + within
+    last = None
+    while time.monotonic() < end:
+        try:
+            v = pred()
+            if v:
+                return v
+        except Exception as e:  # the condition may raise while it is not met yet
+            last = e
+        time.sleep(step)
+    raise AssertionError(f"{what} not within {within}s (last error: {last!r})")
+
+
+@pytest.fixture
+def make_worker(tmp_path, request):
+    """Factory: `make_worker(net, host=1, **config_kw)` -> a started Worker, stopped after the test."""
+    made = []
+
+    def make(net: int, host: int = 1, **kw):
+        w = Worker(tmp_path, net, host, worker_config(free_ports(3), **kw)).start()
+        made.append(w)
+        return w
+
+    def make_cache(net: int, host: int, config: dict, names):
+        w = Worker(tmp_path, net, host, config, role="cache", config_file="tier.json", names=names).start()
+        made.append(w)
+        return w
+
+    make.cache = make_cache
+    yield make
+    for w in made:
+        if w.proc and w.proc.poll() is None and w.proc.returncode is None:
+            try:
+                w.signal(signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        w.kill()
