@@ -178,20 +178,30 @@ impl DecodeServer {
                  a prefill on this host can reach"
             );
         }
-        let node = DecodeNode::start(DecodeConfig {
-            worker_id: opts.worker_id.clone(),
-            rank: crate::roles::ordinal_from_env(),
-            pages: region_pages(cfg.memory.target_pool_bytes, layout),
-            layout,
-            data_bind: SocketAddr::new(opts.bind_ip, cfg.ports.data).to_string(),
-            ack_timeout: Duration::from_secs(30),
-            heartbeat: opts.heartbeat,
-            // The node receives KV through its TCP receiver: derive the gate's proof rule from that.
-            fence_is_proof: crate::transfer::select::receiver_fence_is_proof(
-                crate::transfer::TransportKind::Tcp,
-            ),
-            gate: GateMode::Safe,
-        })?;
+        // Issue 18: this process's incarnation (0 only under the negative control).
+        let incarnation = if crate::control::incarnation_ignored() {
+            tracing::warn!("negative control: no incarnation, peers' incarnations ignored");
+            0
+        } else {
+            crate::control::new_incarnation()
+        };
+        let node = DecodeNode::start_incarnation(
+            DecodeConfig {
+                worker_id: opts.worker_id.clone(),
+                rank: crate::roles::ordinal_from_env(),
+                pages: region_pages(cfg.memory.target_pool_bytes, layout),
+                layout,
+                data_bind: SocketAddr::new(opts.bind_ip, cfg.ports.data).to_string(),
+                ack_timeout: Duration::from_secs(30),
+                heartbeat: opts.heartbeat,
+                // The node receives KV through its TCP receiver: derive the gate's proof rule from that.
+                fence_is_proof: crate::transfer::select::receiver_fence_is_proof(
+                    crate::transfer::TransportKind::Tcp,
+                ),
+                gate: GateMode::Safe,
+            },
+            incarnation,
+        )?;
         // Negative control of the abandoned-request tests only (feature `negative-controls`):
         // `TANDEM_NEGATIVE_LEAK_ON_DROP=1` brings back the leak of issue 19.
         #[cfg(feature = "negative-controls")]
@@ -274,6 +284,8 @@ impl DecodeServer {
                 .collect();
             m.insert("requests_cancelled_by_reason".into(), cancelled.into());
             m.insert("peers".into(), serde_json::json!(p.addrs()));
+            m.insert("incarnation".into(), serde_json::json!(n.incarnation()));
+            m.insert("peer_restarts".into(), serde_json::json!(n.peer_restarts()));
             m.insert("refused_peers".into(), serde_json::json!(p.refused()));
             let by_reason: serde_json::Map<String, serde_json::Value> = AnomalyReason::ALL
                 .iter()

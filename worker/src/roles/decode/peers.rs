@@ -172,7 +172,11 @@ impl PeerSet {
             loop {
                 let n = set.refresh().await;
                 on_change(n);
-                tokio::time::sleep(every).await;
+                // Also at once when a link is lost (readiness follows the last peer's loss).
+                tokio::select! {
+                    () = tokio::time::sleep(every) => {}
+                    () = set.node.link_lost() => {}
+                }
             }
         })
     }
