@@ -100,6 +100,12 @@ pub struct DecodeOptions {
     /// Control port of the prefill peers (default: this config's `ports.control`, the pools'
     /// common port).
     pub peer_port: Option<u16>,
+    /// Deadline of every request from admission to its last token (issue 18 item 2): past it the
+    /// request ends with 504 `request_deadline_exceeded` (a stream: that error as its last event)
+    /// and its pages go to the release gate. `TANDEM_DECODE_REQUEST_DEADLINE_MS`, default 300000
+    /// (5 min: above the KV deadline plus the longest simulated decode of `MAX_TOKENS_LIMIT` at
+    /// 1 ms per token).
+    pub request_deadline: Duration,
 }
 
 impl DecodeOptions {
@@ -126,6 +132,9 @@ impl DecodeOptions {
             heartbeat: Duration::from_millis(500),
             drain_grace: Duration::from_secs(25),
             peer_port: None,
+            request_deadline: Duration::from_millis(
+                num("TANDEM_DECODE_REQUEST_DEADLINE_MS").unwrap_or(300_000),
+            ),
         }
     }
 }
@@ -249,6 +258,8 @@ impl DecodeServer {
             kv_deadline: opts.kv_deadline,
             retry_budget: opts.retry_budget,
             next_request: AtomicU64::new(1),
+            request_deadline: opts.request_deadline,
+            deadline_tally: Arc::default(),
         });
         let n = node.clone();
         state.on_refresh(move |s| {
@@ -259,6 +270,7 @@ impl DecodeServer {
         let p = peers.clone();
         let (st, guarded, n) = (state.clone(), engine.spec_guard_enabled(), node.clone());
         let kv_deadline = opts.kv_deadline;
+        let tally = engine.deadline_tally.clone();
         state.set_extra(move || {
             let mut m = serde_json::Map::new();
             let pages = n.pages();
@@ -283,6 +295,11 @@ impl DecodeServer {
                 })
                 .collect();
             m.insert("requests_cancelled_by_reason".into(), cancelled.into());
+            let expired: serde_json::Map<String, serde_json::Value> = engine::Stage::ALL
+                .iter()
+                .map(|s| (s.code().to_owned(), serde_json::json!(tally.of(*s))))
+                .collect();
+            m.insert("requests_deadline_exceeded".into(), expired.into());
             m.insert("peers".into(), serde_json::json!(p.addrs()));
             m.insert("incarnation".into(), serde_json::json!(n.incarnation()));
             m.insert("peer_restarts".into(), serde_json::json!(n.peer_restarts()));

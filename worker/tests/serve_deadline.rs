@@ -1,0 +1,318 @@
+//! Issue 18, item 2: every request ends. A real decode process (loopback net 124–127) against a
+//! fault-injecting prefill peer — a fake `Transfer` service in this test that accepts the hello and
+//! the room and then goes silent — and against a real prefill with a decode too long for the
+//! deadline. The request ends with a reason within its deadline (`TANDEM_DECODE_REQUEST_DEADLINE_MS`),
+//! counted by stage, and its pages go back.
+
+mod serve_support;
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use serve_support::*;
+use tandem_worker::config::WorkerRole;
+use tandem_worker::control::pb::{self, peer_message::Body};
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+/// How the fake prefill fails.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// OpenRoom is accepted and never answered.
+    OpenRoomHangs,
+    /// OpenRoom is answered, heartbeats too, but no page ever follows.
+    SilentAfterOpen,
+}
+
+/// A prefill peer that handshakes like a real one (revision `r1`, the decode's layout) and then
+/// fails as `fault` says.
+#[derive(Clone)]
+struct FakePrefill {
+    fault: Fault,
+    opened: Arc<AtomicU64>,
+    aborts: Arc<AtomicU64>,
+}
+
+const FAKE_INCARNATION: u64 = 77;
+
+type Events = Pin<Box<dyn Stream<Item = Result<pb::RoomEvent, Status>> + Send>>;
+type Signals = Pin<Box<dyn Stream<Item = Result<pb::PeerMessage, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::transfer_server::Transfer for FakePrefill {
+    async fn peer_hello(
+        &self,
+        req: Request<pb::PeerInfo>,
+    ) -> Result<Response<pb::PeerInfo>, Status> {
+        let peer = req.into_inner();
+        Ok(Response::new(pb::PeerInfo {
+            worker_id: "fake-prefill".into(),
+            role: pb::Role::Prefill as i32,
+            layout: peer.layout,
+            revision: "r1".into(),
+            incarnation: FAKE_INCARNATION,
+            ..Default::default()
+        }))
+    }
+
+    async fn open_room(
+        &self,
+        req: Request<pb::OpenRoomRequest>,
+    ) -> Result<Response<pb::OpenRoomReply>, Status> {
+        self.opened.fetch_add(1, Ordering::SeqCst);
+        if self.fault == Fault::OpenRoomHangs {
+            std::future::pending::<()>().await;
+        }
+        Ok(Response::new(pb::OpenRoomReply {
+            room: req.into_inner().room,
+            incarnation: FAKE_INCARNATION,
+            ..Default::default()
+        }))
+    }
+
+    async fn submit_chunk(
+        &self,
+        _: Request<pb::SubmitChunkRequest>,
+    ) -> Result<Response<pb::OpResult>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn abort_room(
+        &self,
+        req: Request<pb::Abort>,
+    ) -> Result<Response<pb::AbortTicket>, Status> {
+        self.aborts.fetch_add(1, Ordering::SeqCst);
+        Ok(Response::new(pb::AbortTicket {
+            room: req.into_inner().room,
+            immediate_ack: None,
+        }))
+    }
+
+    type WatchRoomStream = Events;
+
+    async fn watch_room(
+        &self,
+        _: Request<pb::RoomRef>,
+    ) -> Result<Response<Self::WatchRoomStream>, Status> {
+        Ok(Response::new(Box::pin(tokio_stream::empty())))
+    }
+
+    type SignalStream = Signals;
+
+    /// Answers heartbeats (the link stays alive) and acks aborts (nothing was written).
+    async fn signal(
+        &self,
+        req: Request<Streaming<pb::PeerMessage>>,
+    ) -> Result<Response<Self::SignalStream>, Status> {
+        let mut inbound = req.into_inner();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let aborts = self.aborts.clone();
+        tokio::spawn(async move {
+            while let Some(Ok(m)) = inbound.next().await {
+                let reply = match m.body {
+                    Some(Body::Heartbeat(_)) => Body::Heartbeat(pb::Heartbeat {
+                        incarnation: FAKE_INCARNATION,
+                        ..Default::default()
+                    }),
+                    Some(Body::Abort(a)) => {
+                        aborts.fetch_add(1, Ordering::SeqCst);
+                        Body::Ack(pb::AbortAck {
+                            room: a.room,
+                            prefill_rank: 0,
+                            decode_rank: a.decode_rank,
+                            kind: pb::AckKind::NoneStarted as i32,
+                        })
+                    }
+                    _ => continue,
+                };
+                if tx.send(Ok(pb::PeerMessage { body: Some(reply) })).is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
+        )))
+    }
+}
+
+/// Starts the fake prefill on `addr`; returns its open and abort counts.
+async fn fake_prefill(addr: SocketAddr, fault: Fault) -> (Arc<AtomicU64>, Arc<AtomicU64>) {
+    let fake = FakePrefill {
+        fault,
+        opened: Arc::default(),
+        aborts: Arc::default(),
+    };
+    let counts = (fake.opened.clone(), fake.aborts.clone());
+    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::transfer_server::TransferServer::new(fake))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    counts
+}
+
+/// One completion; `Err` when nothing (complete) came back within `within`.
+async fn completion_within(
+    front: SocketAddr,
+    body: Value,
+    within: Duration,
+) -> Result<(u16, String), String> {
+    tokio::time::timeout(within, http(front, "POST", "/v1/completions", Some(body)))
+        .await
+        .map(|(code, frames)| (code, text(&frames)))
+        .map_err(|_| format!("no answer within {within:?}"))
+}
+
+/// A decode (request deadline `deadline_ms`, KV deadline 60 s) whose only prefill is the fake.
+async fn decode_against_the_fake(
+    net: u8,
+    fault: Fault,
+    deadline_ms: &str,
+) -> (World, Proc, (Arc<AtomicU64>, Arc<AtomicU64>)) {
+    let w = World::new(net);
+    w.publish(&[2]);
+    let counts = fake_prefill(w.addr(2, w.ports.control), fault).await;
+    let d = w.spawn(
+        9,
+        &config(WorkerRole::Decode, "r1", w.ports),
+        &[
+            ("TANDEM_DECODE_KV_DEADLINE_MS", "60000"),
+            ("TANDEM_DECODE_REQUEST_DEADLINE_MS", deadline_ms),
+        ],
+    );
+    let health = w.addr(9, w.ports.health);
+    until(Duration::from_secs(30), || async {
+        status(health, "/readyz").await == Some(200)
+    })
+    .await;
+    (w, d, counts)
+}
+
+async fn report(addr: SocketAddr) -> Value {
+    get_json(addr, "/report").await.1
+}
+
+async fn pages_all_free(health: SocketAddr) {
+    until(Duration::from_secs(15), || async {
+        let p = &report(health).await["kv_pages"];
+        p["held"] == 0 && p["quarantined"] == 0 && p["free"] == p["total"]
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_that_accepts_the_room_and_goes_silent_ends_the_request_at_its_deadline() {
+    let (w, _d, (opened, aborts)) =
+        decode_against_the_fake(124, Fault::SilentAfterOpen, "1500").await;
+    let (health, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
+    for stream in [false, true] {
+        let sent = Instant::now();
+        let (code, body) =
+            completion_within(front, completion(1200, 4, stream), Duration::from_secs(10))
+                .await
+                .unwrap();
+        let took = sent.elapsed();
+        assert_eq!(code, 504, "{body}");
+        let e: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(e["error"]["code"], "request_deadline_exceeded", "{e}");
+        assert_eq!(e["error"]["type"], "timeout", "{e}");
+        assert!(
+            took >= Duration::from_millis(1400) && took < Duration::from_secs(4),
+            "ended after {took:?}"
+        );
+    }
+    assert_eq!(opened.load(Ordering::SeqCst), 2);
+    let r = report(health).await;
+    assert_eq!(r["requests_deadline_exceeded"]["prefill"], 2, "{r}");
+    assert_eq!(r["counters"]["requests_failed"], 2, "{r}");
+    // The rooms went through the release gate: ABORT reached the peer, the pages came back.
+    until(Duration::from_secs(10), || async {
+        aborts.load(Ordering::SeqCst) >= 2
+    })
+    .await;
+    pages_all_free(health).await;
+    // The decode still serves (and is still ready: the peer is alive, only useless).
+    assert_eq!(status(health, "/readyz").await, Some(200));
+}
+
+/// Negative control: the same silent peer without a short request deadline (10 min) leaves the
+/// request unanswered — the deadline is what ends it (the KV deadline is 60 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_without_the_deadline_the_silent_peer_hangs_the_request() {
+    let (w, _d, _) = decode_against_the_fake(125, Fault::SilentAfterOpen, "600000").await;
+    let front = w.addr(9, w.ports.front);
+    let r = completion_within(front, completion(1200, 4, false), Duration::from_secs(3)).await;
+    assert!(r.is_err(), "answered without the deadline: {r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_that_never_answers_the_room_ends_the_request_with_a_reason() {
+    let (w, _d, (opened, _)) = decode_against_the_fake(126, Fault::OpenRoomHangs, "10000").await;
+    let (health, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
+    let sent = Instant::now();
+    let (code, body) = completion_within(front, completion(600, 4, false), Duration::from_secs(15))
+        .await
+        .unwrap();
+    assert!(
+        sent.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        sent.elapsed()
+    );
+    assert!(code == 503 || code == 504, "{code} {body}");
+    let e: Value = serde_json::from_str(&body).unwrap();
+    assert!(e["error"]["code"].is_string(), "{e}");
+    assert!(opened.load(Ordering::SeqCst) >= 1);
+    pages_all_free(health).await;
+}
+
+/// A decode longer than the deadline (60000 tokens at 1 ms): the stream ends with the error as its
+/// last event and no `[DONE]`, within the deadline; counted under `stream`; pages back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_past_its_deadline_ends_with_the_error_event() {
+    let w = World::new(127);
+    w.publish(&[2]);
+    let _p = w.spawn(2, &config(WorkerRole::Prefill, "r1", w.ports), &[]);
+    let _d = w.spawn(
+        9,
+        &config(WorkerRole::Decode, "r1", w.ports),
+        &[("TANDEM_DECODE_REQUEST_DEADLINE_MS", "1500")],
+    );
+    let (health, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
+    until(Duration::from_secs(30), || async {
+        status(health, "/readyz").await == Some(200)
+    })
+    .await;
+    let sent = Instant::now();
+    let (code, body) = completion_within(
+        front,
+        completion(100, 60_000, true),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    assert!(
+        sent.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        sent.elapsed()
+    );
+    assert_eq!(code, 200);
+    let events = sse_events(&body);
+    assert!(events.len() > 2, "{events:?}");
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "request_deadline_exceeded", "{last}");
+    assert!(!events.iter().any(|e| e == "[DONE]"));
+    let r = report(health).await;
+    assert_eq!(r["requests_deadline_exceeded"]["stream"], 1, "{r}");
+    pages_all_free(health).await;
+    // A short request right after is served.
+    let (code, body) = completion_within(front, completion(100, 3, false), Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(code, 200, "{body}");
+}
