@@ -1,8 +1,9 @@
-//! Issue 18, item 2: every request ends. A real decode process (loopback net 124–127) against a
+//! Issue 18, item 2: every request ends. A real decode process (loopback net 124–129) against a
 //! fault-injecting prefill peer — a fake `Transfer` service in this test that accepts the hello and
 //! the room and then goes silent — and against a real prefill with a decode too long for the
 //! deadline. The request ends with a reason within its deadline (`TANDEM_DECODE_REQUEST_DEADLINE_MS`),
-//! counted by stage, and its pages go back.
+//! counted by stage, and its pages go back. The same fake answering a room as another incarnation
+//! than its hello tests the decode's side of item 1 (a prefill restarted behind the link).
 
 mod serve_support;
 
@@ -26,6 +27,9 @@ enum Fault {
     OpenRoomHangs,
     /// OpenRoom is answered, heartbeats too, but no page ever follows.
     SilentAfterOpen,
+    /// OpenRoom is answered by another incarnation than the hello's (the prefill restarted on its
+    /// address and the decode's channel reconnected to the new process, issue 18 item 1).
+    RestartedBehindLink,
 }
 
 /// A prefill peer that handshakes like a real one (revision `r1`, the decode's layout) and then
@@ -35,6 +39,7 @@ struct FakePrefill {
     fault: Fault,
     opened: Arc<AtomicU64>,
     aborts: Arc<AtomicU64>,
+    hellos: Arc<AtomicU64>,
 }
 
 const FAKE_INCARNATION: u64 = 77;
@@ -49,6 +54,7 @@ impl pb::transfer_server::Transfer for FakePrefill {
         req: Request<pb::PeerInfo>,
     ) -> Result<Response<pb::PeerInfo>, Status> {
         let peer = req.into_inner();
+        self.hellos.fetch_add(1, Ordering::SeqCst);
         Ok(Response::new(pb::PeerInfo {
             worker_id: "fake-prefill".into(),
             role: pb::Role::Prefill as i32,
@@ -67,9 +73,14 @@ impl pb::transfer_server::Transfer for FakePrefill {
         if self.fault == Fault::OpenRoomHangs {
             std::future::pending::<()>().await;
         }
+        let incarnation = if self.fault == Fault::RestartedBehindLink {
+            FAKE_INCARNATION + 1
+        } else {
+            FAKE_INCARNATION
+        };
         Ok(Response::new(pb::OpenRoomReply {
             room: req.into_inner().room,
-            incarnation: FAKE_INCARNATION,
+            incarnation,
             ..Default::default()
         }))
     }
@@ -140,14 +151,15 @@ impl pb::transfer_server::Transfer for FakePrefill {
     }
 }
 
-/// Starts the fake prefill on `addr`; returns its open and abort counts.
-async fn fake_prefill(addr: SocketAddr, fault: Fault) -> (Arc<AtomicU64>, Arc<AtomicU64>) {
+/// Starts the fake prefill on `addr`; returns it (its counts).
+async fn fake_prefill(addr: SocketAddr, fault: Fault) -> FakePrefill {
     let fake = FakePrefill {
         fault,
         opened: Arc::default(),
         aborts: Arc::default(),
+        hellos: Arc::default(),
     };
-    let counts = (fake.opened.clone(), fake.aborts.clone());
+    let counts = fake.clone();
     let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
     tokio::spawn(
         tonic::transport::Server::builder()
@@ -174,18 +186,17 @@ async fn decode_against_the_fake(
     net: u8,
     fault: Fault,
     deadline_ms: &str,
-) -> (World, Proc, (Arc<AtomicU64>, Arc<AtomicU64>)) {
+    extra_env: &[(&str, &str)],
+) -> (World, Proc, FakePrefill) {
     let w = World::new(net);
     w.publish(&[2]);
     let counts = fake_prefill(w.addr(2, w.ports.control), fault).await;
-    let d = w.spawn(
-        9,
-        &config(WorkerRole::Decode, "r1", w.ports),
-        &[
-            ("TANDEM_DECODE_KV_DEADLINE_MS", "60000"),
-            ("TANDEM_DECODE_REQUEST_DEADLINE_MS", deadline_ms),
-        ],
-    );
+    let mut env = vec![
+        ("TANDEM_DECODE_KV_DEADLINE_MS", "60000"),
+        ("TANDEM_DECODE_REQUEST_DEADLINE_MS", deadline_ms),
+    ];
+    env.extend_from_slice(extra_env);
+    let d = w.spawn(9, &config(WorkerRole::Decode, "r1", w.ports), &env);
     let health = w.addr(9, w.ports.health);
     until(Duration::from_secs(30), || async {
         status(health, "/readyz").await == Some(200)
@@ -208,8 +219,8 @@ async fn pages_all_free(health: SocketAddr) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_that_accepts_the_room_and_goes_silent_ends_the_request_at_its_deadline() {
-    let (w, _d, (opened, aborts)) =
-        decode_against_the_fake(124, Fault::SilentAfterOpen, "1500").await;
+    let (w, _d, fake) = decode_against_the_fake(124, Fault::SilentAfterOpen, "1500", &[]).await;
+    let (opened, aborts) = (fake.opened, fake.aborts);
     let (health, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
     for stream in [false, true] {
         let sent = Instant::now();
@@ -245,7 +256,7 @@ async fn a_prefill_that_accepts_the_room_and_goes_silent_ends_the_request_at_its
 /// request unanswered — the deadline is what ends it (the KV deadline is 60 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn negative_control_without_the_deadline_the_silent_peer_hangs_the_request() {
-    let (w, _d, _) = decode_against_the_fake(125, Fault::SilentAfterOpen, "600000").await;
+    let (w, _d, _) = decode_against_the_fake(125, Fault::SilentAfterOpen, "600000", &[]).await;
     let front = w.addr(9, w.ports.front);
     let r = completion_within(front, completion(1200, 4, false), Duration::from_secs(3)).await;
     assert!(r.is_err(), "answered without the deadline: {r:?}");
@@ -253,7 +264,8 @@ async fn negative_control_without_the_deadline_the_silent_peer_hangs_the_request
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_that_never_answers_the_room_ends_the_request_with_a_reason() {
-    let (w, _d, (opened, _)) = decode_against_the_fake(126, Fault::OpenRoomHangs, "10000").await;
+    let (w, _d, fake) = decode_against_the_fake(126, Fault::OpenRoomHangs, "10000", &[]).await;
+    let opened = fake.opened;
     let (health, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
     let sent = Instant::now();
     let (code, body) = completion_within(front, completion(600, 4, false), Duration::from_secs(15))
@@ -315,4 +327,52 @@ async fn a_stream_past_its_deadline_ends_with_the_error_event() {
         .await
         .unwrap();
     assert_eq!(code, 200, "{body}");
+}
+
+/// Issue 18 item 1, the decode's side: a room answered by another incarnation than the link's hello
+/// (the prefill restarted behind a reconnecting channel) fails at once through the release gate,
+/// the new process is asked to drop it, and the link is dropped and handshaken again.
+async fn room_on_a_restarted_peer(
+    net: u8,
+    env: &[(&str, &str)],
+) -> (u16, String, Duration, Value, FakePrefill) {
+    let (w, _d, fake) = decode_against_the_fake(net, Fault::RestartedBehindLink, "1500", env).await;
+    let (health, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
+    let sent = Instant::now();
+    let (code, body) = completion_within(front, completion(600, 4, false), Duration::from_secs(10))
+        .await
+        .unwrap();
+    let took = sent.elapsed();
+    until(Duration::from_secs(10), || async {
+        report(health).await["kv_pages"]["held"] == 0
+    })
+    .await;
+    (code, body, took, report(health).await, fake)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_room_answered_by_a_new_incarnation_fails_at_once_and_the_link_is_handshaken_again() {
+    let (code, body, took, r, fake) = room_on_a_restarted_peer(128, &[]).await;
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("\"code\":\"prefill_unavailable\""), "{body}");
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    assert!(r["peer_restarts"].as_u64().is_some_and(|n| n >= 1), "{r}");
+    // The new process was told to drop the room; the link was handshaken again.
+    until(Duration::from_secs(10), || async {
+        fake.aborts.load(Ordering::SeqCst) >= 1 && fake.hellos.load(Ordering::SeqCst) >= 2
+    })
+    .await;
+    assert_eq!(r["kv_pages"]["quarantined"], 0, "{r}");
+}
+
+/// Negative control: ignoring incarnations, the room on the new process waits for KV that no
+/// signal stream will announce, until the request's deadline.
+#[cfg(feature = "negative-controls")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_ignoring_the_incarnation_waits_on_the_restarted_peer() {
+    let (code, body, took, r, _) =
+        room_on_a_restarted_peer(129, &[("TANDEM_NEGATIVE_IGNORE_INCARNATION", "1")]).await;
+    assert_eq!(code, 504, "{body}");
+    assert!(took >= Duration::from_millis(1400), "{took:?}");
+    assert_eq!(r["peer_restarts"], 0, "{r}");
 }

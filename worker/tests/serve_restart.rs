@@ -79,9 +79,9 @@ async fn a_prefill_restarted_on_its_address_under_traffic_is_handshaken_again() 
     let w = World::new(121);
     w.publish(&[2]);
     let pcfg = config(WorkerRole::Prefill, "r1", w.ports);
-    // 2 ms per prompt token: a 2048-token room computes for about 4 s.
-    let mut p1 = w.spawn(2, &pcfg, &[("TANDEM_SIM_PREFILL_US_PER_TOKEN", "2000")]);
     let kv_deadline = Duration::from_secs(20);
+    // The decode first: ready means wired (item 3), so it is not ready and admits nothing until
+    // its prefill is connected.
     let _d = w.spawn(
         9,
         &config(WorkerRole::Decode, "r1", w.ports),
@@ -89,6 +89,21 @@ async fn a_prefill_restarted_on_its_address_under_traffic_is_handshaken_again() 
     );
     let (health, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
     let p_health = w.addr(2, w.ports.health);
+    assert_eq!(status(health, "/readyz").await, Some(503));
+    let r = report(health).await;
+    assert!(
+        r["reason"]
+            .as_str()
+            .is_some_and(|why| why.contains("no prefill peer of revision \"r1\"")),
+        "{r}"
+    );
+    let (code, body) = try_http(front, completion(64, 2, false), kv_deadline)
+        .await
+        .unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("\"code\":\"not_ready\""), "{body}");
+    // 2 ms per prompt token: a 2048-token room computes for about 4 s.
+    let mut p1 = w.spawn(2, &pcfg, &[("TANDEM_SIM_PREFILL_US_PER_TOKEN", "2000")]);
     until(Duration::from_secs(30), || async {
         status(health, "/readyz").await == Some(200)
     })

@@ -551,6 +551,18 @@ impl Transfer for PrefillService {
         req: Request<pb::PeerInfo>,
     ) -> Result<Response<pb::PeerInfo>, Status> {
         let peer = req.into_inner();
+        // Ready means wired (issue 18 item 3): a prefill that admits no room — still loading its
+        // hot prefixes back, or draining — is no peer a decode may count towards its readiness.
+        if !self.admitting.load(Ordering::SeqCst) {
+            return Err(Status::unavailable(
+                "prefill is not admitting rooms (starting or draining)",
+            ));
+        }
+        if self.node.engine_mode() && self.node.engine_side().is_none() {
+            return Err(Status::unavailable(
+                "no engine has attached to this prefill worker yet",
+            ));
+        }
         if !self.revision.is_empty() && !peer.revision.is_empty() && peer.revision != self.revision
         {
             tracing::warn!(decode = %peer.worker_id, theirs = %peer.revision, ours = %self.revision,
