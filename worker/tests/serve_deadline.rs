@@ -30,6 +30,8 @@ enum Fault {
     /// OpenRoom is answered by another incarnation than the hello's (the prefill restarted on its
     /// address and the decode's channel reconnected to the new process, issue 18 item 1).
     RestartedBehindLink,
+    /// Heartbeats are answered by another incarnation than the hello's.
+    HeartbeatsFromAnother,
 }
 
 /// A prefill peer that handshakes like a real one (revision `r1`, the decode's layout) and then
@@ -40,6 +42,7 @@ struct FakePrefill {
     opened: Arc<AtomicU64>,
     aborts: Arc<AtomicU64>,
     hellos: Arc<AtomicU64>,
+    heartbeats: Arc<AtomicU64>,
 }
 
 const FAKE_INCARNATION: u64 = 77;
@@ -122,11 +125,20 @@ impl pb::transfer_server::Transfer for FakePrefill {
         let mut inbound = req.into_inner();
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let aborts = self.aborts.clone();
+        let fault = self.fault;
+        let heartbeats = self.heartbeats.clone();
         tokio::spawn(async move {
             while let Some(Ok(m)) = inbound.next().await {
+                if let Some(Body::Heartbeat(_)) = &m.body {
+                    heartbeats.fetch_add(1, Ordering::SeqCst);
+                }
                 let reply = match m.body {
                     Some(Body::Heartbeat(_)) => Body::Heartbeat(pb::Heartbeat {
-                        incarnation: FAKE_INCARNATION,
+                        incarnation: if fault == Fault::HeartbeatsFromAnother {
+                            FAKE_INCARNATION + 1
+                        } else {
+                            FAKE_INCARNATION
+                        },
                         ..Default::default()
                     }),
                     Some(Body::Abort(a)) => {
@@ -158,6 +170,7 @@ async fn fake_prefill(addr: SocketAddr, fault: Fault) -> FakePrefill {
         opened: Arc::default(),
         aborts: Arc::default(),
         hellos: Arc::default(),
+        heartbeats: Arc::default(),
     };
     let counts = fake.clone();
     let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
@@ -188,16 +201,27 @@ async fn decode_against_the_fake(
     deadline_ms: &str,
     extra_env: &[(&str, &str)],
 ) -> (World, Proc, FakePrefill) {
+    decode_against_the_fake_on(net, (2, 9), fault, deadline_ms, extra_env).await
+}
+
+/// As [`decode_against_the_fake`], the fake on host `hosts.0` and the decode on `hosts.1`.
+async fn decode_against_the_fake_on(
+    net: u8,
+    hosts: (u8, u8),
+    fault: Fault,
+    deadline_ms: &str,
+    extra_env: &[(&str, &str)],
+) -> (World, Proc, FakePrefill) {
     let w = World::new(net);
-    w.publish(&[2]);
-    let counts = fake_prefill(w.addr(2, w.ports.control), fault).await;
+    w.publish(&[hosts.0]);
+    let counts = fake_prefill(w.addr(hosts.0, w.ports.control), fault).await;
     let mut env = vec![
         ("TANDEM_DECODE_KV_DEADLINE_MS", "60000"),
         ("TANDEM_DECODE_REQUEST_DEADLINE_MS", deadline_ms),
     ];
     env.extend_from_slice(extra_env);
-    let d = w.spawn(9, &config(WorkerRole::Decode, "r1", w.ports), &env);
-    let health = w.addr(9, w.ports.health);
+    let d = w.spawn(hosts.1, &config(WorkerRole::Decode, "r1", w.ports), &env);
+    let health = w.addr(hosts.1, w.ports.health);
     until(Duration::from_secs(30), || async {
         status(health, "/readyz").await == Some(200)
     })
@@ -347,21 +371,31 @@ async fn room_on_a_restarted_peer(
         report(health).await["kv_pages"]["held"] == 0
     })
     .await;
-    (code, body, took, report(health).await, fake)
+    let r = report(health).await;
+    if r["incarnation"] != 0 {
+        // The new process was told to drop the room; the link is handshaken again at the next
+        // refresh (2 s) and the decode is ready again.
+        until(Duration::from_secs(10), || async {
+            fake.aborts.load(Ordering::SeqCst) >= 1
+                && fake.hellos.load(Ordering::SeqCst) >= 2
+                && status(health, "/readyz").await == Some(200)
+        })
+        .await;
+    }
+    (code, body, took, r, fake)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_room_answered_by_a_new_incarnation_fails_at_once_and_the_link_is_handshaken_again() {
-    let (code, body, took, r, fake) = room_on_a_restarted_peer(128, &[]).await;
+    let (code, body, took, r, fake) =
+        room_on_a_restarted_peer(128, &[("RUST_LOG", "tandem_worker=debug")]).await;
     assert_eq!(code, 503, "{body}");
     assert!(body.contains("\"code\":\"prefill_unavailable\""), "{body}");
     assert!(took < Duration::from_secs(1), "{took:?}");
     assert!(r["peer_restarts"].as_u64().is_some_and(|n| n >= 1), "{r}");
     // The new process was told to drop the room; the link was handshaken again.
-    until(Duration::from_secs(10), || async {
-        fake.aborts.load(Ordering::SeqCst) >= 1 && fake.hellos.load(Ordering::SeqCst) >= 2
-    })
-    .await;
+    assert!(fake.aborts.load(Ordering::SeqCst) >= 1);
+    assert!(fake.hellos.load(Ordering::SeqCst) >= 2);
     assert_eq!(r["kv_pages"]["quarantined"], 0, "{r}");
 }
 
@@ -375,4 +409,36 @@ async fn negative_control_ignoring_the_incarnation_waits_on_the_restarted_peer()
     assert_eq!(code, 504, "{body}");
     assert!(took >= Duration::from_millis(1400), "{took:?}");
     assert_eq!(r["peer_restarts"], 0, "{r}");
+}
+
+/// A peer whose heartbeats name another incarnation than its hello is a restarted process: the
+/// decode drops the link (its rooms through the gate) and handshakes again, each time.
+async fn heartbeats_from_another(net: u8, env: &[(&str, &str)]) -> (Value, FakePrefill) {
+    let (w, _d, fake) =
+        decode_against_the_fake_on(net, (3, 10), Fault::HeartbeatsFromAnother, "1500", env).await;
+    let health = w.addr(10, w.ports.health);
+    // Three heartbeats answered, each naming the other incarnation (with the fix, each on a new
+    // link: the decode reconnects at its refresh period, 2 s).
+    until(Duration::from_secs(20), || async {
+        fake.heartbeats.load(Ordering::SeqCst) >= 3
+    })
+    .await;
+    (report(health).await, fake)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_from_a_new_incarnation_drop_the_link_and_it_is_handshaken_again() {
+    let (r, fake) = heartbeats_from_another(124, &[]).await;
+    assert!(r["peer_restarts"].as_u64().is_some_and(|n| n >= 2), "{r}");
+    assert!(fake.hellos.load(Ordering::SeqCst) >= 3);
+}
+
+/// Negative control: ignoring incarnations, the link to the "restarted" peer is kept.
+#[cfg(feature = "negative-controls")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_ignoring_the_incarnation_keeps_the_stale_link() {
+    let (r, fake) =
+        heartbeats_from_another(125, &[("TANDEM_NEGATIVE_IGNORE_INCARNATION", "1")]).await;
+    assert_eq!(r["peer_restarts"], 0, "{r}");
+    assert_eq!(fake.hellos.load(Ordering::SeqCst), 1);
 }

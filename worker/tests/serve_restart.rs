@@ -89,14 +89,14 @@ async fn a_prefill_restarted_on_its_address_under_traffic_is_handshaken_again() 
     );
     let (health, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
     let p_health = w.addr(2, w.ports.health);
-    assert_eq!(status(health, "/readyz").await, Some(503));
-    let r = report(health).await;
-    assert!(
-        r["reason"]
+    // After its first refresh it says why; not ready throughout.
+    until(Duration::from_secs(15), || async {
+        assert_eq!(status(health, "/readyz").await, Some(503));
+        report(health).await["reason"]
             .as_str()
-            .is_some_and(|why| why.contains("no prefill peer of revision \"r1\"")),
-        "{r}"
-    );
+            .is_some_and(|why| why.contains("no prefill peer of revision \"r1\""))
+    })
+    .await;
     let (code, body) = try_http(front, completion(64, 2, false), kv_deadline)
         .await
         .unwrap();

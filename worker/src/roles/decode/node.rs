@@ -633,6 +633,11 @@ impl DecodeNode {
         loop {
             match inbound.next().await {
                 Some(Ok(m)) => {
+                    // A dropped link (its peer restarted, or it was declared dead) reads nothing
+                    // more: a new link to the same address owns that address's rooms now.
+                    if !link.alive() {
+                        break;
+                    }
                     if let Some(Body::Heartbeat(h)) = &m.body
                         && self.restarted(&link, h.incarnation)
                     {

@@ -172,10 +172,14 @@ impl PeerSet {
             loop {
                 let n = set.refresh().await;
                 on_change(n);
-                // Also at once when a link is lost (readiness follows the last peer's loss).
-                tokio::select! {
-                    () = tokio::time::sleep(every) => {}
-                    () = set.node.link_lost() => {}
+                // A lost link is reported at once (readiness follows the last peer's loss); the
+                // reconnect waits for the next refresh, so a flapping peer cannot spin the loop.
+                let next = tokio::time::Instant::now() + every;
+                loop {
+                    tokio::select! {
+                        () = tokio::time::sleep_until(next) => break,
+                        () = set.node.link_lost() => on_change(set.live()),
+                    }
                 }
             }
         })
