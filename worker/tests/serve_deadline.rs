@@ -222,10 +222,18 @@ async fn decode_against_the_fake_on(
     env.extend_from_slice(extra_env);
     let d = w.spawn(hosts.1, &config(WorkerRole::Decode, "r1", w.ports), &env);
     let health = w.addr(hosts.1, w.ports.health);
-    until(Duration::from_secs(30), || async {
-        status(health, "/readyz").await == Some(200)
-    })
-    .await;
+    if fault == Fault::HeartbeatsFromAnother {
+        // Ready only between a handshake and the first heartbeat's answer: wait for the hello.
+        until(Duration::from_secs(30), || async {
+            counts.hellos.load(Ordering::SeqCst) >= 1
+        })
+        .await;
+    } else {
+        until(Duration::from_secs(30), || async {
+            status(health, "/readyz").await == Some(200)
+        })
+        .await;
+    }
     (w, d, counts)
 }
 
