@@ -211,14 +211,13 @@ pub fn load_workload(
 /// 4 GB through a 1 GiB host pool on a 2-core machine; 1 KiB per token keeps every mechanism
 /// (pages, transfer, tiers, loadback) exercised at a size the machine can replay in real time.
 ///
-/// The release gate runs ack-only (the proof rule RDMA needs): an aborted room's pages come back
-/// only on the prefill's ack. The replay's abort probe (`--abort-every`, on by default) makes seed
-/// 004's deadline aborts happen on a known fraction of requests whatever the machine's speed; the
-/// report's `aborts` line counts them and its checks require acks and 0 corrupt pages.
-pub const DEFAULT_POD_ENV: [&str; 2] = [
-    "TANDEM_SIM_KV_BYTES_PER_TOKEN=1024",
-    "TANDEM_DECODE_GATE_PROOF=ack-only",
-];
+/// The replay's abort probe (`--abort-every`, on by default) makes seed 004's deadline aborts happen
+/// on a known fraction of requests whatever the machine's speed; the report's `aborts` line counts
+/// them and its checks require acks and 0 corrupt pages. The release gate keeps its default proof
+/// (the TCP fence or the ack): `--pod-env TANDEM_DECODE_GATE_PROOF=ack-only` runs the ack-only rule
+/// RDMA needs, which over TCP has no proof for the rooms of a prefill that died — the demo's rolling
+/// restart then quarantines their pages for good (seen: 1,914 pages), so it is not the default.
+pub const DEFAULT_POD_ENV: [&str; 1] = ["TANDEM_SIM_KV_BYTES_PER_TOKEN=1024"];
 
 /// `DEFAULT_POD_ENV` overridden by the user's `K=V` entries (same key: the user's wins), then the
 /// user's other entries, in order.
@@ -714,7 +713,7 @@ mod tests {
         let env = effective_pod_env(&user);
         assert!(!env.contains(&"TANDEM_SIM_KV_BYTES_PER_TOKEN=1024".to_owned()));
         assert_eq!(env[env.len() - 2..], user[..], "{env:?}");
-        assert!(env.contains(&"TANDEM_DECODE_GATE_PROOF=ack-only".to_owned()));
+
     }
 
     #[test]

@@ -100,3 +100,41 @@ pub const WORKER_ID_HEADER: &str = "tandem-worker-id";
 
 /// gRPC metadata key carrying the refusing side's revision on a revision-mismatch refusal.
 pub const REVISION_HEADER: &str = "tandem-revision";
+
+/// gRPC metadata key carrying the decode's incarnation on the signal stream (issue 18).
+pub const INCARNATION_HEADER: &str = "tandem-incarnation";
+
+/// A fresh incarnation id: random, never 0 (0 on the wire means "unknown", never compared).
+///
+/// Each serving worker process draws one at start and sends it in its hello
+/// (`PeerInfo.incarnation`), its heartbeats and its room replies, so that a peer that restarts on
+/// the same address is told apart from the process it replaces (issue 18: stale transfer state
+/// for a restarted peer). Library users that build nodes themselves may pass 0.
+pub fn new_incarnation() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    // `RandomState` is keyed from the OS's randomness once per process (and advanced per call);
+    // the pid and the clock are mixed in for good measure.
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    h.write_u128(now.as_nanos());
+    h.finish().max(1)
+}
+
+/// Whether two incarnations name different processes: both known (non-zero) and unequal.
+pub fn incarnation_changed(known: u64, seen: u64) -> bool {
+    known != 0 && seen != 0 && known != seen
+}
+
+/// Negative control of the restart tests only (feature `negative-controls`):
+/// `TANDEM_NEGATIVE_IGNORE_INCARNATION=1` makes the serving roles draw no incarnation (0) and
+/// ignore the peers' — the behaviour before issue 18.
+pub fn incarnation_ignored() -> bool {
+    #[cfg(feature = "negative-controls")]
+    if std::env::var("TANDEM_NEGATIVE_IGNORE_INCARNATION").as_deref() == Ok("1") {
+        return true;
+    }
+    false
+}

@@ -120,9 +120,28 @@ pub enum L3Error {
     /// The same key is being put concurrently; the first put decides.
     #[error("object {0} is already being written")]
     PutInFlight(ObjectKey),
+    /// The volume is full (no space, quota exceeded, or the file size limit hit) while writing the
+    /// object: the put is refused and counted in [`L3Counters::puts_refused_disk_full`], whatever it
+    /// had written is removed (nothing half-written stays, in this process or after a restart), and
+    /// the store keeps serving reads.
+    #[error("L3 store volume full at {path}: {source}")]
+    DiskFull {
+        /// The file being written.
+        path: PathBuf,
+        /// The OS error (`StorageFull`, `QuotaExceeded` or `FileTooLarge`).
+        source: io::Error,
+    },
     /// A manifest could not be encoded (never expected: plain serde types).
     #[error("encoding manifest: {0}")]
     Encode(#[from] serde_json::Error),
+}
+
+/// Whether an I/O error means the volume (or the process's file size limit) is full.
+fn volume_full(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded | io::ErrorKind::FileTooLarge
+    )
 }
 
 fn io_at(path: &Path) -> impl FnOnce(io::Error) -> L3Error + '_ {
@@ -195,6 +214,12 @@ pub struct L3Counters {
     pub evicted_disk: u64,
     /// Objects evicted from memory.
     pub evicted_memory: u64,
+    /// Puts refused because the volume was full ([`L3Error::DiskFull`]).
+    #[serde(default)]
+    pub puts_refused_disk_full: u64,
+    /// Puts that failed on another I/O error (their partial files removed too).
+    #[serde(default)]
+    pub puts_failed_io: u64,
 }
 
 /// The health report of a store replica.
@@ -432,12 +457,32 @@ impl L3Store {
             }
         }
         let written = self.write_object(&key, data, fault);
+        if written.is_err() {
+            // Nothing of a failed put may stay: manifest first (the object stops existing), then
+            // data, then the temporaries. The key is not published, so none of these is a live
+            // object's file.
+            remove_quietly(&self.manifest_path(&key));
+            remove_quietly(&self.object_path(&key));
+            let stem = key.file_stem();
+            remove_quietly(&self.tmp_dir.join(format!("{stem}.kv.tmp")));
+            remove_quietly(&self.tmp_dir.join(format!("{stem}.json.tmp")));
+        }
         let mut state = self.lock();
         state.writing.remove(&key);
         let manifest = match written {
             Ok(Some(m)) => m,
             Ok(None) => return Ok(PutOutcome::Stored), // simulated crash: nothing published
-            Err(e) => return Err(e),
+            Err(L3Error::Io { path, source }) if volume_full(&source) => {
+                state.counters.puts_refused_disk_full += 1;
+                drop(state);
+                tracing::warn!(%key, path = %path.display(), error = %source,
+                    "L3 volume full: put refused");
+                return Err(L3Error::DiskFull { path, source });
+            }
+            Err(e) => {
+                state.counters.puts_failed_io += 1;
+                return Err(e);
+            }
         };
         state.counters.puts += 1;
         let victims = self.publish(&mut state, key, manifest.length, manifest.checksum, false);

@@ -133,6 +133,11 @@ async fn serve_health(
         m.insert("objects".into(), serde_json::json!(h.objects));
         m.insert("bytes".into(), serde_json::json!(h.disk_bytes));
         m.insert("loadback".into(), serde_json::json!(h.loadback));
+        // Issue 18 item 5: puts refused on a full volume (reads keep serving).
+        m.insert(
+            "puts_refused_disk_full".into(),
+            serde_json::json!(h.counters.puts_refused_disk_full),
+        );
         m
     });
     let s = std::sync::Arc::clone(store);

@@ -91,6 +91,16 @@ pub enum RequestError {
     /// The rooms went through the release gate; no page was reused early.
     #[error("{0}")]
     PrefillLost(String),
+    /// The request's deadline (admission to last token, [`DecodeEngine::request_deadline`]) passed
+    /// in `stage`: a prefill peer that accepted the room and went silent, or a decode that stalled.
+    /// Its pages went to the release gate: 504 `request_deadline_exceeded`.
+    #[error("request not finished within its deadline of {deadline:?} (in {})", stage.code())]
+    DeadlineExceeded {
+        /// The deadline, from admission.
+        deadline: Duration,
+        /// Where the request was when it passed.
+        stage: Stage,
+    },
     /// Anything else: 500.
     #[error("{0}")]
     Failed(String),
@@ -130,9 +140,42 @@ pub struct Admission {
     stage: Stage,
     ended: bool,
     _permit: OwnedSemaphorePermit,
+    deadline: tokio::time::Instant,
+    budget: Duration,
+    expired: Arc<DeadlineTally>,
+}
+
+/// Requests ended by their deadline, by the [`Stage`] they were in (monotonic; `/report`
+/// `requests_deadline_exceeded` `{prefill, decode, stream}`).
+#[derive(Debug, Default)]
+pub struct DeadlineTally([AtomicU64; 3]);
+
+impl DeadlineTally {
+    /// Requests ended by their deadline in `stage`.
+    pub fn of(&self, stage: Stage) -> u64 {
+        self.0[stage as usize].load(Ordering::Relaxed)
+    }
 }
 
 impl Admission {
+    /// When the request must have ended: admission + [`DecodeEngine::request_deadline`].
+    pub fn deadline(&self) -> tokio::time::Instant {
+        self.deadline
+    }
+
+    /// The deadline passed: counted as failed and by stage; returns the error to answer with.
+    pub fn deadline_exceeded(mut self) -> RequestError {
+        self.ended = true;
+        let stage = self.stage;
+        tracing::warn!(stage = stage.code(), deadline = ?self.budget, "request deadline exceeded");
+        self.state.counters.requests_failed.inc();
+        self.expired.0[stage as usize].fetch_add(1, Ordering::Relaxed);
+        RequestError::DeadlineExceeded {
+            deadline: self.budget,
+            stage,
+        }
+    }
+
     /// The request moved on to `stage`.
     pub fn enter(&mut self, stage: Stage) {
         self.stage = stage;
@@ -367,6 +410,11 @@ pub struct DecodeEngine {
     pub(super) kv_deadline_per_token: Duration,
     pub(super) retry_budget: u32,
     pub(super) next_request: AtomicU64,
+    /// Every request ends within this long of its admission (issue 18 item 2;
+    /// `TANDEM_DECODE_REQUEST_DEADLINE_MS`, see [`super::DecodeOptions`]).
+    pub request_deadline: Duration,
+    /// Requests the deadline ended, by stage.
+    pub deadline_tally: Arc<DeadlineTally>,
 }
 
 fn splitmix(state: &mut u64) -> u64 {
@@ -481,6 +529,9 @@ impl DecodeEngine {
             stage: Stage::Prefill,
             ended: false,
             _permit: permit,
+            deadline: tokio::time::Instant::now() + self.request_deadline,
+            budget: self.request_deadline,
+            expired: self.deadline_tally.clone(),
         })
     }
 

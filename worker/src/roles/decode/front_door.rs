@@ -17,7 +17,9 @@
 //!   over [`MAX_BODY_BYTES`]), 415 `unsupported_media_type` (a `Content-Type` other than
 //!   `application/json`; none is accepted as JSON), 404 `not_found`, 405 `method_not_allowed`,
 //!   429 `at_capacity` (full now: retry later), 503 (not ready, draining, no prefill peer of this
-//!   revision, KV deadline passed), 500 (internal).
+//!   revision, KV deadline passed), 504 `request_deadline_exceeded` (the request's deadline from
+//!   admission to last token passed: a prefill that went silent, a stalled decode; a stream ends
+//!   with that error as its last event and no `[DONE]`), 500 (internal).
 //! - Cancellation: a client that goes away — mid-stream, or before the response while its KV is
 //!   prefilled or its tokens generated (the handler future is dropped) — is counted in
 //!   `requests_cancelled` by stage; its KV pages go to the release gate (see [`super::engine`]).
@@ -51,6 +53,7 @@ use super::engine::{
     Admission, DecodeEngine, Decoding, GuardReport, Prefilled, RequestError, Stage,
 };
 use super::node::KvLease;
+use crate::release::receiver::FailureCause;
 use crate::spec_guard::Anomaly;
 
 const WORDS: [&str; 16] = [
@@ -206,6 +209,12 @@ fn error_parts(e: &RequestError) -> (StatusCode, &'static str, &'static str, Opt
             "invalid_request_error",
             "context_length_exceeded",
             Some("prompt"),
+        ),
+        RequestError::DeadlineExceeded { .. } => (
+            StatusCode::GATEWAY_TIMEOUT,
+            "timeout",
+            "request_deadline_exceeded",
+            None,
         ),
         RequestError::Failed(_) => (
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -415,20 +424,25 @@ async fn completions(
     let mut attempt = 0u32;
     loop {
         admission.enter(Stage::Prefill);
-        let (prefilled, lease) = match engine
-            .prefill(
-                request_id,
-                prompt_tokens,
-                max_tokens,
-                req.kv_block_hashes.clone(),
-                req.kv_deadline_ms.map(Duration::from_millis),
-                &avoid,
-            )
-            .await
+        let prefill = engine.prefill(
+            request_id,
+            prompt_tokens,
+            max_tokens,
+            req.kv_block_hashes.clone(),
+            req.kv_deadline_ms.map(Duration::from_millis),
+            &avoid,
+        );
+        // Past the request's deadline the prefill future is dropped: its room guard hands the
+        // pages to the release gate.
+        let (prefilled, lease) = match tokio::time::timeout_at(admission.deadline(), prefill).await
         {
-            Ok(p) => p,
-            Err(e) => {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => {
                 admission.ended_with(&e);
+                return request_error_after(&e, &guard);
+            }
+            Err(_) => {
+                let e = admission.deadline_exceeded();
                 return request_error_after(&e, &guard);
             }
         };
@@ -449,7 +463,17 @@ async fn completions(
             return stream(engine, reply, decoding, request_id, admission, lease).into_response();
         }
         admission.enter(Stage::Decode);
-        match generate(&engine, request_id, max_tokens, &mut decoding).await {
+        let generated = tokio::time::timeout_at(
+            admission.deadline(),
+            generate(&engine, request_id, max_tokens, &mut decoding),
+        )
+        .await;
+        let Ok(generated) = generated else {
+            lease.abort(FailureCause::Timeout);
+            let e = admission.deadline_exceeded();
+            return request_error_after(&e, &guard);
+        };
+        match generated {
             Ok(text) => {
                 lease.finish();
                 admission.succeeded();
@@ -484,16 +508,28 @@ fn stream(
     let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(16);
     tokio::spawn(async move {
         let send = |v: Value| Ok(Event::default().data(v.to_string()));
+        let deadline = admission.deadline();
+        // A client that stops reading stalls the sends: they end at the request's deadline too.
+        let mut late = false;
         let mut ok = true;
         let mut position = 0u32;
         if reply.completion_tokens > 0 {
-            ok &= tx
-                .send(send(reply.chunk(&token_text(request_id, 0), None)))
-                .await
-                .is_ok();
+            match tokio::time::timeout_at(
+                deadline,
+                tx.send(send(reply.chunk(&token_text(request_id, 0), None))),
+            )
+            .await
+            {
+                Ok(sent) => ok &= sent.is_ok(),
+                Err(_) => late = true,
+            }
             position = 1;
         }
-        while ok {
+        while ok && !late {
+            if tokio::time::Instant::now() >= deadline {
+                late = true;
+                break;
+            }
             let tokens = match decoding.next_step() {
                 Ok(Some(t)) => t,
                 Ok(None) => break,
@@ -509,12 +545,22 @@ fn stream(
             };
             tokio::time::sleep(engine.knobs.tpot).await;
             for _ in 0..tokens {
-                ok &= tx
-                    .send(send(reply.chunk(&token_text(request_id, position), None)))
-                    .await
-                    .is_ok();
+                let chunk = send(reply.chunk(&token_text(request_id, position), None));
+                match tokio::time::timeout_at(deadline, tx.send(chunk)).await {
+                    Ok(sent) => ok &= sent.is_ok(),
+                    Err(_) => late = true,
+                }
                 position += 1;
             }
+        }
+        if late && ok {
+            // The deadline passed mid-stream: the pages go through the gate, and the stream ends
+            // with the error as its last event (if the client still reads) and no `[DONE]`.
+            lease.abort(FailureCause::Timeout);
+            let e = admission.deadline_exceeded();
+            let (_, kind, code, param) = error_parts(&e);
+            let _ = tx.try_send(send(error_body(kind, code, param, e.to_string())));
+            return;
         }
         // The last token is generated (or the client left): the KV may go.
         lease.finish();

@@ -110,6 +110,12 @@ pub struct DecodeOptions {
     /// What the release gate accepts as proof that no write of an aborted room can still land
     /// (DESIGN contract 3, seed 004).
     pub gate_proof: GateProof,
+    /// Deadline of every request from admission to its last token (issue 18 item 2): past it the
+    /// request ends with 504 `request_deadline_exceeded` (a stream: that error as its last event)
+    /// and its pages go to the release gate. `TANDEM_DECODE_REQUEST_DEADLINE_MS`, default 300000
+    /// (5 min: above the KV deadline plus the longest simulated decode of `MAX_TOKENS_LIMIT` at
+    /// 1 ms per token).
+    pub request_deadline: Duration,
 }
 
 /// The release gate's proof rule for an aborted room's pages (DESIGN contract 3, seed 004).
@@ -179,6 +185,9 @@ impl DecodeOptions {
             drain_grace: Duration::from_secs(25),
             peer_port: None,
             gate_proof: GateProof::default(),
+            request_deadline: Duration::from_millis(
+                num("TANDEM_DECODE_REQUEST_DEADLINE_MS").unwrap_or(300_000),
+            ),
         }
     }
 }
@@ -241,22 +250,33 @@ impl DecodeServer {
                  a prefill on this host can reach"
             );
         }
-        let node = DecodeNode::start(DecodeConfig {
-            worker_id: opts.worker_id.clone(),
-            rank: crate::roles::ordinal_from_env(),
-            pages: region_pages(cfg.memory.target_pool_bytes, layout),
-            layout,
-            data_bind: SocketAddr::new(opts.bind_ip, cfg.ports.data).to_string(),
-            ack_timeout: Duration::from_secs(30),
-            heartbeat: opts.heartbeat,
-            // The gate's proof rule follows the transport in use (the fence proves nothing under
-            // RDMA) and the configured proof (ack-only runs the path RDMA needs, over TCP too).
-            fence_is_proof: opts.gate_proof == GateProof::Fence
-                && transport
-                    .in_use
-                    .is_some_and(crate::transfer::select::receiver_fence_is_proof),
-            gate: GateMode::Safe,
-        })?;
+        // Issue 18: this process's incarnation (0 only under the negative control).
+        let incarnation = if crate::control::incarnation_ignored() {
+            tracing::warn!("negative control: no incarnation, peers' incarnations ignored");
+            0
+        } else {
+            crate::control::new_incarnation()
+        };
+        let node = DecodeNode::start_incarnation(
+            DecodeConfig {
+                worker_id: opts.worker_id.clone(),
+                rank: crate::roles::ordinal_from_env(),
+                pages: region_pages(cfg.memory.target_pool_bytes, layout),
+                layout,
+                data_bind: SocketAddr::new(opts.bind_ip, cfg.ports.data).to_string(),
+                ack_timeout: Duration::from_secs(30),
+                heartbeat: opts.heartbeat,
+                // The gate's proof rule follows the transport in use (the fence proves nothing
+                // under RDMA) and the configured proof (ack-only runs the path RDMA needs, over
+                // TCP too).
+                fence_is_proof: opts.gate_proof == GateProof::Fence
+                    && transport
+                        .in_use
+                        .is_some_and(crate::transfer::select::receiver_fence_is_proof),
+                gate: GateMode::Safe,
+            },
+            incarnation,
+        )?;
         // Negative control of the abandoned-request tests only (feature `negative-controls`):
         // `TANDEM_NEGATIVE_LEAK_ON_DROP=1` brings back the leak of issue 19.
         #[cfg(feature = "negative-controls")]
@@ -305,6 +325,8 @@ impl DecodeServer {
             kv_deadline_per_token: opts.kv_deadline_per_token,
             retry_budget: opts.retry_budget,
             next_request: AtomicU64::new(1),
+            request_deadline: opts.request_deadline,
+            deadline_tally: Arc::default(),
         });
         let n = node.clone();
         state.on_refresh(move |s| {
@@ -315,6 +337,7 @@ impl DecodeServer {
         let p = peers.clone();
         let (st, guarded, n) = (state.clone(), engine.spec_guard_enabled(), node.clone());
         let kv_deadline = opts.kv_deadline;
+        let tally = engine.deadline_tally.clone();
         state.set_extra(move || {
             let mut m = serde_json::Map::new();
             let pages = n.pages();
@@ -341,7 +364,14 @@ impl DecodeServer {
                 })
                 .collect();
             m.insert("requests_cancelled_by_reason".into(), cancelled.into());
+            let expired: serde_json::Map<String, serde_json::Value> = engine::Stage::ALL
+                .iter()
+                .map(|s| (s.code().to_owned(), serde_json::json!(tally.of(*s))))
+                .collect();
+            m.insert("requests_deadline_exceeded".into(), expired.into());
             m.insert("peers".into(), serde_json::json!(p.addrs()));
+            m.insert("incarnation".into(), serde_json::json!(n.incarnation()));
+            m.insert("peer_restarts".into(), serde_json::json!(n.peer_restarts()));
             m.insert("refused_peers".into(), serde_json::json!(p.refused()));
             let by_reason: serde_json::Map<String, serde_json::Value> = AnomalyReason::ALL
                 .iter()

@@ -48,7 +48,9 @@ use crate::transfer::{HostRegion, RegionId};
 
 use crate::control::pb::transfer_client::TransferClient;
 use crate::control::pb::{self, peer_message::Body};
-use crate::control::{KvLayout, REVISION_HEADER, WORKER_ID_HEADER, room_of};
+use crate::control::{
+    INCARNATION_HEADER, KvLayout, REVISION_HEADER, WORKER_ID_HEADER, incarnation_changed, room_of,
+};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -290,6 +292,9 @@ struct State {
 
 struct LinkState {
     alive: AtomicBool,
+    /// The peer's incarnation from its hello (0: unknown); a heartbeat or room reply naming
+    /// another one means the peer restarted behind this link.
+    incarnation: u64,
     signal: mpsc::UnboundedSender<pb::PeerMessage>,
     last_heard: Mutex<Instant>,
 }
@@ -312,6 +317,11 @@ impl PrefillLink {
     /// Whether the signal stream is up and heartbeats are answered.
     pub fn alive(&self) -> bool {
         self.state.alive.load(Ordering::SeqCst)
+    }
+
+    /// The peer's incarnation from its hello (0: unknown).
+    pub fn incarnation(&self) -> u64 {
+        self.state.incarnation
     }
 }
 
@@ -338,6 +348,12 @@ pub struct DecodeNode {
     acks_received: AtomicU64,
     /// Failed rooms the gate must watch (receiver fence, ack deadline): consumed by the gate task.
     gate: mpsc::UnboundedSender<RoomKey>,
+    /// This process's incarnation (0: unversioned; see [`DecodeNode::start_incarnation`]).
+    incarnation: u64,
+    /// Links dropped because their peer answered as another incarnation (it restarted).
+    peer_restarts: AtomicU64,
+    /// Signalled when a link is lost: the peer set refreshes (and readiness follows) at once.
+    link_lost: tokio::sync::Notify,
     /// Negative control: an abandoned room is not handed to the gate (the pre-fix leak).
     #[cfg(feature = "negative-controls")]
     leak_on_drop: AtomicBool,
@@ -351,6 +367,24 @@ impl DecodeNode {
     /// [`DecodeError::Receiver`] when the data port cannot be bound; [`DecodeError::NoRuntime`]
     /// outside a Tokio runtime.
     pub fn start(cfg: DecodeConfig) -> Result<Arc<DecodeNode>, DecodeError> {
+        Self::start_incarnation(cfg, 0)
+    }
+
+    /// [`DecodeNode::start`] as incarnation `incarnation` of this worker (issue 18; a serving
+    /// process draws it with [`crate::control::new_incarnation`]). Non-zero: the hello, the
+    /// heartbeats and every OpenRoom carry it, room ids start at
+    /// [`incarnation_room_base`]`(worker_id, incarnation)` (so no room id of an earlier process of
+    /// the same worker id is reused: a late write or signal for one finds no room here), and a peer
+    /// that answers as another incarnation than its hello's is dropped — its rooms fail through the
+    /// release gate — and handshaken again at the next refresh. 0: unversioned (room ids from
+    /// [`room_base`], peers' incarnations not compared).
+    ///
+    /// # Errors
+    /// As [`DecodeNode::start`].
+    pub fn start_incarnation(
+        cfg: DecodeConfig,
+        incarnation: u64,
+    ) -> Result<Arc<DecodeNode>, DecodeError> {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| DecodeError::NoRuntime)?;
         let receiver = TcpReceiver::bind(&cfg.data_bind, GenerationCheck::Enforced)?;
         let region = Arc::new(HostRegion::new(cfg.pages, cfg.layout.page_bytes()));
@@ -359,7 +393,11 @@ impl DecodeNode {
             free: (0..cfg.pages).rev().collect(),
             ..State::default()
         };
-        let base = room_base(&cfg.worker_id);
+        let base = if incarnation == 0 {
+            room_base(&cfg.worker_id)
+        } else {
+            incarnation_room_base(&cfg.worker_id, incarnation)
+        };
         let (gate, jobs) = mpsc::unbounded_channel();
         let node = Arc::new(DecodeNode {
             cfg,
@@ -369,6 +407,9 @@ impl DecodeNode {
             next_room: AtomicU64::new(base),
             acks_received: AtomicU64::new(0),
             gate,
+            incarnation,
+            peer_restarts: AtomicU64::new(0),
+            link_lost: tokio::sync::Notify::new(),
             #[cfg(feature = "negative-controls")]
             leak_on_drop: AtomicBool::new(false),
         });
@@ -453,6 +494,30 @@ impl DecodeNode {
         self.acks_received.load(Ordering::Relaxed)
     }
 
+    /// This node's incarnation (0: unversioned).
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    /// Links dropped so far because their peer answered as a new incarnation (it restarted on
+    /// the same address); each one's unfinished rooms failed through the release gate.
+    pub fn peer_restarts(&self) -> u64 {
+        self.peer_restarts.load(Ordering::Relaxed)
+    }
+
+    /// Completes once a link is lost after the call (or was lost since the last waiter): the peer
+    /// set's refresh waits on it besides its period, so readiness turns false as soon as the last
+    /// prefill peer is gone rather than at the next period.
+    pub async fn link_lost(&self) {
+        self.link_lost.notified().await;
+    }
+
+    /// Whether `seen` (a peer's incarnation in a heartbeat or room reply) names another process
+    /// than the link's hello did. Never true on an unversioned node.
+    fn restarted(&self, link: &PrefillLink, seen: u64) -> bool {
+        self.incarnation != 0 && incarnation_changed(link.state.incarnation, seen)
+    }
+
     /// Connects to a prefill peer without a revision (never refused for revision).
     pub async fn connect(
         self: &Arc<Self>,
@@ -505,6 +570,7 @@ impl DecodeNode {
             }],
             layout: Some(self.cfg.layout.into()),
             revision: revision.to_string(),
+            incarnation: self.incarnation,
             ..Default::default()
         };
         let info = match client.peer_hello(hello).await {
@@ -531,6 +597,9 @@ impl DecodeNode {
             .parse()
             .map_err(|_| peer_err("worker id is not a valid header value".into()))?;
         request.metadata_mut().insert(WORKER_ID_HEADER, id);
+        request
+            .metadata_mut()
+            .insert(INCARNATION_HEADER, self.incarnation.into());
         // The stream request itself has no deadline: it lives as long as the peer.
         let mut stream_client = client.clone();
         let inbound = stream_client
@@ -540,6 +609,7 @@ impl DecodeNode {
             .into_inner();
         let link_state = Arc::new(LinkState {
             alive: AtomicBool::new(true),
+            incarnation: info.incarnation,
             signal: tx,
             last_heard: Mutex::new(Instant::now()),
         });
@@ -569,6 +639,19 @@ impl DecodeNode {
         loop {
             match inbound.next().await {
                 Some(Ok(m)) => {
+                    // A dropped link (its peer restarted, or it was declared dead) reads nothing
+                    // more: a new link to the same address owns that address's rooms now.
+                    if !link.alive() {
+                        break;
+                    }
+                    if let Some(Body::Heartbeat(h)) = &m.body
+                        && self.restarted(&link, h.incarnation)
+                    {
+                        tracing::warn!(peer = %link.addr, old = link.state.incarnation,
+                            new = h.incarnation, "prefill peer restarted: dropping its link");
+                        self.peer_restarts.fetch_add(1, Ordering::Relaxed);
+                        break;
+                    }
                     *lock(&link.state.last_heard) = Instant::now();
                     self.on_message(&link, m);
                 }
@@ -604,6 +687,7 @@ impl DecodeNode {
                 body: Some(Body::Heartbeat(pb::Heartbeat {
                     seq: 0,
                     live_rooms: live,
+                    incarnation: self.incarnation,
                 })),
             });
         }
@@ -614,7 +698,18 @@ impl DecodeNode {
         if !link.state.alive.swap(false, Ordering::SeqCst) {
             return;
         }
-        lock(&self.state).links.remove(&link.addr);
+        {
+            let mut st = lock(&self.state);
+            // Only this link's entry: a new link to the same address may have replaced it.
+            if st
+                .links
+                .get(&link.addr)
+                .is_some_and(|l| Arc::ptr_eq(l, &link.state))
+            {
+                st.links.remove(&link.addr);
+            }
+        }
+        self.link_lost.notify_one();
         let keys: Vec<RoomKey> = lock(&self.state)
             .rooms
             .iter()
@@ -639,8 +734,8 @@ impl DecodeNode {
                 let Some(key) = room_of(a.room) else { return };
                 self.acks_received.fetch_add(1, Ordering::Relaxed);
                 let mut st = lock(&self.state);
-                let Some(entry) = st.rooms.get_mut(&key) else {
-                    tracing::debug!(%key, "ack for a released room ignored");
+                let Some(entry) = st.rooms.get_mut(&key).filter(|e| e.peer == link.addr) else {
+                    tracing::debug!(%key, "ack for a released room (or another peer's) ignored");
                     return;
                 };
                 if let AckOutcome::Counted { verdict, .. } =
@@ -652,7 +747,7 @@ impl DecodeNode {
             Some(Body::Chunk(c)) => {
                 let Some(key) = room_of(c.room) else { return };
                 let mut st = lock(&self.state);
-                let Some(entry) = st.rooms.get_mut(&key) else {
+                let Some(entry) = st.rooms.get_mut(&key).filter(|e| e.peer == link.addr) else {
                     return;
                 };
                 if entry.room.on_chunk().is_err() {
@@ -666,7 +761,13 @@ impl DecodeNode {
                 }
             }
             Some(Body::Failed(f)) => {
-                if let Some(key) = room_of(f.room) {
+                let own = |key: &RoomKey| {
+                    lock(&self.state)
+                        .rooms
+                        .get(key)
+                        .is_some_and(|e| e.peer == link.addr)
+                };
+                if let Some(key) = room_of(f.room).filter(own) {
                     tracing::info!(%key, peer = %link.addr, reason = %f.reason, "prefill reported the room failed");
                     self.fail(key, FailureCause::PrefillFailed);
                 }
@@ -907,9 +1008,38 @@ impl DecodeNode {
             dst_pages: pages.clone(),
             layout: Some(layout.into()),
             deadline_ms: deadline.as_millis() as u64,
+            decode_incarnation: self.incarnation,
         };
         let mut client = link.client.clone();
         let hits = match client.open_room(open).await {
+            Ok(reply) if self.restarted(link, reply.get_ref().incarnation) => {
+                // The channel reconnected to a new process on the peer's address: the room was
+                // opened on an incarnation this link never handshook with (no signal stream carries
+                // its ChunkDone). Fail it through the gate, ask that process to drop it, and drop
+                // the link: the next refresh handshakes with the new incarnation.
+                let theirs = reply.get_ref().incarnation;
+                tracing::warn!(%key, peer = %link.addr, old = link.state.incarnation, new = theirs,
+                    "room opened on a restarted prefill: failed, link dropped");
+                self.peer_restarts.fetch_add(1, Ordering::Relaxed);
+                let abort = pb::Abort {
+                    room: Some(key.into()),
+                    decode_rank: self.cfg.rank,
+                    reason: pb::AbortReason::PeerDead as i32,
+                };
+                let mut c = link.client.clone();
+                tokio::spawn(async move {
+                    let _ = c.abort_room(abort).await;
+                });
+                guard.fail(FailureCause::HeartbeatLost);
+                self.peer_lost(link);
+                return Ok((
+                    TransferOutcome::Failed {
+                        key,
+                        cause: FailureCause::HeartbeatLost,
+                    },
+                    None,
+                ));
+            }
             Ok(reply) => reply.into_inner().hits.unwrap_or_default(),
             Err(status) => {
                 tracing::warn!(%key, %status, "OpenRoom failed");
@@ -1025,6 +1155,15 @@ impl DecodeNode {
 /// decode workers sharing one prefill never collide (room ids are per prefill table).
 pub fn room_base(worker_id: &str) -> u64 {
     ((xxhash_rust::xxh3::xxh3_64(worker_id.as_bytes()) & 0x7FFF_FFFF) << 32) | 1
+}
+
+/// First room id of incarnation `incarnation` of decode worker `worker_id`: like [`room_base`],
+/// with the incarnation mixed into the high 31 bits, so a restarted worker (same id, new process)
+/// reuses none of its earlier process's room ids (issue 18).
+pub fn incarnation_room_base(worker_id: &str, incarnation: u64) -> u64 {
+    let mut key = worker_id.as_bytes().to_vec();
+    key.extend_from_slice(&incarnation.to_le_bytes());
+    ((xxhash_rust::xxh3::xxh3_64(&key) & 0x7FFF_FFFF) << 32) | 1
 }
 
 /// The gate task: watches every failed room handed over by [`DecodeNode::fail`] (receiver fence,

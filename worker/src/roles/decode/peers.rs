@@ -172,7 +172,15 @@ impl PeerSet {
             loop {
                 let n = set.refresh().await;
                 on_change(n);
-                tokio::time::sleep(every).await;
+                // A lost link is reported at once (readiness follows the last peer's loss); the
+                // reconnect waits for the next refresh, so a flapping peer cannot spin the loop.
+                let next = tokio::time::Instant::now() + every;
+                loop {
+                    tokio::select! {
+                        () = tokio::time::sleep_until(next) => break,
+                        () = set.node.link_lost() => on_change(set.live()),
+                    }
+                }
             }
         })
     }

@@ -7,7 +7,7 @@
 //! once, when no write is outstanding. Source pages (the batch payloads) are held by the transport
 //! until each write is terminal; the room's `ReleaseSource` fires only when all of them are.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -27,7 +27,7 @@ use crate::transfer::{RegionId, TransferHandle, TransferStatus, Transport, Write
 
 use crate::control::pb::transfer_server::Transfer;
 use crate::control::pb::{self, peer_message::Body};
-use crate::control::{KvLayout, REVISION_HEADER, WORKER_ID_HEADER, room_of};
+use crate::control::{KvLayout, REVISION_HEADER, WORKER_ID_HEADER, incarnation_changed, room_of};
 use crate::engine_api::service::EngineApi;
 
 pub mod engine;
@@ -56,6 +56,10 @@ struct RoomPlan {
     pages: Vec<u32>,
     request: u64,
     pages_done: u32,
+    /// The opening decode's rank (an incarnation drop aborts the room for it).
+    decode_rank: u32,
+    /// The opening decode's incarnation (0: unknown).
+    decode_incarnation: u64,
 }
 
 type SignalTx = mpsc::UnboundedSender<Result<pb::PeerMessage, Status>>;
@@ -71,6 +75,10 @@ pub struct PrefillStats {
     pub kv_bytes_sent: AtomicU64,
     /// Rooms whose every write completed.
     pub rooms_completed: AtomicU64,
+    /// Rooms dropped because their decode worker came back as a new incarnation (issue 18).
+    pub stale_rooms_dropped: AtomicU64,
+    /// Room messages not sent because their room belongs to an old decode incarnation.
+    pub stale_messages_dropped: AtomicU64,
 }
 
 /// What the simulated engine does for one room, decided before it starts (DESIGN §3: compute time
@@ -108,6 +116,12 @@ pub struct PrefillNode {
     engine: std::sync::OnceLock<std::sync::Weak<EngineApi>>,
     abort_from: Mutex<HashMap<RoomKey, String>>,
     me: std::sync::Weak<PrefillNode>,
+    /// This process's incarnation (issue 18), sent in the hello, heartbeats and room replies.
+    incarnation: u64,
+    /// The latest incarnation each decode worker id said hello with.
+    decode_incarnations: Mutex<HashMap<String, u64>>,
+    /// Rooms of old decode incarnations still draining: nothing about them is sent any more.
+    stale_rooms: Mutex<HashSet<RoomKey>>,
 }
 
 fn msg(body: Body) -> pb::PeerMessage {
@@ -152,7 +166,75 @@ impl PrefillNode {
             engine: std::sync::OnceLock::new(),
             abort_from: Mutex::new(HashMap::new()),
             me: me.clone(),
+            incarnation: if crate::control::incarnation_ignored() {
+                0
+            } else {
+                crate::control::new_incarnation()
+            },
+            decode_incarnations: Mutex::new(HashMap::new()),
+            stale_rooms: Mutex::new(HashSet::new()),
         })
+    }
+
+    /// This process's incarnation (issue 18; 0 only under the negative control).
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    /// Records the incarnation a decode worker said hello with. When it replaces another one (the
+    /// decode restarted on the same worker id), every room of the old incarnation is dropped: its
+    /// plan goes (the engine stops sending, no ChunkDone follows), it is aborted in the sender
+    /// table (source pages are released once its writes in flight are terminal), and no message
+    /// about it is sent any more — the new incarnation's signal stream carries the same worker id.
+    /// Returns the rooms dropped.
+    pub fn decode_hello(&self, worker: &str, incarnation: u64) -> usize {
+        if self.incarnation == 0 || incarnation == 0 {
+            return 0;
+        }
+        let old = lock(&self.decode_incarnations).insert(worker.to_owned(), incarnation);
+        if !old.is_some_and(|o| incarnation_changed(o, incarnation)) {
+            return 0;
+        }
+        let dropped: Vec<(RoomKey, u32)> = {
+            let mut plans = lock(&self.plans);
+            let keys: Vec<(RoomKey, u32)> = plans
+                .iter()
+                .filter(|(_, p)| p.decode_worker == worker && p.decode_incarnation != incarnation)
+                .map(|(k, p)| (*k, p.decode_rank))
+                .collect();
+            let mut stale = lock(&self.stale_rooms);
+            if stale.len() > 65_536 {
+                stale.clear(); // bounded: entries of rooms long gone
+            }
+            for (k, _) in &keys {
+                plans.remove(k);
+                stale.insert(*k);
+            }
+            keys
+        };
+        tracing::warn!(
+            decode = worker,
+            old = old.unwrap_or(0),
+            new = incarnation,
+            rooms = dropped.len(),
+            "decode worker restarted: dropping its old incarnation's rooms"
+        );
+        for (key, rank) in &dropped {
+            self.stats
+                .stale_rooms_dropped
+                .fetch_add(1, Ordering::Relaxed);
+            self.abort(*key, DecodeRank(*rank), "");
+        }
+        dropped.len()
+    }
+
+    /// Whether a room opened by `worker` as `incarnation` belongs to an incarnation older than
+    /// the one it last said hello with.
+    fn stale_decode(&self, worker: &str, incarnation: u64) -> bool {
+        self.incarnation != 0
+            && lock(&self.decode_incarnations)
+                .get(worker)
+                .is_some_and(|known| incarnation_changed(*known, incarnation))
     }
 
     /// Counters of this node.
@@ -198,6 +280,20 @@ impl PrefillNode {
     }
 
     fn send_to(&self, decode_worker: &str, m: pb::PeerMessage) {
+        let room = match &m.body {
+            Some(Body::Ack(a)) => a.room,
+            Some(Body::Chunk(c)) => c.room,
+            Some(Body::Failed(f)) => f.room,
+            _ => None,
+        };
+        if let Some(key) = room_of(room)
+            && lock(&self.stale_rooms).contains(&key)
+        {
+            self.stats
+                .stale_messages_dropped
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         if let Some(tx) = lock(&self.peers).get(decode_worker) {
             let _ = tx.send(Ok(m));
         }
@@ -232,6 +328,7 @@ impl PrefillNode {
                     }
                     self.publish(key);
                     lock(&self.rooms).clear(key);
+                    lock(&self.stale_rooms).remove(&key);
                 }
             }
         }
@@ -454,6 +551,18 @@ impl Transfer for PrefillService {
         req: Request<pb::PeerInfo>,
     ) -> Result<Response<pb::PeerInfo>, Status> {
         let peer = req.into_inner();
+        // Ready means wired (issue 18 item 3): a prefill that admits no room — still loading its
+        // hot prefixes back, or draining — is no peer a decode may count towards its readiness.
+        if !self.admitting.load(Ordering::SeqCst) {
+            return Err(Status::unavailable(
+                "prefill is not admitting rooms (starting or draining)",
+            ));
+        }
+        if self.node.engine_mode() && self.node.engine_side().is_none() {
+            return Err(Status::unavailable(
+                "no engine has attached to this prefill worker yet",
+            ));
+        }
         if !self.revision.is_empty() && !peer.revision.is_empty() && peer.revision != self.revision
         {
             tracing::warn!(decode = %peer.worker_id, theirs = %peer.revision, ours = %self.revision,
@@ -479,6 +588,8 @@ impl Transfer for PrefillService {
                 self.node.cfg.layout
             )));
         }
+        // A decode back as a new incarnation: its old incarnation's rooms go (issue 18).
+        self.node.decode_hello(&peer.worker_id, peer.incarnation);
         Ok(Response::new(pb::PeerInfo {
             worker_id: self.node.cfg.worker_id.clone(),
             role: pb::Role::Prefill as i32,
@@ -486,6 +597,7 @@ impl Transfer for PrefillService {
             transport: pb::TransportKind::TransportTcp as i32,
             layout: Some(self.node.cfg.layout.into()),
             revision: self.revision.clone(),
+            incarnation: self.node.incarnation,
             owned_layers: Some(pb::LayerRange {
                 start: 0,
                 end: self.node.cfg.layout.layers,
@@ -513,6 +625,15 @@ impl Transfer for PrefillService {
         if r.dst_pages.is_empty() {
             return Err(Status::invalid_argument("room without destination pages"));
         }
+        if self
+            .node
+            .stale_decode(&r.decode_worker, r.decode_incarnation)
+        {
+            return Err(Status::failed_precondition(format!(
+                "decode {} incarnation {} was replaced by a newer one",
+                r.decode_worker, r.decode_incarnation
+            )));
+        }
         let spec = r.request.clone().unwrap_or_default();
         let request = r.request.as_ref().map_or(key.room.0, |q| q.request_id);
         if self.node.engine_mode() {
@@ -537,6 +658,8 @@ impl Transfer for PrefillService {
                 pages: r.dst_pages,
                 request,
                 pages_done: 0,
+                decode_rank: r.decode_rank,
+                decode_incarnation: r.decode_incarnation,
             },
         );
         self.node.publish(key);
@@ -570,6 +693,7 @@ impl Transfer for PrefillService {
             prefill_rank: self.node.cfg.rank,
             result: None,
             hits: Some(hits),
+            incarnation: self.node.incarnation,
         }))
     }
 
@@ -670,18 +794,28 @@ impl Transfer for PrefillService {
                         }
                         Err(e) => tracing::warn!(%e, "malformed abort ignored"),
                     },
-                    Some(Body::Heartbeat(_)) => {
+                    Some(Body::Heartbeat(h)) => {
+                        if node.stale_decode(&worker, h.incarnation) {
+                            tracing::info!(decode = %worker, "signal stream of an old decode incarnation closed");
+                            break;
+                        }
                         seq += 1;
                         let live = lock(&node.plans).keys().map(|k| (*k).into()).collect();
                         let _ = tx.send(Ok(msg(Body::Heartbeat(pb::Heartbeat {
                             seq,
                             live_rooms: live,
+                            incarnation: node.incarnation,
                         }))));
                     }
                     _ => {}
                 }
             }
-            lock(&node.peers).remove(&worker);
+            // Only this stream's entry: a new incarnation's stream may have replaced it.
+            let mut peers = lock(&node.peers);
+            if peers.get(&worker).is_some_and(|t| t.same_channel(&tx)) {
+                peers.remove(&worker);
+            }
+            drop(peers);
             tracing::info!(decode = %worker, "signal stream closed");
         });
         Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))

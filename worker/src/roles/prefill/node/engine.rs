@@ -383,6 +383,8 @@ impl PrefillService {
                     pages: r.dst_pages,
                     request,
                     pages_done: 0,
+                    decode_rank: r.decode_rank,
+                    decode_incarnation: r.decode_incarnation,
                 },
             );
         }
@@ -397,6 +399,7 @@ impl PrefillService {
             prefill_rank: self.node.cfg.rank,
             result: None,
             hits: Some(pb::PrefixHits::default()),
+            incarnation: self.node.incarnation(),
         })
     }
 }
