@@ -362,6 +362,9 @@ pub struct DecodeEngine {
     pub(super) kv_deadline: Duration,
     pub(super) retry_budget: u32,
     pub(super) next_request: AtomicU64,
+    /// The rooms of the engine beside the worker, when the config names one (DESIGN §3.1): the
+    /// front door then hands every request to that engine ([`super::via_engine`]).
+    pub(super) engine_rooms: Option<Arc<super::node::engine_rooms::EngineRooms>>,
 }
 
 fn splitmix(state: &mut u64) -> u64 {
@@ -435,7 +438,10 @@ pub fn decode_plan(
 impl DecodeEngine {
     /// Tokens the whole KV pool holds: a longer prompt can never be served here.
     pub fn max_prompt_tokens(&self) -> u64 {
-        self.node.capacity_tokens()
+        match &self.engine_rooms {
+            Some(rooms) => rooms.capacity_tokens(),
+            None => self.node.capacity_tokens(),
+        }
     }
 
     /// Refuses a prompt longer than the whole pool holds ([`RequestError::ContextLength`]).

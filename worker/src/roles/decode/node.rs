@@ -27,6 +27,8 @@
 //! check: pages of a room whose guard is gone and that the gate is not releasing (a leak this design
 //! rules out; the decode's readiness turns false on it).
 
+pub mod engine_rooms;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
@@ -335,6 +337,9 @@ pub struct DecodeNode {
     /// Negative control: an abandoned room is not handed to the gate (the pre-fix leak).
     #[cfg(feature = "negative-controls")]
     leak_on_drop: AtomicBool,
+    /// The rooms of an engine beside the worker ([`engine_rooms`]): their signals, peer losses and
+    /// heartbeats go there.
+    engine_rooms: std::sync::OnceLock<Weak<engine_rooms::EngineRooms>>,
 }
 
 impl DecodeNode {
@@ -365,6 +370,7 @@ impl DecodeNode {
             gate,
             #[cfg(feature = "negative-controls")]
             leak_on_drop: AtomicBool::new(false),
+            engine_rooms: std::sync::OnceLock::new(),
         });
         runtime.spawn(gate_task(Arc::downgrade(&node), jobs));
         Ok(node)
@@ -588,12 +594,15 @@ impl DecodeNode {
                 self.peer_lost(&link);
                 return;
             }
-            let live = lock(&self.state)
+            let mut live: Vec<pb::RoomRef> = lock(&self.state)
                 .rooms
                 .iter()
                 .filter(|(_, e)| e.peer == link.addr)
                 .map(|(k, _)| (*k).into())
                 .collect();
+            if let Some(e) = self.engine_rooms() {
+                live.extend(e.live_rooms(&link.addr));
+            }
             let _ = link.state.signal.send(pb::PeerMessage {
                 body: Some(Body::Heartbeat(pb::Heartbeat {
                     seq: 0,
@@ -625,9 +634,21 @@ impl DecodeNode {
         for key in keys {
             self.fail(key, FailureCause::HeartbeatLost);
         }
+        if let Some(e) = self.engine_rooms() {
+            e.peer_lost(&link.addr);
+        }
+    }
+
+    fn engine_rooms(&self) -> Option<Arc<engine_rooms::EngineRooms>> {
+        self.engine_rooms.get()?.upgrade()
     }
 
     fn on_message(self: &Arc<Self>, link: &PrefillLink, m: pb::PeerMessage) {
+        if let Some(e) = self.engine_rooms()
+            && e.on_message(&m)
+        {
+            return;
+        }
         match m.body {
             Some(Body::Ack(a)) => {
                 let Some(key) = room_of(a.room) else { return };
