@@ -16,7 +16,7 @@
 //!   engine reports every step through `Spec.ReportSteps`, and an injected fault trips the guard
 //!   there (the room aborts through the gate, the request is retried).
 //!
-//! Each test has its own `127.0.<net>.x` addresses (nets 101–104).
+//! Each test has its own `127.0.<net>.x` addresses (nets 101–105).
 
 mod serve_support;
 
@@ -371,6 +371,76 @@ async fn a_killed_decode_engine_ends_its_requests_at_once_and_a_new_one_serves()
     assert!(st.success(), "{st:?} {s}");
     assert_eq!(s["completed"], 1, "{s}");
     assert_eq!(s["decode"]["early_reuse"], 0, "{s}");
+}
+
+/// The decode engine dies while its rooms wait for KV the (slow) prefill engine is still
+/// computing: the rooms fail through the release gate (ABORT to the prefill, the receiver fence as
+/// proof), the requests end at once, and neither side keeps a page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_engine_killed_while_its_kv_is_in_flight_leaks_no_page_on_either_side() {
+    let w = World::new(105);
+    w.publish(&[2]);
+    // 20 ms per prompt token: a 3-page room takes 24 s to compute.
+    let (_p, _pe) = prefill_with_engine(&w, &["--prefill-us-per-token", "20000"]).await;
+    let ph = w.addr(2, w.ports.health);
+    let _d = w.spawn(
+        9,
+        &decode_config(&w),
+        &[("TANDEM_DECODE_KV_DEADLINE_MS", "60000")],
+    );
+    let (dh, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
+    let mut engine = spawn_engine(&w, 9, &[], &[]);
+    until(Duration::from_secs(30), || async {
+        readyz(dh).await.0 == 200
+    })
+    .await;
+    let mut tasks = Vec::new();
+    for _ in 0..2 {
+        tasks.push(tokio::spawn(complete(front, 3)));
+    }
+    // Both rooms are open on the prefill, whose engine is computing them.
+    until(Duration::from_secs(20), || async {
+        report(ph).await["engine"]["rooms_submitted"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 2
+    })
+    .await;
+    assert_eq!(report(dh).await["engine"]["rooms_completed"], 0);
+    engine.0.kill().unwrap();
+    let killed = Instant::now();
+    let _ = engine.0.wait();
+    for t in tasks {
+        let (code, v) = tokio::time::timeout(Duration::from_secs(20), t)
+            .await
+            .expect("a request hung after its engine died")
+            .unwrap();
+        assert_eq!(code, 503, "{v}");
+    }
+    assert!(
+        killed.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        killed.elapsed()
+    );
+    // Decode: both rooms released through the gate with a proof, nothing quarantined.
+    until(Duration::from_secs(15), || async {
+        let e = report(dh).await["engine"].clone();
+        e["pages"]["free"] == e["pages"]["total"] && e["rooms_open"] == 0
+    })
+    .await;
+    let e = report(dh).await["engine"].clone();
+    assert_eq!(e["rooms_failed"], 2, "{e}");
+    assert_eq!(e["quarantined"], 0, "{e}");
+    let proofs =
+        e["releases"]["transport"].as_u64().unwrap() + e["releases"]["acks"].as_u64().unwrap();
+    assert_eq!(proofs, 2, "released with a proof, not by a timer: {e}");
+    // Prefill: the aborted rooms failed, none was sent, no source page is held.
+    until(Duration::from_secs(40), || async {
+        let e = report(ph).await["engine"].clone();
+        e["rooms_failed"] == 2 && e["rooms_open"] == 0 && e["source_pages_held"] == 0
+    })
+    .await;
+    assert_eq!(report(ph).await["engine"]["rooms_sent"], 0);
 }
 
 #[cfg(feature = "negative-controls")]

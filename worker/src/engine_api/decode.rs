@@ -13,6 +13,11 @@
 //!
 //! Page index `i` names page `i` of every pool of the attach; the pools' page tables are kept in
 //! lockstep (every allocation and free is applied to each, in the same order).
+//!
+//! A worker that receives the client requests (the Tandem front door) hands them to the engine as
+//! [`pb::DecodeWork`] events ([`DecodeSide::work`], `Decode.WatchWork`) and gets the engine's tokens
+//! back through [`KvSource::emit_tokens`] (`Decode.EmitTokens`); the serving path's source is
+//! `roles::decode::node::engine_rooms`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

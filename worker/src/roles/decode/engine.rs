@@ -1,5 +1,10 @@
 //! The decode worker's request engine: what the front door calls (DESIGN §3 decode side).
 //!
+//! This is the built-in simulated engine, used when the config names no `engine`. With one, the
+//! front door hands each admitted request to the engine beside the worker through the engine API
+//! instead ([`super::via_engine`]): the same peer choice, retries and spec-guard rules, with the
+//! pages, the verification and the token generation in that engine.
+//!
 //! Per request ([`DecodeEngine::prefill`]): pick a peer round-robin, open a room for the prompt's
 //! pages, receive and verify the KV within the KV deadline (past it the room aborts through the
 //! release protocol — seed 004), and, when the peer fails mid-request, retry on another peer within
