@@ -13,8 +13,8 @@
 //!    deterministic function of (request, layer, token) ([`crate::engine::content`]), written by the
 //!    prefill (its simulated or built-in engine); a page holding another request's, layer's or
 //!    token's bytes is counted corrupt. With a draft pool, the engine computes the draft KV of the
-//!    prompt into the same page indices and verifies it again before it Finishes (a page someone
-//!    else wrote meanwhile is caught).
+//!    prompt into the same page indices ([`DRAFT_LAYERS`] layers) and verifies it again before it
+//!    Finishes (a page someone else wrote meanwhile is caught).
 //! 4. **Generate** `max_tokens` tokens: the first at once, then one verification step per
 //!    `TANDEM_SIM_TPOT_MS` (its plan is the built-in engine's,
 //!    [`crate::roles::decode::engine::decode_plan`], skewed by `TANDEM_SIM_SPEC_FAULT` in test
@@ -316,17 +316,26 @@ impl Ctx {
     }
 }
 
-/// Reads and verifies every chunk of `pages` of `role`'s pool for `request` (whole pages); returns
-/// `(chunks, corrupt)`.
+/// Layers of the draft pool the engine computes and re-reads per page: the first only (a draft
+/// model's page is large — 64 MiB for an 8B draft — and the check is about the page's owner).
+pub const DRAFT_LAYERS: u32 = 1;
+
+/// Reads and verifies the chunks of `pages` of `role`'s pool for `request` (whole pages; every
+/// layer of the target, [`DRAFT_LAYERS`] of the draft); returns `(chunks, corrupt)`.
 fn verify(att: &Attached, role: PoolRole, request: u64, pages: &[u32]) -> (u64, u64) {
     let Some(pool) = att.pool(role) else {
         return (0, 0);
     };
     let g = *pool.geometry();
+    let layers = if role == PoolRole::Draft {
+        g.layers.min(DRAFT_LAYERS)
+    } else {
+        g.layers
+    };
     let tokens = (pages.len() as u32).saturating_mul(g.page_tokens);
     let (mut chunks, mut bad) = (0, 0);
     for (k, &page) in pages.iter().enumerate() {
-        for layer in 0..g.layers {
+        for layer in 0..layers {
             let spec = chunk_spec(pool, request, tokens, k as u32, layer);
             let mut buf = vec![0u8; spec.bytes()];
             chunks += 1;
@@ -343,7 +352,8 @@ fn verify(att: &Attached, role: PoolRole, request: u64, pages: &[u32]) -> (u64, 
     (chunks, bad)
 }
 
-/// Computes the draft model's KV of the prompt into `pages` of the draft pool (if attached).
+/// Computes the draft model's KV of the prompt into `pages` of the draft pool (if attached;
+/// [`DRAFT_LAYERS`] layers).
 fn fill_draft(att: &Attached, request: u64, pages: &[u32]) -> Result<(), ClientError> {
     let Some(pool) = att.pool(PoolRole::Draft) else {
         return Ok(());
@@ -351,7 +361,7 @@ fn fill_draft(att: &Attached, request: u64, pages: &[u32]) -> Result<(), ClientE
     let g = *pool.geometry();
     let tokens = (pages.len() as u32).saturating_mul(g.page_tokens);
     for (k, &page) in pages.iter().enumerate() {
-        for layer in 0..g.layers {
+        for layer in 0..g.layers.min(DRAFT_LAYERS) {
             let spec = chunk_spec(pool, request, tokens, k as u32, layer);
             let mut buf = vec![0u8; spec.bytes()];
             fill_chunk(&mut buf, &spec);
