@@ -26,6 +26,11 @@
 //! task the node started, which outlives every request. [`DecodeNode::stranded`] is the independent
 //! check: pages of a room whose guard is gone and that the gate is not releasing (a leak this design
 //! rules out; the decode's readiness turns false on it).
+//!
+//! With an engine beside the worker (`config.engine`), the rooms of that engine's Reserves are
+//! [`engine_rooms`]: they open on the same peers and land through the same TCP receiver, into the
+//! engine's pool, and their pages are decided by the engine API's release gate; this module routes
+//! their peer signals, peer losses and heartbeats there.
 
 pub mod engine_rooms;
 
