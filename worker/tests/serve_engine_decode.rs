@@ -16,7 +16,7 @@
 //!   engine reports every step through `Spec.ReportSteps`, and an injected fault trips the guard
 //!   there (the room aborts through the gate, the request is retried).
 //!
-//! Each test has its own `127.0.<net>.x` addresses (nets 101–105).
+//! Each test has its own `127.0.<net>.x` addresses (nets 101–106).
 
 mod serve_support;
 
@@ -553,4 +553,84 @@ async fn speculative_decode_reports_steps_and_a_fault_trips_the_guard_through_th
         "target and draft pages verified: {s}"
     );
     assert_eq!(s["decode"]["early_reuse"], 0, "{s}");
+}
+
+/// Seed 000 on the decode side: with a Standalone CacheTier client and speculative decoding, the
+/// decode engine's target AND draft pools are carved from the store-client sidecar's memfd segment
+/// and registered with it (COMMITTED, visible in `/metrics` and `/report`); the engine maps that
+/// segment and serves from it; SIGTERM tears the worker down cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_decode_pools_target_and_draft_live_in_the_sidecar_segment() {
+    use tandem_worker::config::{CONFIG_FILE, CacheConfig, WritePolicy};
+    use tandem_worker::store_client::ClientMode;
+    let w = World::new(106);
+    w.publish(&[2]);
+    let (_p, _pe) = prefill_with_engine(&w, &[]).await;
+    let mut cfg = decode_config(&w);
+    cfg.speculative = Some(Speculative {
+        draft_model: model(),
+        draft_tokens: 4,
+    });
+    cfg.memory.draft_pool_bytes = 16 << 20;
+    cfg.memory.segment_bytes = cfg.memory.target_pool_bytes + cfg.memory.draft_pool_bytes;
+    cfg.memory.client_mode = Some(ClientMode::Standalone);
+    cfg.cache = Some(CacheConfig {
+        tier: "l3".into(),
+        service: "l3-store.serving.svc".into(),
+        replicas: 1,
+        page_tokens: 512,
+        write_policy: WritePolicy::WriteThrough,
+    });
+    // The decode pod's sidecar (same $TANDEM_ROOT, so the same /dev/shm socket).
+    let (_sidecar, _socket) = w.start_role(
+        9,
+        "store-client",
+        CONFIG_FILE,
+        &serde_json::to_vec(&cfg).unwrap(),
+        &[],
+        &["--backend", "memfd"],
+    );
+    let mut d = w.spawn(9, &cfg, &[]);
+    let (dh, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
+    let m = metrics(dh).await;
+    for pool in ["target", "draft"] {
+        assert!(
+            m.contains(&format!(
+                r#"tandem_engine_pool_registered{{pool="{pool}",state="committed"}} 1"#
+            )),
+            "{m}"
+        );
+        assert!(
+            m.contains(&format!(
+                r#"tandem_registration_commits_total{{role="{pool}"}} 1"#
+            )),
+            "{m}"
+        );
+    }
+    let r = report(dh).await;
+    for (i, pool) in ["target", "draft"].iter().enumerate() {
+        let p = &r["engine"]["pools"][i];
+        assert_eq!(p["pool"], *pool, "{r}");
+        assert_eq!(p["registration"], "committed", "{r}");
+        assert_eq!(p["domain"], "SharedMemory", "{r}");
+    }
+    let engine = spawn_engine(&w, 9, &[], &[]);
+    until(Duration::from_secs(30), || async {
+        readyz(dh).await.0 == 200
+    })
+    .await;
+    for _ in 0..2 {
+        let (code, v) = complete(front, 6).await;
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(v["tandem"]["corrupt_chunks"], 0, "{v}");
+    }
+    engine.signal(libc::SIGTERM);
+    let (st, s) = engine_exit(engine, Duration::from_secs(20));
+    assert!(st.success(), "{st:?} {s}");
+    assert_eq!(s["pools"], serde_json::json!(["target", "draft"]), "{s}");
+    assert_eq!(s["completed"], 2, "{s}");
+    assert_eq!(s["corrupt_chunks"], 0, "{s}");
+    d.signal(libc::SIGTERM);
+    let st = d.wait_exit(Duration::from_secs(30)).expect("decode exits");
+    assert!(st.success(), "{st:?}");
 }
