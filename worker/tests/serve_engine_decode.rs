@@ -14,9 +14,12 @@
 //!   the decode ENGINE count exactly one corrupt chunk;
 //! - speculative decoding: the draft pool is allocated and registered beside the target's, the
 //!   engine reports every step through `Spec.ReportSteps`, and an injected fault trips the guard
-//!   there (the room aborts through the gate, the request is retried).
+//!   there (the room aborts through the gate, the request is retried);
+//! - a decode engine killed while its KV is in flight: both sides release through the gate;
+//! - Standalone client mode: target and draft pools committed in the sidecar's segment (seed 000);
+//! - clients that hang up in prefill or while the engine decodes: every page comes back.
 //!
-//! Each test has its own `127.0.<net>.x` addresses (nets 101–106).
+//! Each test has its own `127.0.<net>.x` addresses (nets 101–107).
 
 mod serve_support;
 
@@ -633,4 +636,95 @@ async fn standalone_decode_pools_target_and_draft_live_in_the_sidecar_segment() 
     d.signal(libc::SIGTERM);
     let st = d.wait_exit(Duration::from_secs(30)).expect("decode exits");
     assert!(st.success(), "{st:?}");
+}
+
+/// Sends a completion on its own connection and returns the socket, the response unread: dropping
+/// it is the client hanging up.
+async fn send_and_hold(addr: std::net::SocketAddr, body: &Value) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let b = body.to_string();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n",
+        b.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(b.as_bytes()).await.unwrap();
+    s
+}
+
+/// Clients that hang up: while their KV is in prefill (the worker fails the engine's room through
+/// the gate) and while the engine decodes (its next EmitTokens is answered `cancelled` and it
+/// Aborts). Every page comes back, the requests are counted cancelled, the engine goes on serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_hang_up_release_the_engines_pages_in_either_stage() {
+    let w = World::new(107);
+    w.publish(&[2]);
+    // 2 ms per prompt token: a 3-page prompt is in prefill for 2.4 s.
+    let (_p, _pe) = prefill_with_engine(&w, &["--prefill-us-per-token", "2000"]).await;
+    let _d = w.spawn(9, &decode_config(&w), &[]);
+    let (dh, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
+    // 1 s per token: a request of 6 tokens decodes for 5 s.
+    let engine = spawn_engine(&w, 9, &[], &[("TANDEM_SIM_TPOT_MS", "1000")]);
+    until(Duration::from_secs(30), || async {
+        readyz(dh).await.0 == 200
+    })
+    .await;
+
+    // In prefill: the engine's rooms wait for KV.
+    let held: Vec<_> = hold_requests(front, 2).await;
+    until(Duration::from_secs(10), || async {
+        report(dh).await["engine"]["pages"]["held"] == 6
+    })
+    .await;
+    assert_eq!(report(dh).await["engine"]["rooms_completed"], 0);
+    drop(held);
+    until(Duration::from_secs(15), || async {
+        let r = report(dh).await;
+        let e = &r["engine"];
+        e["pages"]["free"] == e["pages"]["total"]
+            && e["requests_waiting"] == 0
+            && r["counters"]["requests_cancelled"] == 2
+    })
+    .await;
+
+    // Decoding: the KV is in, the engine generates slowly.
+    let held = send_and_hold(front, &completion(PROMPT, 6, false)).await;
+    until(Duration::from_secs(20), || async {
+        report(dh).await["engine"]["rooms_completed"] == 1
+    })
+    .await;
+    drop(held);
+    until(Duration::from_secs(15), || async {
+        let r = report(dh).await;
+        let e = &r["engine"];
+        e["pages"]["free"] == e["pages"]["total"]
+            && e["rooms_open"] == 0
+            && e["cancelled_reports"].as_u64().unwrap_or(0) >= 1
+            && r["counters"]["requests_cancelled"] == 3
+    })
+    .await;
+
+    // The engine still serves.
+    let (code, v) = complete(front, 2).await;
+    assert_eq!(code, 200, "{v}");
+    engine.signal(libc::SIGTERM);
+    let (st, s) = engine_exit(engine, Duration::from_secs(20));
+    assert!(st.success(), "{st:?} {s}");
+    assert_eq!(
+        s["decode"]["cancelled"], 1,
+        "the decoding one was Aborted: {s}"
+    );
+    assert_eq!(s["decode"]["early_reuse"], 0, "{s}");
+    assert_eq!(s["completed"], 2, "{s}");
+}
+
+/// Sends `n` completions of [`PROMPT`] tokens, each on its own held connection.
+async fn hold_requests(front: std::net::SocketAddr, n: usize) -> Vec<tokio::net::TcpStream> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        out.push(send_and_hold(front, &completion(PROMPT, 3, false)).await);
+    }
+    out
 }
