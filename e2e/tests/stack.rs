@@ -196,12 +196,13 @@ async fn scenario(h: &Harness) -> Result<(), String> {
         t0.elapsed().as_secs_f64()
     );
 
-    // Issue 13: the prefill's KV computed by the Simulated engine, its own container, through the
-    // engine API (the worker as its native sidecar); requests still served, no page corrupt.
+    // Issue 13: both pools on the Simulated engine, its own container, through the engine API
+    // (the worker as its native sidecar): the prefill engine computes the KV, the decode engine
+    // reserves, verifies and decodes; requests still served, no page corrupt.
     engine_served(h).await?;
     println!(
-        "[{:>5.1}s] issue 13: PrefillPool on the Simulated engine; requests served through the \
-         engine API, 0 corrupt pages",
+        "[{:>5.1}s] issue 13: PrefillPool and DecodePool on the Simulated engine; requests served \
+         through the engine API, 0 corrupt pages",
         t0.elapsed().as_secs_f64()
     );
 
@@ -268,22 +269,25 @@ async fn scenario(h: &Harness) -> Result<(), String> {
     Ok(())
 }
 
-/// Issue 13 on the live stack: the PrefillPool gets `spec.engine: {kind: Simulated}`; once every
-/// prefill pod runs the engine container beside the worker (and both pools rolled and are
-/// Ready), requests through the decode's front door succeed; every prefill worker's `/report`
-/// says its engine attached and the rooms were sent from engine-written pages, and the decode
-/// read no corrupt page (it verifies every row it receives).
+/// Issue 13 on the live stack: the PrefillPool and the DecodePool get `spec.engine: {kind:
+/// Simulated}`; once every pod of both runs the engine container beside the worker (and both pools
+/// rolled and are Ready), requests through the decode's front door succeed; every prefill worker's
+/// `/report` says its engine attached and the rooms were sent from engine-written pages, and the
+/// decode's says its engine attached, reserved and completed the rooms and verified every page it
+/// read, none corrupt.
 async fn engine_served(h: &Harness) -> Result<(), String> {
     use tandem_e2e::replay::targets::{FRONT_DOOR_PORT, pod_serving};
     use tandem_e2e::report::sampler::HEALTH_PORT;
-    h.kubectl(&[
-        "patch",
-        "prefillpool",
-        PREFILL,
-        "--type=merge",
-        "-p",
-        r#"{"spec":{"engine":{"kind":"Simulated"}}}"#,
-    ])?;
+    for (kind, name) in [("prefillpool", PREFILL), ("decodepool", DECODE)] {
+        h.kubectl(&[
+            "patch",
+            kind,
+            name,
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"engine":{"kind":"Simulated"}}}"#,
+        ])?;
+    }
     let has_engine = |p: &Pod| {
         p.spec
             .as_ref()
@@ -309,12 +313,20 @@ async fn engine_served(h: &Harness) -> Result<(), String> {
             .filter(|p| p.metadata.deletion_timestamp.is_none())
             .collect();
         let all = !live.is_empty() && live.iter().all(|p| ready(p) && has_engine(p));
+        let decodes = h
+            .pods(&format!("{POOL}={DECODE},{ROLE}={ROLE_DECODE}"))
+            .await
+            .ok()?;
+        let decodes_on_engine = decodes
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .all(|p| ready(p) && has_engine(p));
         settled("prefillpool", PREFILL).await?;
         settled("decodepool", DECODE).await?;
-        all.then_some(live)
+        (all && decodes_on_engine).then_some(live)
     })
     .await
-    .ok_or("the PrefillPool did not roll onto the Simulated engine (all pods Ready) in 420 s")?;
+    .ok_or("the pools did not roll onto the Simulated engine (all pods Ready) in 420 s")?;
     wait_condition(h, "decodepool", DECODE, "Ready", "True", 240).await?;
     let decode = h
         .pods(&format!("{POOL}={DECODE},{ROLE}={ROLE_DECODE}"))
@@ -386,6 +398,18 @@ async fn engine_served(h: &Harness) -> Result<(), String> {
     let d = get(format!("http://{decode}:{HEALTH_PORT}/report")).await?;
     if d["counters"]["corrupt_pages_read"] != 0 {
         return Err(format!("the decode read corrupt pages: {}", d["counters"]));
+    }
+    // The decode's engine decoded them: attached, every room reserved and completed in its pool,
+    // every page it read verified, none corrupt.
+    let e = &d["engine"];
+    let completed = e["rooms_completed"].as_u64().unwrap_or(0);
+    if e["kind"] != "Simulated" || e["attached"] != true || completed < 9 {
+        return Err(format!(
+            "9 requests served but the decode engine completed {completed} rooms: {e}"
+        ));
+    }
+    if e["corrupt_chunks"] != 0 || e["chunks_verified"].as_u64().unwrap_or(0) == 0 {
+        return Err(format!("the decode engine's verification: {e}"));
     }
     Ok(())
 }

@@ -911,9 +911,8 @@ fn child_or_pod_writes(calls: &[Call]) -> Vec<String> {
 /// Issue 13: only the Simulated engine is served. A converged stack whose DecodePool asks for
 /// vLLM is refused — `Degraded=True, EngineUnsupported`, one Warning event, no child or pod
 /// created, applied or deleted — and its PrefillPool (whose revision is the pair's) says the
-/// DecodePool is blocked. `Simulated` on the DecodePool is refused as well (the decode worker
-/// does not serve the engine API yet); `Simulated` on the PrefillPool is served and rolls the
-/// engine pod out (the negative control: the same reconciles do write once the engine is served).
+/// DecodePool is blocked. `Simulated` is served on both pools and rolls the engine pods out (the
+/// negative control: the same reconciles do write once the engine is served).
 #[tokio::test]
 async fn an_unsupported_engine_is_refused_and_changes_no_pod() {
     let (fake, client) = FakeApi::start();
@@ -969,8 +968,8 @@ async fn an_unsupported_engine_is_refused_and_changes_no_pod() {
         "{pd}"
     );
 
-    // A Simulated engine on the DecodePool is refused too: the decode worker does not serve the
-    // engine API yet (issue 13), so nothing may roll out for it.
+    // A Simulated engine on the DecodePool is served (the decode worker hands its requests to the
+    // engine): the refusal lifts and the pair rolls.
     fake.edit(paths::DECODES, DECODE, |o| {
         o["spec"]["engine"] = json!({"kind": "Simulated"});
         o["metadata"]["generation"] = json!(3);
@@ -978,15 +977,15 @@ async fn an_unsupported_engine_is_refused_and_changes_no_pod() {
     fake.clear_calls();
     reconcile_decode(&ctx).await;
     reconcile_prefill(&ctx).await;
-    assert_eq!(child_or_pod_writes(&fake.calls()), Vec::<String>::new());
-    let d = fake.get(paths::DECODES, DECODE).unwrap();
-    let degraded = condition(&d, "Degraded");
     assert!(
-        degraded["message"]
-            .as_str()
-            .unwrap()
-            .contains("spec.engine on a DecodePool is not served"),
-        "{degraded}"
+        !child_or_pod_writes(&fake.calls()).is_empty(),
+        "a Simulated engine on the DecodePool rolls out"
+    );
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(
+        status_of(&condition(&d, "Degraded")).0,
+        Some("False"),
+        "{d}"
     );
 
     // Simulated on the PrefillPool is served: the refusal lifts (the DecodePool drops its engine)

@@ -235,7 +235,7 @@ fn a_prefill_pool_without_tier_has_the_worker_as_its_only_sidecar() {
 }
 
 #[test]
-fn an_engine_on_a_decode_pool_is_refused_until_decode_serves_the_engine_api() {
+fn a_simulated_engine_on_a_decode_pool_renders_the_engine_beside_its_worker() {
     let tier: CacheTier = load("cachetier.yaml");
     let mut d: DecodePool = load("decodepool.yaml");
     d.spec.engine = Some(engine(SIMULATED));
@@ -244,9 +244,36 @@ fn an_engine_on_a_decode_pool_is_refused_until_decode_serves_the_engine_api() {
         spec: &tier.spec,
         terminating: false,
     };
+    // Served since the decode worker hands its requests to the engine (issue 13).
+    assert!(
+        resolve_with(&PoolView::decode(&d), lookup).is_ok(),
+        "a Simulated engine on a DecodePool must resolve"
+    );
+    let (cfg, sts) = render(&PoolView::decode(&d), Some(&tier));
+    let spec = pod(&sts);
+    assert_eq!(names(Some(&spec.containers)), ["engine"]);
+    let inits = names(spec.init_containers.as_ref());
+    assert_eq!(inits.last().copied(), Some("worker"), "{inits:?}");
+    let worker = spec.init_containers.as_ref().unwrap().last().unwrap();
+    assert_eq!(worker.args.as_deref().unwrap()[0], "decode");
+    let e = &spec.containers[0];
+    assert_eq!(e.args.as_deref().unwrap()[..2], ["sim-engine", "--serve"]);
+    assert_eq!(cfg.engine.map(|s| s.kind), Some(SeatKind::Simulated));
+    // SGLang and vLLM stay refused on a DecodePool.
+    d.spec.engine = Some(engine("kind: vLLM\nimage: vllm/vllm-openai:v0.11.0\n"));
+    let lookup = TierLookup::Found {
+        name: "llama70b-l3",
+        spec: &tier.spec,
+        terminating: false,
+    };
     match resolve_with(&PoolView::decode(&d), lookup) {
-        Err(Blocked::Engine(e)) => assert_eq!(e, EngineUnsupported::DecodeRole),
-        other => panic!("expected EngineUnsupported::DecodeRole, got {other:?}"),
+        Err(Blocked::Engine(e)) => assert_eq!(
+            e,
+            EngineUnsupported::Kind {
+                kind: EngineKind::Vllm
+            }
+        ),
+        other => panic!("expected EngineUnsupported::Kind, got {other:?}"),
     }
 }
 

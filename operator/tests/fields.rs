@@ -303,18 +303,9 @@ fn every_decode_pool_field_is_rendered_or_used() {
         ("restart.id".into(), Rendered(|| json!("again"))),
         ("frontDoor.port".into(), Rendered(|| json!(9000))),
     ]);
-    // Any engine on a DecodePool is refused until the decode worker serves the engine API
-    // (EngineUnsupported::DecodeRole, see engine_kind_is_rendered_or_refused): its engine fields
-    // render nothing, so the base has no engine.
-    for (path, field) in table.iter_mut() {
-        if path.starts_with("engine.") {
-            *field = Controller(
-                "refused on a DecodePool by controller::revision::resolve_with \
-                 (EngineUnsupported::DecodeRole) until decode serves the engine API",
-            );
-        }
-    }
-    let base = with_indexers(sample("decodepool.yaml"));
+    // The decode worker serves the engine API (issue 13): a Simulated engine on a DecodePool renders
+    // like on a PrefillPool, so the base has one for the engine fields to change.
+    let base = with_engine(with_indexers(sample("decodepool.yaml")));
     let t2 = tier.clone();
     check(
         "DecodePool",
@@ -400,9 +391,8 @@ fn tier_policy_fields_reach_the_pool_config() {
 }
 
 /// `spec.engine.kind`: unset renders the worker alone; `Simulated` renders a different pod and
-/// config on a PrefillPool (the engine container, the worker as its sidecar, the config's engine
-/// seat) and is refused on a DecodePool (decode does not serve the engine API yet); `SGLang` and
-/// `vLLM` (with an image, as admission requires) are refused: nothing renders.
+/// config on both pool kinds (the engine container, the worker as its sidecar, the config's engine
+/// seat); `SGLang` and `vLLM` (with an image, as admission requires) are refused: nothing renders.
 #[test]
 fn engine_kind_is_rendered_or_refused() {
     let tier: CacheTier = serde_json::from_value(sample("cachetier.yaml")).unwrap();
@@ -410,7 +400,7 @@ fn engine_kind_is_rendered_or_refused() {
         let plain = sample(file);
         let t = sample("cachetier.yaml");
         if decode {
-            // Not served on decode yet: refused, nothing renders.
+            // Served on decode too: it resolves.
             let d = serde_json::from_value::<DecodePool>(with_engine(plain.clone())).unwrap();
             let lookup = TierLookup::Found {
                 name: "llama70b-l3",
@@ -418,19 +408,15 @@ fn engine_kind_is_rendered_or_refused() {
                 terminating: false,
             };
             assert!(
-                matches!(
-                    resolve_with(&PoolView::decode(&d), lookup),
-                    Err(Blocked::Engine(_))
-                ),
-                "{file}: engine.kind Simulated must be refused on a DecodePool"
-            );
-        } else {
-            assert_ne!(
-                render_pool(&with_engine(plain.clone()), &t, decode),
-                render_pool(&plain, &t, decode),
-                "{file}: engine.kind Simulated changes nothing rendered"
+                resolve_with(&PoolView::decode(&d), lookup).is_ok(),
+                "{file}: engine.kind Simulated must be served on a DecodePool"
             );
         }
+        assert_ne!(
+            render_pool(&with_engine(plain.clone()), &t, decode),
+            render_pool(&plain, &t, decode),
+            "{file}: engine.kind Simulated changes nothing rendered"
+        );
         for kind in ["SGLang", "vLLM"] {
             let mut v = plain.clone();
             v["spec"]["engine"] = json!({"kind": kind, "image": "example/engine:1"});

@@ -362,6 +362,47 @@ async fn malformed_decode_calls_are_refused_typed() {
         pb::ErrorReason::TierUnavailable,
         "",
     );
+    // EmitTokens: no request id is malformed; a source that hands out no DecodeWork refuses.
+    let e = api_err(
+        c.decode
+            .emit_tokens(c.req(pb::EmitTokensRequest {
+                attach_id: id,
+                ..Default::default()
+            }))
+            .await,
+    );
+    check(
+        e,
+        Code::InvalidArgument,
+        pb::ErrorReason::Malformed,
+        "request_id",
+    );
+    let e = api_err(
+        c.decode
+            .emit_tokens(c.req(pb::EmitTokensRequest {
+                attach_id: id,
+                request_id: 5,
+                tokens: vec![1, 2],
+                ..Default::default()
+            }))
+            .await,
+    );
+    check(e, Code::FailedPrecondition, pb::ErrorReason::WrongRole, "");
+    let e = api_err(
+        c.decode
+            .emit_tokens(c.req(pb::EmitTokensRequest {
+                attach_id: id + 7,
+                request_id: 5,
+                ..Default::default()
+            }))
+            .await,
+    );
+    check(
+        e,
+        Code::FailedPrecondition,
+        pb::ErrorReason::NotAttached,
+        "",
+    );
     // The room is still there and the worker healthy.
     let h = c.health().await.unwrap();
     assert_eq!((h.pages_held, h.ready), (1, true));
@@ -493,6 +534,22 @@ async fn malformed_prefill_calls_and_out_of_range_pages_are_refused_typed() {
                 request_id: 1,
                 tokens: 1,
                 kv_deadline_ms: 1,
+            }))
+            .await,
+    );
+    check(e, Code::FailedPrecondition, pb::ErrorReason::WrongRole, "");
+    let e = api_err(
+        c.decode
+            .watch_work(c.req(pb::WatchDecodeWorkRequest { attach_id: id }))
+            .await,
+    );
+    check(e, Code::FailedPrecondition, pb::ErrorReason::WrongRole, "");
+    let e = api_err(
+        c.decode
+            .emit_tokens(c.req(pb::EmitTokensRequest {
+                attach_id: id,
+                request_id: 1,
+                ..Default::default()
             }))
             .await,
     );

@@ -10,8 +10,9 @@
 //!
 //! The `Simulated` engine runs the worker image's `tandem-worker sim-engine --serve`, given the
 //! same config file the worker reads and the pod's ordinal in its group (the StatefulSet pod
-//! index, which is also the numeric suffix of `$POD_NAME` the worker reads). Only `Simulated` is
-//! served by this version; [`supported`] refuses the others before anything is rendered.
+//! index, which is also the numeric suffix of `$POD_NAME` the worker reads), on both pool kinds
+//! (the decode worker hands its front door's requests to the engine). Only `Simulated` is served by
+//! this version; [`supported`] refuses the others before anything is rendered.
 
 use k8s_openapi::api::core::v1::{
     Container, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction, ObjectFieldSelector,
@@ -21,7 +22,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use tandem_crds::{EngineKind, EngineSpec};
 use tandem_interfaces::config::{EngineKind as SeatKind, EngineSeat};
 
-use super::{PoolView, Role};
+use super::PoolView;
 
 /// Name of the engine's main container.
 pub const ENGINE_CONTAINER: &str = "engine";
@@ -49,29 +50,16 @@ pub enum EngineUnsupported {
         /// The kind asked for.
         kind: EngineKind,
     },
-    /// An engine on a DecodePool: the decode worker does not serve the engine API yet (its
-    /// requests are decoded by the worker's built-in engine; issue 13), so an engine container
-    /// there would wait for work that never comes.
-    #[error(
-        "spec.engine on a DecodePool is not served by this version: only prefill workers serve \
-         the engine API so far (decode runs the worker's built-in engine); remove spec.engine \
-         from the DecodePool"
-    )]
-    DecodeRole,
 }
 
-/// Whether the pool's engine (if any) is one this version serves.
+/// Whether the pool's engine (if any) is one this version serves: `Simulated`, on either pool
+/// kind.
 ///
 /// # Errors
-/// [`EngineUnsupported::Kind`] for `SGLang` and `vLLM`; [`EngineUnsupported::DecodeRole`] for
-/// any engine on a DecodePool.
+/// [`EngineUnsupported::Kind`] for `SGLang` and `vLLM`.
 pub fn supported(pool: &PoolView<'_>) -> Result<(), EngineUnsupported> {
     match pool.engine.map(|e| e.kind) {
-        None => Ok(()),
-        Some(EngineKind::Simulated) if pool.role == Role::Decode => {
-            Err(EngineUnsupported::DecodeRole)
-        }
-        Some(EngineKind::Simulated) => Ok(()),
+        None | Some(EngineKind::Simulated) => Ok(()),
         Some(kind) => Err(EngineUnsupported::Kind { kind }),
     }
 }

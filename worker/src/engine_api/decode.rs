@@ -13,6 +13,11 @@
 //!
 //! Page index `i` names page `i` of every pool of the attach; the pools' page tables are kept in
 //! lockstep (every allocation and free is applied to each, in the same order).
+//!
+//! A worker that receives the client requests (the Tandem front door) hands them to the engine as
+//! [`pb::DecodeWork`] events ([`DecodeSide::work`], `Decode.WatchWork`) and gets the engine's tokens
+//! back through [`KvSource::emit_tokens`] (`Decode.EmitTokens`); the serving path's source is
+//! `roles::decode::node::engine_rooms`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -70,6 +75,23 @@ pub trait KvSource: Send + Sync + 'static {
     /// Asks for a transport proof that no write of `key` can land (e.g. the TCP receiver fence),
     /// reported via [`DecodeSide::on_transport_proof`]. The default offers none (ack-only path).
     fn request_proof(&self, _key: RoomKey) {}
+    /// The gate released the room's pages (its SafeToReuse was emitted): the transport forgets the
+    /// room. Called with the decode side's state lock held: must not call back into it. Default:
+    /// nothing to forget.
+    fn released(&self, _key: RoomKey) {}
+    /// EmitTokens of a [`pb::DecodeWork`] attempt: the tokens and the end reach whoever handed out
+    /// the work (the worker's front door). Returns whether the attempt is cancelled (nobody waits
+    /// for it). May call back into the decode side.
+    ///
+    /// # Errors
+    /// `WRONG_ROLE` by default: this transport hands out no DecodeWork.
+    fn emit_tokens(&self, _report: &pb::EmitTokensRequest) -> Result<bool, ApiError> {
+        Err(ApiError::new(
+            Code::FailedPrecondition,
+            pb::ErrorReason::WrongRole,
+            "this worker hands out no DecodeWork: there is nothing to emit tokens for",
+        ))
+    }
 }
 
 /// How a room ended, for AwaitKv.
@@ -143,6 +165,7 @@ pub struct DecodeSide {
     next_room: AtomicU64,
     state: Mutex<State>,
     releases: EventHub<pb::SafeToReuse>,
+    work: EventHub<pb::DecodeWork>,
     runtime: tokio::runtime::Handle,
     me: Weak<DecodeSide>,
     /// Counters.
@@ -243,6 +266,7 @@ impl DecodeSide {
             settings,
             state: Mutex::new(State::default()),
             releases: EventHub::new("SafeToReuse"),
+            work: EventHub::new("DecodeWork"),
             runtime,
             me: me.clone(),
             counters: DecodeCounters::default(),
@@ -268,10 +292,27 @@ impl DecodeSide {
         &self.releases
     }
 
-    /// A new attach became current: later releases of older attaches' rooms are not reported.
+    /// The requests handed to the engine (DecodeWork), for WatchWork.
+    pub fn work(&self) -> &EventHub<pb::DecodeWork> {
+        &self.work
+    }
+
+    /// The transport (and request source) of this side.
+    pub fn source(&self) -> &Arc<dyn KvSource> {
+        &self.source
+    }
+
+    /// The attach whose rooms are current.
+    pub fn current_attach(&self) -> u64 {
+        lock(&self.state).current_attach
+    }
+
+    /// A new attach became current: later releases of older attaches' rooms are not reported, and
+    /// work handed to an older attach is not delivered.
     pub fn set_attach(&self, attach: u64) {
         lock(&self.state).current_attach = attach;
         self.releases.reset();
+        self.work.reset();
     }
 
     /// Page counts now.
@@ -598,6 +639,7 @@ impl DecodeSide {
                 }
                 .fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(%key, ?proof, pages = pages.len(), "room pages released");
+                self.source.released(key);
                 if room.is_some_and(|r| r.attach == st.current_attach) {
                     self.releases.emit(pb::SafeToReuse {
                         room: Some(key.into()),

@@ -11,7 +11,8 @@
 //! - [`pools`]: the pools of an attach — domain check, allocation, transactional registration, fds;
 //! - [`fd_pass`]: the pools socket (claim protocol, one delivery per attach, liveness of the attach);
 //! - [`decode`]: Reserve / AwaitKv / Finish / Abort / SafeToReuse over the release gate of
-//!   [`crate::release::receiver`] (contract 3) and the spec guard (contract 8);
+//!   [`crate::release::receiver`] (contract 3) and the spec guard (contract 8), plus the requests a
+//!   worker's front door hands its engine (DecodeWork) and the tokens it gets back (EmitTokens);
 //! - [`prefill`]: PrefillWork / PagesReady / SourceFree over the sender room table of
 //!   [`crate::release::sender`];
 //! - [`local`]: a same-host link between a prefill side and a decode side (copies between pools; the

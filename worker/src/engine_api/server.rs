@@ -258,6 +258,42 @@ impl pb::decode_server::Decode for Services {
         .map(Response::new)
     }
 
+    type WatchWorkStream = EventStream<pb::DecodeWork>;
+
+    async fn watch_work(
+        &self,
+        req: Request<pb::WatchDecodeWorkRequest>,
+    ) -> Result<Response<EventStream<pb::DecodeWork>>, Status> {
+        let deadline = client_deadline(&req);
+        let d = self.0.decode(req.get_ref().attach_id)?;
+        Ok(Response::new(stream_of(
+            "WatchWork",
+            d.work().watch(),
+            deadline,
+        )))
+    }
+
+    async fn emit_tokens(
+        &self,
+        req: Request<pb::EmitTokensRequest>,
+    ) -> Result<Response<pb::EmitTokensReply>, Status> {
+        let b = budget(client_deadline(&req), self.max());
+        let r = req.into_inner();
+        bounded("EmitTokens", b, async {
+            let d = self.0.decode(r.attach_id)?;
+            if r.request_id == 0 {
+                return Err(ApiError::malformed(
+                    "request_id",
+                    "EmitTokens names no request",
+                ));
+            }
+            let cancelled = d.source().emit_tokens(&r)?;
+            Ok(pb::EmitTokensReply { cancelled })
+        })
+        .await
+        .map(Response::new)
+    }
+
     type WatchReleasesStream = EventStream<pb::SafeToReuse>;
 
     async fn watch_releases(

@@ -375,6 +375,7 @@ impl EngineApi {
         if let Some(d) = self.decode_side() {
             failed = d.end_attach(attach_id);
             d.releases().reset();
+            d.work().reset();
         }
         if let Some(p) = self.prefill_side() {
             p.end_attach(attach_id);

@@ -20,7 +20,10 @@
 //! 0 — and, when the worker is not up yet or goes away, attaches again with a bounded backoff
 //! (50 ms doubling to `--attach-backoff-max-ms`): the pod's containers may start in either order.
 //! A room the worker refuses (it failed meanwhile) is dropped and its pages reused once free; the
-//! session goes on. Serve mode serves prefill workers only.
+//! session goes on. Against a decode worker, serve mode decodes the requests its front door hands
+//! out ([`decode`]).
+
+pub mod decode;
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::path::PathBuf;
@@ -165,6 +168,9 @@ pub struct Summary {
     /// Serve mode / prefill: rooms the worker refused or failed while the engine computed them.
     #[serde(default)]
     pub rooms_dropped: u32,
+    /// Serve mode / decode: what the decode serve loop did ([`decode::DecodeStats`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode: Option<decode::DecodeStats>,
 }
 
 /// Why a run failed.
@@ -358,12 +364,12 @@ enum Session {
     Ended(Result<(), SimError>),
 }
 
-/// Serve mode (`--serve`): attach, serve prefill work until SIGTERM/SIGINT, then Detach and return
-/// the summary; re-attach with a bounded backoff whenever the worker is not up or goes away.
+/// Serve mode (`--serve`): attach, serve prefill work (or, against a decode worker, its DecodeWork:
+/// [`decode::serve_loop`]) until SIGTERM/SIGINT, then Detach and return the summary; re-attach with
+/// a bounded backoff whenever the worker is not up or goes away.
 ///
 /// # Errors
-/// [`SimError::Setup`] when the config is unreadable, the signal handlers cannot be installed, or
-/// the worker is a decode worker (serve mode serves prefill workers only).
+/// [`SimError::Setup`] when the config is unreadable or the signal handlers cannot be installed.
 pub async fn serve(args: Args) -> Result<Summary, SimError> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term =
@@ -414,23 +420,24 @@ pub async fn serve(args: Args) -> Result<Summary, SimError> {
             }
         };
         backoff = ATTACH_BACKOFF_MIN;
-        if attached.reply.role != "prefill" {
-            let _ = client.detach(attached.id()).await;
-            return Err(SimError::Setup(format!(
-                "serve mode serves prefill workers; the worker at {} is {}",
-                socket_dir.display(),
-                attached.reply.role
-            )));
-        }
+        let attached = std::sync::Arc::new(attached);
+        let decode = attached.reply.role == "decode";
+        total.role.clone_from(&attached.reply.role);
         check_row_bytes(&attached)?;
         total.attaches += 1;
         total.attach_id = attached.id();
         total.pools = attached.pools.iter().map(|p| p.role.to_string()).collect();
-        tracing::info!(attach_id = attached.id(), pools = ?total.pools, "attached; serving prefill work");
+        tracing::info!(attach_id = attached.id(), pools = ?total.pools, role = %total.role, "attached; serving the worker's work");
         let session = tokio::select! {
             _ = term.recv() => Session::Stop,
             _ = int.recv() => Session::Stop,
-            r = prefill_loop(&args, &mut client, &attached, &mut total) => Session::Ended(r),
+            r = async {
+                if decode {
+                    decode::serve_loop(&args, &client, attached.clone(), &mut total).await
+                } else {
+                    prefill_loop(&args, &mut client, &attached, &mut total).await
+                }
+            } => Session::Ended(r),
         };
         match session {
             Session::Stop => {

@@ -1,5 +1,10 @@
 //! The decode worker's request engine: what the front door calls (DESIGN §3 decode side).
 //!
+//! This is the built-in simulated engine, used when the config names no `engine`. With one, the
+//! front door hands each admitted request to the engine beside the worker through the engine API
+//! instead ([`super::via_engine`]): the same peer choice, retries and spec-guard rules, with the
+//! pages, the verification and the token generation in that engine.
+//!
 //! Per request ([`DecodeEngine::prefill`]): pick a peer round-robin, open a room for the prompt's
 //! pages, receive and verify the KV within the KV deadline (past it the room aborts through the
 //! release protocol — seed 004), and, when the peer fails mid-request, retry on another peer within
@@ -415,6 +420,9 @@ pub struct DecodeEngine {
     pub request_deadline: Duration,
     /// Requests the deadline ended, by stage.
     pub deadline_tally: Arc<DeadlineTally>,
+    /// The rooms of the engine beside the worker, when the config names one (DESIGN §3.1): the
+    /// front door then hands every request to that engine ([`super::via_engine`]).
+    pub(super) engine_rooms: Option<Arc<super::node::engine_rooms::EngineRooms>>,
 }
 
 fn splitmix(state: &mut u64) -> u64 {
@@ -488,7 +496,10 @@ pub fn decode_plan(
 impl DecodeEngine {
     /// Tokens the whole KV pool holds: a longer prompt can never be served here.
     pub fn max_prompt_tokens(&self) -> u64 {
-        self.node.capacity_tokens()
+        match &self.engine_rooms {
+            Some(rooms) => rooms.capacity_tokens(),
+            None => self.node.capacity_tokens(),
+        }
     }
 
     /// Refuses a prompt longer than the whole pool holds ([`RequestError::ContextLength`]).

@@ -160,7 +160,7 @@ fn invalid(code: &str, param: Option<&str>, message: impl Into<String>) -> Respo
 }
 
 /// The 503 of a request whose every attempt the spec guard judged anomalous (`last` is the last).
-fn spec_guard_body(last: &Anomaly, guard: &GuardReport) -> Value {
+pub(super) fn spec_guard_body(last: &Anomaly, guard: &GuardReport) -> Value {
     json!({
         "error": {
             "message": format!("{last}; {} attempt(s) aborted", guard.anomalies.len()),
@@ -174,7 +174,7 @@ fn spec_guard_body(last: &Anomaly, guard: &GuardReport) -> Value {
 }
 
 /// An error response; after a spec-guard abort it carries `tandem.spec_guard` too.
-fn request_error_after(e: &RequestError, guard: &GuardReport) -> Response {
+pub(super) fn request_error_after(e: &RequestError, guard: &GuardReport) -> Response {
     let (status, kind, code, param) = error_parts(e);
     let mut body = error_body(kind, code, param, e.to_string());
     if !guard.anomalies.is_empty() {
@@ -270,7 +270,7 @@ fn json_content_type(headers: &HeaderMap) -> Result<(), String> {
     }
 }
 
-fn now_secs() -> u64 {
+pub(super) fn now_secs() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -282,19 +282,30 @@ pub fn token_text(request_id: u64, position: u32) -> String {
     format!(" {}", WORDS[i])
 }
 
-struct Reply {
-    id: String,
-    created: u64,
-    model: String,
-    revision: String,
-    prompt_tokens: u32,
-    completion_tokens: u32,
-    prefilled: Prefilled,
-    guard: GuardReport,
+/// The text of token id `id`: a placeholder word (the engine path's detokenizer; an engine that
+/// emits `request_id + position` gets [`token_text`]'s words).
+pub fn token_word(id: u32) -> String {
+    format!(" {}", WORDS[id as usize % WORDS.len()])
+}
+
+pub(super) struct Reply {
+    pub(super) id: String,
+    pub(super) created: u64,
+    pub(super) model: String,
+    pub(super) revision: String,
+    pub(super) prompt_tokens: u32,
+    pub(super) completion_tokens: u32,
+    pub(super) prefilled: Prefilled,
+    pub(super) guard: GuardReport,
 }
 
 impl Reply {
     fn tandem(&self, decoding: &Decoding) -> Value {
+        self.tandem_with(decoding.accept_length(), decoding.accept_rate())
+    }
+
+    /// The `tandem` block with the decode's accept length and rate.
+    pub(super) fn tandem_with(&self, accept_length: f64, accept_rate: f64) -> Value {
         let h = &self.prefilled.hits;
         json!({
             "prefix_hit_tokens": {"l1": h.l1, "l2": h.l2, "l3": h.l3},
@@ -305,8 +316,8 @@ impl Reply {
             "prefill_retries": self.prefilled.retries + self.guard.retries,
             "revision": self.revision,
             "corrupt_chunks": self.prefilled.corrupt_chunks,
-            "spec_accept_length": decoding.accept_length(),
-            "spec_accept_rate": decoding.accept_rate(),
+            "spec_accept_length": accept_length,
+            "spec_accept_rate": accept_rate,
             "spec_guard": self.guard.json(),
         })
     }
@@ -319,7 +330,7 @@ impl Reply {
         })
     }
 
-    fn chunk(&self, text: &str, finish: Option<&str>) -> Value {
+    pub(super) fn chunk(&self, text: &str, finish: Option<&str>) -> Value {
         json!({
             "id": self.id, "object": "text_completion", "created": self.created,
             "model": self.model,
@@ -331,6 +342,14 @@ impl Reply {
         let mut v = self.chunk(text, Some("length"));
         v["usage"] = self.usage();
         v["tandem"] = self.tandem(decoding);
+        v
+    }
+
+    /// The last event / object with the decode's accept length and rate.
+    pub(super) fn last_with(&self, text: &str, accept_length: f64, accept_rate: f64) -> Value {
+        let mut v = self.chunk(text, Some("length"));
+        v["usage"] = self.usage();
+        v["tandem"] = self.tandem_with(accept_length, accept_rate);
         v
     }
 }
@@ -415,6 +434,17 @@ async fn completions(
         Err(e) => return request_error(&e),
     };
     let request_id = engine.next_request_id();
+    // With an engine beside the worker, the engine decodes (DESIGN §3.1): `super::via_engine`.
+    if let Some(rooms) = engine.engine_rooms.clone() {
+        let ask = super::via_engine::Ask {
+            request_id,
+            prompt_tokens,
+            max_tokens,
+            stream: req.stream,
+            hashes: req.kv_block_hashes.clone(),
+        };
+        return super::via_engine::completion(engine, rooms, ask, admission).await;
+    }
     let mut guard = GuardReport {
         enabled: engine.spec_guard_enabled(),
         ..GuardReport::default()

@@ -16,13 +16,20 @@
 //! - [`peers`]: the same-revision prefill peer set;
 //! - [`engine`]: what the front door calls per request;
 //! - [`front_door`]: the OpenAI-compatible HTTP API;
+//! - [`engine_seat`], [`via_engine`], [`node::engine_rooms`]: with `config.engine`, the engine beside
+//!   the worker decodes (DESIGN §3.1): the pools are allocated and registered at start, the worker
+//!   is not ready until an engine attached, and every admitted request is handed to that engine;
+//!   without it, the built-in simulated engine of [`engine`] decodes, as before (`/report` says
+//!   `"engine": {"kind": "builtin"}`);
 //! - here: the CLI ([`Args`], [`run`]) and the server that wires them ([`DecodeServer`]).
 
 pub mod engine;
+pub mod engine_seat;
 pub mod front_door;
 pub mod node;
 pub mod peers;
 pub mod routing;
+pub mod via_engine;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -206,6 +213,7 @@ pub struct DecodeServer {
     pub data_addr: String,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     grace: Duration,
+    seat: Option<engine_seat::DecodeSeat>,
 }
 
 impl DecodeServer {
@@ -227,11 +235,19 @@ impl DecodeServer {
             .ports
             .front_door
             .ok_or_else(|| ServeError::Config("decode needs ports.frontDoor".into()))?;
-        let state = ServeState::new(
+        let engine_metrics = crate::roles::prefill::seat::EngineMetrics::default();
+        let decode_metrics = engine_seat::DecodeEngineMetrics::default();
+        let state = ServeState::with_metrics(
             "decode",
             &cfg.pool,
             &cfg.revision,
             "connecting to prefill peers",
+            |r| {
+                if cfg.engine.is_some() {
+                    engine_metrics.register_common(r);
+                    decode_metrics.register(r);
+                }
+            },
         );
         let transport = super::apply_transport(cfg.transport, &state);
         super::config_use::apply(cfg, &state);
@@ -243,7 +259,11 @@ impl DecodeServer {
             proof = opts.gate_proof.as_str(),
             "release gate: an aborted room's pages return after this proof"
         );
-        let layout = knobs.layout(cfg);
+        // With an engine the KV lands in the engine's pool, whose rows follow the same knobs.
+        let (layout, target_token_bytes) = match &cfg.engine {
+            None => (knobs.layout(cfg), None),
+            Some(_) => crate::roles::prefill::seat::engine_layout(cfg, &knobs)?,
+        };
         if opts.bind_ip.is_unspecified() {
             tracing::warn!(
                 "POD_IP is not set: the KV receiver advertises an unspecified address, which only \
@@ -261,7 +281,13 @@ impl DecodeServer {
             DecodeConfig {
                 worker_id: opts.worker_id.clone(),
                 rank: crate::roles::ordinal_from_env(),
-                pages: region_pages(cfg.memory.target_pool_bytes, layout),
+                // With an engine the built-in region holds nothing: the engine's pool receives
+                // the KV.
+                pages: if cfg.engine.is_some() {
+                    0
+                } else {
+                    region_pages(cfg.memory.target_pool_bytes, layout)
+                },
                 layout,
                 data_bind: SocketAddr::new(opts.bind_ip, cfg.ports.data).to_string(),
                 ack_timeout: Duration::from_secs(30),
@@ -309,6 +335,28 @@ impl DecodeServer {
                  (DESIGN contract 8)"
             );
         }
+        // Readiness while an engine (if any) is attached: a live same-revision peer, no stranded page.
+        let kv_deadline = opts.kv_deadline;
+        let (p, n) = (peers.clone(), node.clone());
+        let ready_now: Arc<dyn Fn() -> Result<(), String> + Send + Sync> = Arc::new(move || {
+            engine::readiness(p.live(), n.stranded(kv_deadline), kv_deadline, || {
+                p.not_ready_reason()
+            })
+        });
+        let seat = match &cfg.engine {
+            Some(e) => Some(engine_seat::DecodeSeat::start(
+                cfg,
+                e,
+                &node,
+                &state,
+                crate::roles::ordinal_from_env(),
+                (&engine_metrics, &decode_metrics),
+                layout,
+                target_token_bytes,
+                ready_now.clone(),
+            )?),
+            None => None,
+        };
         let engine = Arc::new(DecodeEngine {
             state: state.clone(),
             model: cfg.model.name.clone(),
@@ -327,6 +375,7 @@ impl DecodeServer {
             next_request: AtomicU64::new(1),
             request_deadline: opts.request_deadline,
             deadline_tally: Arc::default(),
+            engine_rooms: seat.as_ref().map(|s| s.rooms.clone()),
         });
         let n = node.clone();
         state.on_refresh(move |s| {
@@ -338,8 +387,16 @@ impl DecodeServer {
         let (st, guarded, n) = (state.clone(), engine.spec_guard_enabled(), node.clone());
         let kv_deadline = opts.kv_deadline;
         let tally = engine.deadline_tally.clone();
+        let seat_report: Arc<dyn Fn() -> serde_json::Value + Send + Sync> = match &seat {
+            Some(s) => {
+                let (api, rooms, kind) = (s.seat.api.clone(), s.rooms.clone(), s.seat.kind);
+                Arc::new(move || engine_seat::report_of(kind, &api, &rooms))
+            }
+            None => Arc::new(|| crate::roles::prefill::seat::report(None)),
+        };
         state.set_extra(move || {
             let mut m = serde_json::Map::new();
+            m.insert("engine".into(), seat_report());
             let pages = n.pages();
             let stranded = n.stranded(kv_deadline);
             m.insert(
@@ -398,8 +455,9 @@ impl DecodeServer {
         )
         .await
         .map_err(|e| ServeError::Bind("front door", e))?;
-        let (st, p, n) = (state.clone(), peers.clone(), node.clone());
-        let refresh = peers.spawn_refresh(opts.refresh_every, move |live| {
+        let (st, n) = (state.clone(), node.clone());
+        let attached = seat.as_ref().map(|s| s.seat.api.clone());
+        let refresh = peers.spawn_refresh(opts.refresh_every, move |_live| {
             let stranded = n.stranded(kv_deadline);
             if stranded.pages > 0 {
                 st.health.degrade(
@@ -410,9 +468,14 @@ impl DecodeServer {
             } else {
                 st.health.recover("kv_pages");
             }
-            st.set_ready(engine::readiness(live, stranded, kv_deadline, || {
-                p.not_ready_reason()
-            }));
+            if attached
+                .as_ref()
+                .is_some_and(|a| a.current_attach().is_none())
+            {
+                st.set_ready(Err(crate::roles::prefill::seat::NOT_ATTACHED.into()));
+            } else {
+                st.set_ready(ready_now());
+            }
         });
         tracing::info!(%front_addr, %health_addr, data = %node.data_addr(), %service, revision = %cfg.revision, ?layout, "decode serving");
         Ok(Self {
@@ -423,6 +486,7 @@ impl DecodeServer {
             data_addr: node.data_addr(),
             tasks: vec![http, front, refresh],
             grace: opts.drain_grace,
+            seat,
         })
     }
 
@@ -442,6 +506,14 @@ impl DecodeServer {
         let finished = e.inflight.available_permits() == e.max_inflight;
         for t in &self.tasks {
             t.abort();
+        }
+        if let Some(seat) = self.seat {
+            let errors = seat.stop().await;
+            if errors.is_empty() {
+                tracing::info!("engine API stopped; pools deregistered and freed");
+            } else {
+                tracing::error!(?errors, "releasing the engine pools failed");
+            }
         }
         tracing::info!(finished, "decode stopped");
         finished

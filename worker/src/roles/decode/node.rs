@@ -26,6 +26,13 @@
 //! task the node started, which outlives every request. [`DecodeNode::stranded`] is the independent
 //! check: pages of a room whose guard is gone and that the gate is not releasing (a leak this design
 //! rules out; the decode's readiness turns false on it).
+//!
+//! With an engine beside the worker (`config.engine`), the rooms of that engine's Reserves are
+//! [`engine_rooms`]: they open on the same peers and land through the same TCP receiver, into the
+//! engine's pool, and their pages are decided by the engine API's release gate; this module routes
+//! their peer signals, peer losses and heartbeats there.
+
+pub mod engine_rooms;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -357,6 +364,9 @@ pub struct DecodeNode {
     /// Negative control: an abandoned room is not handed to the gate (the pre-fix leak).
     #[cfg(feature = "negative-controls")]
     leak_on_drop: AtomicBool,
+    /// The rooms of an engine beside the worker ([`engine_rooms`]): their signals, peer losses and
+    /// heartbeats go there.
+    engine_rooms: std::sync::OnceLock<Weak<engine_rooms::EngineRooms>>,
 }
 
 impl DecodeNode {
@@ -412,6 +422,7 @@ impl DecodeNode {
             link_lost: tokio::sync::Notify::new(),
             #[cfg(feature = "negative-controls")]
             leak_on_drop: AtomicBool::new(false),
+            engine_rooms: std::sync::OnceLock::new(),
         });
         runtime.spawn(gate_task(Arc::downgrade(&node), jobs));
         Ok(node)
@@ -677,12 +688,15 @@ impl DecodeNode {
                 self.peer_lost(&link);
                 return;
             }
-            let live = lock(&self.state)
+            let mut live: Vec<pb::RoomRef> = lock(&self.state)
                 .rooms
                 .iter()
                 .filter(|(_, e)| e.peer == link.addr)
                 .map(|(k, _)| (*k).into())
                 .collect();
+            if let Some(e) = self.engine_rooms() {
+                live.extend(e.live_rooms(&link.addr));
+            }
             let _ = link.state.signal.send(pb::PeerMessage {
                 body: Some(Body::Heartbeat(pb::Heartbeat {
                     seq: 0,
@@ -726,9 +740,21 @@ impl DecodeNode {
         for key in keys {
             self.fail(key, FailureCause::HeartbeatLost);
         }
+        if let Some(e) = self.engine_rooms() {
+            e.peer_lost(&link.addr);
+        }
+    }
+
+    fn engine_rooms(&self) -> Option<Arc<engine_rooms::EngineRooms>> {
+        self.engine_rooms.get()?.upgrade()
     }
 
     fn on_message(self: &Arc<Self>, link: &PrefillLink, m: pb::PeerMessage) {
+        if let Some(e) = self.engine_rooms()
+            && e.on_message(&m)
+        {
+            return;
+        }
         match m.body {
             Some(Body::Ack(a)) => {
                 let Some(key) = room_of(a.room) else { return };

@@ -1,6 +1,8 @@
-//! The engine seat of a prefill worker whose config names an engine (`config.engine`, DESIGN §3.1):
-//! the pools, the engine-API server, readiness that follows the engine's attach, and what `/metrics`
-//! and `/report` say about them.
+//! The engine seat of a worker whose config names an engine (`config.engine`, DESIGN §3.1): the
+//! pools, the engine-API server, readiness that follows the engine's attach, and what `/metrics`
+//! and `/report` say about them. The seat is role-agnostic ([`Seat::start_role`]): the decode role
+//! uses it too (`roles::decode::engine_seat`), adding its own readiness, metrics and report fields;
+//! what follows describes the prefill's.
 //!
 //! At start the worker allocates every configured pool (target, plus draft and indexer when sized) in
 //! the configured allocator domain through [`PoolSet::from_config`] and registers them
@@ -27,8 +29,9 @@ use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 
 use super::node::PrefillNode;
-use crate::config::{EngineKind, EngineSeat, WorkerConfig, resolve_path};
+use crate::config::{EngineKind, EngineSeat, WorkerConfig, WorkerRole, resolve_path};
 use crate::control::KvLayout;
+use crate::engine_api::decode::KvSource;
 use crate::engine_api::pools::{PoolSet, Registration, roles_configured};
 use crate::engine_api::server::{self, RunningServer};
 use crate::engine_api::service::{Backend, EngineApi};
@@ -74,6 +77,13 @@ pub struct EngineMetrics {
 impl EngineMetrics {
     /// Registers every metric in `r` (`tandem_engine_*` and the registration counters).
     pub fn register(&self, r: &mut Registry) {
+        self.register_common(r);
+        self.register_prefill(r);
+    }
+
+    /// Registers the metrics of any role's seat: pool bytes and registration, the registration
+    /// counters, `tandem_engine_attached` and `tandem_engine_attaches` (a decode seat adds its own).
+    pub fn register_common(&self, r: &mut Registry) {
         r.register(
             "tandem_engine_pool_bytes",
             "Bytes of each engine-API pool, by pool and allocator domain",
@@ -95,6 +105,9 @@ impl EngineMetrics {
             "Engine attaches",
             self.attaches.clone(),
         );
+    }
+
+    fn register_prefill(&self, r: &mut Registry) {
         r.register(
             "tandem_engine_rooms_submitted",
             "Rooms handed to the engine",
@@ -189,16 +202,23 @@ pub fn report(seat: Option<(&EngineKind, &Arc<EngineApi>)>) -> Value {
             })
         })
         .collect();
-    let side = api.prefill_side();
-    let stat = |f: fn(&crate::engine_api::prefill::PrefillStats) -> u64| {
-        side.as_ref().map_or(0, |s| f(s.stats()))
-    };
-    json!({
+    let common = json!({
         "kind": format!("{kind:?}"),
         "attached": api.current_attach().is_some(),
         "attach_id": api.current_attach().unwrap_or(0),
         "attaches": api.attaches(),
         "pools": pools,
+    });
+    if api.config().role != WorkerRole::Prefill {
+        // The decode role adds its own fields (`roles::decode::engine_seat`).
+        return common;
+    }
+    let side = api.prefill_side();
+    let stat = |f: fn(&crate::engine_api::prefill::PrefillStats) -> u64| {
+        side.as_ref().map_or(0, |s| f(s.stats()))
+    };
+    let mut out = common;
+    let prefill = json!({
         "rooms_submitted": stat(|s| s.rooms_submitted.load(Ordering::Relaxed)),
         "rooms_sent": stat(|s| s.rooms_sent.load(Ordering::Relaxed)),
         "rooms_failed": stat(|s| s.rooms_failed.load(Ordering::Relaxed)),
@@ -206,7 +226,20 @@ pub fn report(seat: Option<(&EngineKind, &Arc<EngineApi>)>) -> Value {
         "pages_freed": stat(|s| s.pages_freed.load(Ordering::Relaxed)),
         "source_pages_held": side.as_ref().map_or(0, |s| s.held_pages()),
         "rooms_open": side.as_ref().map_or(0, |s| s.rooms()),
-    })
+    });
+    if let (Some(o), Value::Object(p)) = (out.as_object_mut(), prefill) {
+        o.extend(p);
+    }
+    out
+}
+
+/// The role behind a seat: what the engine API's calls reach.
+pub enum SeatRole<'a> {
+    /// A prefill worker: PrefillWork from the node's rooms, PagesReady moved by its transport.
+    Prefill(&'a Arc<PrefillNode>),
+    /// A decode worker: Reserve opens rooms through this transport (and it receives EmitTokens).
+    /// The role follows the attach in its own readiness and `/report`.
+    Decode(Arc<dyn KvSource>),
 }
 
 fn registration_state(r: &Registration) -> (&'static str, String) {
@@ -234,11 +267,40 @@ impl Seat {
         metrics: &EngineMetrics,
         target_token_bytes: Option<u64>,
     ) -> Result<Self, ServeError> {
+        Self::start_role(
+            cfg,
+            seat,
+            SeatRole::Prefill(node),
+            state,
+            rank,
+            metrics,
+            target_token_bytes,
+        )
+    }
+
+    /// [`Seat::start`] for either role (the seat is role-agnostic: pools, registration, server,
+    /// metrics). A prefill seat also makes readiness follow the attach and sets `/report`'s
+    /// `engine`; a decode seat leaves both to its role, which combines the attach with its peers.
+    ///
+    /// # Errors
+    /// As [`Seat::start`].
+    pub fn start_role(
+        cfg: &WorkerConfig,
+        seat: &EngineSeat,
+        role: SeatRole<'_>,
+        state: &Arc<ServeState>,
+        rank: u32,
+        metrics: &EngineMetrics,
+        target_token_bytes: Option<u64>,
+    ) -> Result<Self, ServeError> {
         let socket_dir = resolve_path(&seat.socket_dir);
         let mut api_cfg = EngineApiConfig::for_worker(cfg, &socket_dir);
         api_cfg.target_token_bytes = target_token_bytes;
         api_cfg.ranks = cfg.parallelism.ranks_of(rank);
-        api_cfg.prefill_rank = rank;
+        match &role {
+            SeatRole::Prefill(_) => api_cfg.prefill_rank = rank,
+            SeatRole::Decode(_) => api_cfg.decode_rank = rank,
+        }
         let health = Arc::new(Health::new());
         let sidecar = resolve_path(std::path::Path::new(SIDECAR_SOCKET));
         let pools = PoolSet::from_config(
@@ -277,23 +339,34 @@ impl Seat {
                 registration = reg, reason, "engine pool allocated");
         }
         drop(attached);
+        let (backend, node) = match role {
+            SeatRole::Prefill(node) => (Backend::Prefill(node.clone()), Some(node)),
+            SeatRole::Decode(source) => (Backend::Decode(source), None),
+        };
         let api = EngineApi::new(
             cfg,
             api_cfg,
             pools,
-            Backend::Prefill(node.clone()),
+            backend,
             Arc::new(NoTiers),
             health.clone(),
         )
         .map_err(|e| ServeError::Config(e.to_string()))?;
-        node.set_engine(&api);
+        if let Some(node) = node {
+            node.set_engine(&api);
+        }
         let server = server::start(api.clone()).map_err(|e| ServeError::Config(e.to_string()))?;
-        // Readiness follows the attach (not ready from now on until an engine attached).
+        // Not ready from now on until an engine attached.
         state.set_ready(Err(NOT_ATTACHED.into()));
+        let prefill = node.is_some();
         let mut rx = api.watch_attach();
         let st = state.clone();
         let dir = socket_dir.clone();
+        // A prefill's readiness follows the attach (a decode's combines it with its peers).
         tokio::spawn(async move {
+            if !prefill {
+                return;
+            }
             loop {
                 let now = *rx.borrow_and_update();
                 match now {
@@ -331,14 +404,16 @@ impl Seat {
                 m.source_pages_held.set(i64::from(side.held_pages()));
             }
         });
-        let (kind, a) = (seat.kind, api.clone());
-        state.set_extra(move || {
-            let mut m = serde_json::Map::new();
-            m.insert("engine".into(), report(Some((&kind, &a))));
-            m
-        });
-        tracing::info!(kind = ?seat.kind, socket_dir = %socket_dir.display(),
-            "prefill serves through the engine API; {NOT_ATTACHED} yet");
+        if prefill {
+            let (kind, a) = (seat.kind, api.clone());
+            state.set_extra(move || {
+                let mut m = serde_json::Map::new();
+                m.insert("engine".into(), report(Some((&kind, &a))));
+                m
+            });
+        }
+        tracing::info!(kind = ?seat.kind, socket_dir = %socket_dir.display(), role = ?cfg.role,
+            "the worker serves through the engine API; {NOT_ATTACHED} yet");
         Ok(Self {
             kind: seat.kind,
             socket_dir,

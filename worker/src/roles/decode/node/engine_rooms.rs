@@ -1,0 +1,499 @@
+//! The decode node's engine rooms (DESIGN §3.1 "Decode side"): the [`KvSource`] behind the engine
+//! API of a decode worker whose config names an engine, and the hand-off of the front door's
+//! requests to that engine.
+//!
+//! 1. The front door admits a request and its router picks the prefill peer; [`EngineRooms::submit`]
+//!    records the attempt and hands it to the engine as a [`DecodeWork`](api::DecodeWork).
+//! 2. The engine Reserves pages for it; [`KvSource::open`] opens the room on the chosen peer over
+//!    the peer protocol, with the engine's target pool (registered on the node's TCP receiver as
+//!    [`ENGINE_REGION`], a [`PoolRegion`]) as the destination: the prefill writes straight into the
+//!    engine's pages, and the receiver admits only the room's generation (contract 3).
+//! 3. The peer's signals for the room (`ChunkDone`, `RoomFailed`, `AbortAck`), a lost peer and the
+//!    receiver fence reach the engine API's [`DecodeSide`], whose release gate decides every page's
+//!    fate; the engine gets pages back only in its `SafeToReuse` ([`KvSource::released`] then forgets
+//!    the room on the receiver).
+//! 4. The engine's EmitTokens (tokens, verification, the attempt's end) go back to the waiting front
+//!    door ([`EngineEvent`]); an attempt nobody waits for any more is answered `cancelled`.
+//!
+//! Nothing here calls back into the decode side while holding this module's locks: the decode side
+//! calls [`KvSource::released`] with its own lock held.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use tonic::Code;
+
+use super::{DecodeNode, abort_reason, lock};
+use crate::control::pb::{self as cpb, peer_message::Body};
+use crate::control::{KvLayout, room_of};
+use crate::engine_api::ApiError;
+use crate::engine_api::decode::{DecodeSide, KvSource, RoomOpen};
+use crate::engine_api::pb as api;
+use crate::engine_api::service::EngineApi;
+use crate::memory::pool::PoolRole;
+use crate::release::receiver::FailureCause;
+use crate::release::{PrefillRank, RoomKey};
+use crate::roles::decode::peers::RoutedLink;
+use crate::transfer::RegionId;
+use crate::transfer::pool_region::PoolRegion;
+
+/// The region id the engine's target pool is registered under on the node's TCP receiver.
+pub const ENGINE_REGION: RegionId = RegionId(1);
+
+/// What the engine path tells a waiting front-door request.
+#[derive(Debug, Clone)]
+pub enum EngineEvent {
+    /// The engine reserved the attempt's pages; the room is opening on the prefill peer.
+    Reserved(RoomKey),
+    /// An EmitTokens of the attempt (tokens, verification, maybe its end).
+    Report(api::EmitTokensRequest),
+    /// The engine detached or died: the attempt cannot end otherwise (its room, if any, failed
+    /// through the gate).
+    EngineLost(String),
+}
+
+struct Pending {
+    attempt: u32,
+    link: RoutedLink,
+    spec: cpb::RequestSpec,
+    tx: mpsc::UnboundedSender<EngineEvent>,
+    room: Option<RoomKey>,
+}
+
+#[derive(Debug, Clone)]
+struct EngineRoom {
+    peer: String,
+    complete: bool,
+}
+
+/// Counters of the engine path (monotonic).
+#[derive(Debug, Default)]
+pub struct EngineRoomStats {
+    /// Attempts handed to the engine as DecodeWork.
+    pub work_submitted: AtomicU64,
+    /// Rooms opened on prefill peers for the engine's Reserves.
+    pub rooms_opened: AtomicU64,
+    /// Rooms whose KV landed completely (and the receiver fenced them).
+    pub rooms_complete: AtomicU64,
+    /// Tokens the engine emitted.
+    pub tokens_emitted: AtomicU64,
+    /// Chunks the engine verified.
+    pub chunks_verified: AtomicU64,
+    /// Chunks the engine found corrupt.
+    pub corrupt_chunks: AtomicU64,
+    /// Attempts that ended because the engine detached or died.
+    pub engine_lost: AtomicU64,
+    /// EmitTokens answered `cancelled`.
+    pub cancelled_reports: AtomicU64,
+}
+
+/// The engine rooms of one decode node.
+pub struct EngineRooms {
+    node: Arc<DecodeNode>,
+    layout: KvLayout,
+    api: OnceLock<Weak<EngineApi>>,
+    pending: Mutex<HashMap<u64, Pending>>,
+    rooms: Mutex<HashMap<RoomKey, EngineRoom>>,
+    runtime: tokio::runtime::Handle,
+    /// Counters.
+    pub stats: EngineRoomStats,
+}
+
+impl std::fmt::Debug for EngineRooms {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineRooms")
+            .field("layout", &self.layout)
+            .finish()
+    }
+}
+
+impl EngineRooms {
+    /// The engine rooms of `node`, whose rooms move KV in `layout` (the engine's target pool must
+    /// have that geometry, page-first). Must be created inside a Tokio runtime.
+    ///
+    /// # Errors
+    /// When called outside a Tokio runtime.
+    pub fn new(node: &Arc<DecodeNode>, layout: KvLayout) -> Result<Arc<Self>, String> {
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| "the engine rooms need a Tokio runtime".to_owned())?;
+        let me = Arc::new(Self {
+            node: node.clone(),
+            layout,
+            api: OnceLock::new(),
+            pending: Mutex::new(HashMap::new()),
+            rooms: Mutex::new(HashMap::new()),
+            runtime,
+            stats: EngineRoomStats::default(),
+        });
+        let _ = node.engine_rooms.set(Arc::downgrade(&me));
+        Ok(me)
+    }
+
+    /// Binds the engine API whose decode side these rooms feed, and registers its target pool as
+    /// [`ENGINE_REGION`] on the node's TCP receiver.
+    ///
+    /// # Errors
+    /// No target pool, a pool outside the host domains, or a pool geometry that is not the
+    /// transfer layout (page-first, same chunk bytes and layers).
+    pub fn bind(&self, api: &Arc<EngineApi>) -> Result<(), String> {
+        let pool = api
+            .pools()
+            .pool(PoolRole::Target)
+            .ok_or("the engine API has no target pool")?;
+        let g = *pool.geometry();
+        if g.layout != crate::memory::pool::PoolLayout::PageFirst
+            || g.chunk_bytes() != self.layout.chunk_bytes()
+            || g.layers != self.layout.layers
+            || g.page_tokens != self.layout.page_tokens
+        {
+            return Err(format!(
+                "the engine's target pool ({g:?}) is not the transfer layout {:?}",
+                self.layout
+            ));
+        }
+        let region = PoolRegion::for_tcp(pool).map_err(|e| e.to_string())?;
+        self.node
+            .receiver
+            .register_region(ENGINE_REGION, Arc::new(region));
+        let _ = self.api.set(Arc::downgrade(api));
+        Ok(())
+    }
+
+    fn api(&self) -> Option<Arc<EngineApi>> {
+        self.api.get()?.upgrade()
+    }
+
+    fn side(&self) -> Option<Arc<DecodeSide>> {
+        self.api()?.decode_side()
+    }
+
+    /// Pages of the engine's pools in all.
+    pub fn total_pages(&self) -> u32 {
+        self.api().map_or(0, |a| a.pools().pages())
+    }
+
+    /// Prompt tokens the engine's pools hold in all.
+    pub fn capacity_tokens(&self) -> u64 {
+        u64::from(self.total_pages()) * u64::from(self.layout.page_tokens)
+    }
+
+    /// Tokens per page.
+    pub fn page_tokens(&self) -> u32 {
+        self.layout.page_tokens
+    }
+
+    /// Bytes of one page of KV as it is moved (the target pool's page).
+    pub fn page_bytes(&self) -> u64 {
+        self.layout.page_bytes()
+    }
+
+    /// Attempts waiting on the engine now.
+    pub fn pending(&self) -> usize {
+        lock(&self.pending).len()
+    }
+
+    /// Rooms of the engine the node tracks (open, or failed and not yet released).
+    pub fn rooms(&self) -> usize {
+        lock(&self.rooms).len()
+    }
+
+    /// Hands attempt `work.attempt` of request `work.request_id`, whose room goes to `link`, to the
+    /// engine (a newer attempt replaces an older one). Returns the attempt's events.
+    ///
+    /// # Errors
+    /// No engine attached (nobody would decode it).
+    pub fn submit(
+        &self,
+        work: api::DecodeWork,
+        link: RoutedLink,
+        spec: cpb::RequestSpec,
+    ) -> Result<mpsc::UnboundedReceiver<EngineEvent>, String> {
+        let api = self.api().ok_or("the engine API is gone")?;
+        let attach = api
+            .current_attach()
+            .ok_or("no decode engine is attached to this worker")?;
+        let side = api
+            .decode_side()
+            .ok_or("no decode engine is attached to this worker")?;
+        if side.current_attach() != attach {
+            return Err("the decode engine is attaching".into());
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let old = lock(&self.pending).insert(
+            work.request_id,
+            Pending {
+                attempt: work.attempt,
+                link,
+                spec,
+                tx,
+                room: None,
+            },
+        );
+        if let Some(old) = old {
+            self.abandon(old);
+        }
+        self.stats.work_submitted.fetch_add(1, Ordering::Relaxed);
+        side.work().emit(work);
+        Ok(rx)
+    }
+
+    /// Nobody waits for attempt `attempt` of `request` any more (it ended, or its front-door
+    /// request was dropped): forgotten; a room still waiting for its KV fails through the gate
+    /// (cause `ClientAbort`). A room being decoded is left to the engine, whose next EmitTokens is
+    /// answered `cancelled` (it then Aborts).
+    pub fn forget(&self, request: u64, attempt: u32) {
+        let mut pending = lock(&self.pending);
+        if pending.get(&request).is_some_and(|p| p.attempt == attempt) {
+            let p = pending.remove(&request);
+            drop(pending);
+            if let Some(p) = p {
+                self.abandon(p);
+            }
+        }
+    }
+
+    fn abandon(&self, p: Pending) {
+        let Some(key) = p.room else { return };
+        let complete = lock(&self.rooms).get(&key).is_none_or(|r| r.complete);
+        if !complete && let Some(side) = self.side() {
+            side.fail(key, FailureCause::ClientAbort);
+        }
+    }
+
+    /// The engine's attach ended: every waiting attempt is told (its room already failed through
+    /// the gate, cause `Shutdown`).
+    pub fn engine_lost(&self, why: &str) {
+        let pending = lock(&self.pending);
+        for p in pending.values() {
+            self.stats.engine_lost.fetch_add(1, Ordering::Relaxed);
+            let _ = p.tx.send(EngineEvent::EngineLost(why.to_owned()));
+        }
+    }
+
+    /// A peer signal: handled (true) when it names one of the engine's rooms.
+    pub(super) fn on_message(&self, m: &cpb::PeerMessage) -> bool {
+        let key = match &m.body {
+            Some(Body::Ack(a)) => room_of(a.room),
+            Some(Body::Chunk(c)) => room_of(c.room),
+            Some(Body::Failed(f)) => room_of(f.room),
+            _ => None,
+        };
+        let Some(key) = key else { return false };
+        if !lock(&self.rooms).contains_key(&key) {
+            return false;
+        }
+        let Some(side) = self.side() else {
+            return true;
+        };
+        match &m.body {
+            Some(Body::Ack(a)) => {
+                self.node.acks_received.fetch_add(1, Ordering::Relaxed);
+                side.on_ack(key, PrefillRank(a.prefill_rank));
+            }
+            Some(Body::Chunk(c)) => {
+                side.on_chunk(key);
+                if c.last {
+                    if let Some(r) = lock(&self.rooms).get_mut(&key) {
+                        r.complete = true;
+                    }
+                    // Every write concluded: the receiver closes the room (nothing lands in its
+                    // pages while the engine reads them), then the KV is complete.
+                    let node = self.node.clone();
+                    self.runtime.spawn_blocking(move || {
+                        match node
+                            .receiver
+                            .fence(key, Instant::now() + Duration::from_secs(1))
+                        {
+                            Ok(_) => side.on_complete(key),
+                            Err(e) => {
+                                tracing::warn!(%key, error = %e, "fence at completion failed");
+                                side.on_failed(key, FailureCause::TransferFailed);
+                            }
+                        }
+                    });
+                    self.stats.rooms_complete.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Some(Body::Failed(f)) => {
+                tracing::info!(%key, reason = %f.reason, "prefill reported an engine room failed");
+                side.on_failed(key, FailureCause::PrefillFailed);
+            }
+            _ => {}
+        }
+        true
+    }
+
+    /// The prefill peer at `addr` is gone: every engine room it could still write fails through the
+    /// gate (a complete room is being decoded; the peer's death cannot touch it).
+    pub(super) fn peer_lost(&self, addr: &str) {
+        let keys: Vec<RoomKey> = lock(&self.rooms)
+            .iter()
+            .filter(|(_, r)| r.peer == addr && !r.complete)
+            .map(|(k, _)| *k)
+            .collect();
+        if let Some(side) = self.side() {
+            for k in keys {
+                side.on_failed(k, FailureCause::HeartbeatLost);
+            }
+        }
+    }
+
+    /// The engine rooms on the peer at `addr` (its heartbeat lists them as live).
+    pub(super) fn live_rooms(&self, addr: &str) -> Vec<cpb::RoomRef> {
+        lock(&self.rooms)
+            .iter()
+            .filter(|(_, r)| r.peer == addr)
+            .map(|(k, _)| (*k).into())
+            .collect()
+    }
+}
+
+impl KvSource for EngineRooms {
+    fn writers(&self, request_id: u64) -> Vec<PrefillRank> {
+        lock(&self.pending)
+            .get(&request_id)
+            .map(|p| vec![p.link.rank])
+            .unwrap_or_default()
+    }
+
+    fn open(&self, room: RoomOpen) -> Result<(), String> {
+        let (link, spec, tx) = {
+            let mut pending = lock(&self.pending);
+            let p = pending.get_mut(&room.request_id).ok_or_else(|| {
+                format!(
+                    "request {} was not handed to this engine (or nobody waits for it any more)",
+                    room.request_id
+                )
+            })?;
+            if let Some(k) = p.room {
+                return Err(format!(
+                    "attempt {} of request {} already reserved {k}",
+                    p.attempt, room.request_id
+                ));
+            }
+            p.room = Some(room.key);
+            ((*p.link).clone(), p.spec.clone(), p.tx.clone())
+        };
+        lock(&self.rooms).insert(
+            room.key,
+            EngineRoom {
+                peer: link.addr().to_owned(),
+                complete: false,
+            },
+        );
+        self.node.receiver.open_room(room.key);
+        self.stats.rooms_opened.fetch_add(1, Ordering::Relaxed);
+        let _ = tx.send(EngineEvent::Reserved(room.key));
+        let open = cpb::OpenRoomRequest {
+            room: Some(room.key.into()),
+            decode_rank: self.node.cfg.rank,
+            request: Some(cpb::RequestSpec {
+                input_tokens: room.tokens,
+                ..spec
+            }),
+            decode_worker: self.node.cfg.worker_id.clone(),
+            data_addr: self.node.data_addr(),
+            dst_region: ENGINE_REGION.0,
+            dst_pages: room.pages.clone(),
+            layout: Some(self.layout.into()),
+            deadline_ms: room.deadline.as_millis() as u64,
+        };
+        let mut client = link.client.clone();
+        let api = self.api.get().cloned();
+        let key = room.key;
+        self.runtime.spawn(async move {
+            if let Err(status) = client.open_room(open).await {
+                tracing::warn!(%key, %status, "OpenRoom of an engine room failed");
+                if let Some(side) = api.and_then(|a| a.upgrade()).and_then(|a| a.decode_side()) {
+                    side.on_failed(key, FailureCause::TransferFailed);
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn abort(&self, key: RoomKey, ranks: &[PrefillRank], cause: FailureCause) {
+        let Some(peer) = lock(&self.rooms).get(&key).map(|r| r.peer.clone()) else {
+            return;
+        };
+        let link = lock(&self.node.state).links.get(&peer).cloned();
+        let Some(link) = link else {
+            // The peer is gone: its link's loss failed the room; the fence or the ack deadline
+            // decides the pages.
+            return;
+        };
+        for _ in ranks {
+            let _ = link.signal.send(cpb::PeerMessage {
+                body: Some(Body::Abort(cpb::Abort {
+                    room: Some(key.into()),
+                    decode_rank: self.node.cfg.rank,
+                    reason: abort_reason(cause) as i32,
+                })),
+            });
+        }
+    }
+
+    fn request_proof(&self, key: RoomKey) {
+        if !self.node.cfg.fence_is_proof {
+            return;
+        }
+        let node = self.node.clone();
+        let api = self.api.get().cloned();
+        self.runtime.spawn_blocking(move || {
+            if let Ok(proof) = node
+                .receiver
+                .fence(key, Instant::now() + Duration::from_secs(1))
+                && let Some(side) = api.and_then(|a| a.upgrade()).and_then(|a| a.decode_side())
+            {
+                side.on_transport_proof(key, proof);
+            }
+        });
+    }
+
+    fn released(&self, key: RoomKey) {
+        lock(&self.rooms).remove(&key);
+        // Closing never waits here (deadline now): the gate proved no write can land.
+        let _ = self.node.receiver.fence(key, Instant::now());
+        self.node.receiver.forget_room(key.room);
+    }
+
+    fn emit_tokens(&self, report: &api::EmitTokensRequest) -> Result<bool, ApiError> {
+        let pending = lock(&self.pending);
+        let Some(p) = pending
+            .get(&report.request_id)
+            .filter(|p| p.attempt == report.attempt)
+        else {
+            self.stats.cancelled_reports.fetch_add(1, Ordering::Relaxed);
+            return Ok(true);
+        };
+        if let Some(r) = report.room {
+            let named = RoomKey::from(r);
+            if p.room != Some(named) {
+                return Err(ApiError::new(
+                    Code::NotFound,
+                    api::ErrorReason::UnknownRoom,
+                    format!(
+                        "{named} is not the room of attempt {} of request {}",
+                        p.attempt, report.request_id
+                    ),
+                )
+                .field("room"));
+            }
+        }
+        let s = &self.stats;
+        s.tokens_emitted
+            .fetch_add(report.tokens.len() as u64, Ordering::Relaxed);
+        s.chunks_verified
+            .fetch_add(report.chunks_verified, Ordering::Relaxed);
+        s.corrupt_chunks
+            .fetch_add(report.corrupt_chunks, Ordering::Relaxed);
+        let gone = p.tx.send(EngineEvent::Report(report.clone())).is_err();
+        if gone {
+            s.cancelled_reports.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(gone)
+    }
+}

@@ -1,0 +1,595 @@
+//! The simulated engine's decode serve mode (`tandem-worker sim-engine --serve` against a decode
+//! worker): the engine container of a decode pod, a client of the engine API only (DESIGN §3.1).
+//!
+//! For every `DecodeWork` the worker's front door hands it (`Decode.WatchWork`), concurrently:
+//! 1. **Reserve** the prompt's pages (waiting for a `SafeToReuse` while the pools are full, within
+//!    the KV deadline). A reserved page must not belong to a room whose SafeToReuse has not arrived
+//!    yet (a release delivered late is waited for, up to [`LATE_RELEASE`]); otherwise it is counted
+//!    in [`DecodeStats::early_reuse`] — the engine's own check that it gets pages back only on
+//!    SafeToReuse.
+//! 2. **AwaitKv**; a failed room is reported (`DecodeEnd.kv_failed`) and its pages come back with
+//!    the gate's SafeToReuse.
+//! 3. **Verify** every chunk of every received page of the target pool: bytes that are a
+//!    deterministic function of (request, layer, token) ([`crate::engine::content`]), written by the
+//!    prefill (its simulated or built-in engine); a page holding another request's, layer's or
+//!    token's bytes is counted corrupt. With a draft pool, the engine computes the draft KV of the
+//!    prompt into the same page indices ([`DRAFT_LAYERS`] layers) and verifies it again before it
+//!    Finishes (a page someone else wrote meanwhile is caught).
+//! 4. **Generate** `max_tokens` tokens: the first at once, then one verification step per
+//!    `TANDEM_SIM_TPOT_MS` (its plan is the built-in engine's,
+//!    [`crate::roles::decode::engine::decode_plan`], skewed by `TANDEM_SIM_SPEC_FAULT` in test
+//!    builds); with speculative decoding each step is reported with `Spec.ReportSteps` before its
+//!    tokens are emitted, and a tripped guard ends the attempt (`DecodeEnd.spec_guard`; the worker
+//!    already aborted the room). Token ids are `request_id + position` (mod 2^32); every step's
+//!    tokens go to `Decode.EmitTokens`; an attempt answered `cancelled` is Aborted.
+//! 5. **Finish**, then the attempt's end (`DecodeEnd.done`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+use tokio_stream::StreamExt;
+
+use super::{Args, SimError, Summary, chunk_spec};
+use crate::engine::content::{fill_chunk, verify_chunk};
+use crate::engine_api::client::{Attached, ClientError, EngineClient};
+use crate::engine_api::pb;
+use crate::memory::pool::PoolRole;
+use crate::release::RoomKey;
+use crate::roles::decode::engine::decode_plan;
+use crate::roles::sim::SimKnobs;
+
+/// How long a reserved page may wait for the late delivery of its previous room's SafeToReuse
+/// before it counts as reused early.
+pub const LATE_RELEASE: Duration = Duration::from_secs(2);
+
+/// What the decode serve mode did (the `decode` block of the summary line).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DecodeStats {
+    /// DecodeWork received.
+    pub work: u64,
+    /// Tokens emitted.
+    pub tokens: u64,
+    /// Pages handed out by Reserve while a room whose SafeToReuse never came still held them.
+    pub early_reuse: u64,
+    /// Attempts the worker answered `cancelled` (then Aborted).
+    pub cancelled: u64,
+    /// Attempts that ended with an engine error (a refused call).
+    pub engine_errors: u64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Which room owns each page, from its Reserve until its SafeToReuse.
+#[derive(Default)]
+struct Book {
+    owner: Mutex<HashMap<u32, RoomKey>>,
+    released: Notify,
+}
+
+/// What one attempt did.
+#[derive(Debug, Default)]
+struct Done {
+    completed: bool,
+    failed: bool,
+    pages: u64,
+    chunks: u64,
+    corrupt: u64,
+    spec_steps: u32,
+    spec_trip: bool,
+    tokens: u64,
+    early_reuse: u64,
+    cancelled: bool,
+    engine_error: bool,
+}
+
+struct Ctx {
+    client: EngineClient,
+    att: Arc<Attached>,
+    book: Book,
+    knobs: SimKnobs,
+    call: Duration,
+    /// Counts since the loop started, merged into the caller's summary when the loop ends or is
+    /// dropped ([`Merge`]).
+    acc: Mutex<Summary>,
+}
+
+/// Merges the loop's counts into the caller's summary when the loop's future ends or is dropped
+/// (SIGTERM drops it mid-flight).
+struct Merge<'a> {
+    total: &'a mut Summary,
+    ctx: Arc<Ctx>,
+}
+
+impl Drop for Merge<'_> {
+    fn drop(&mut self) {
+        let acc = std::mem::take(&mut *lock(&self.ctx.acc));
+        let t = &mut *self.total;
+        t.rooms += acc.rooms;
+        t.completed += acc.completed;
+        t.failed += acc.failed;
+        t.pages += acc.pages;
+        t.chunks += acc.chunks;
+        t.corrupt_chunks += acc.corrupt_chunks;
+        t.spec_steps += acc.spec_steps;
+        t.spec_trips += acc.spec_trips;
+        t.rooms_dropped += acc.rooms_dropped;
+        t.releases += acc.releases;
+        let (mine, theirs) = (
+            t.decode.get_or_insert_with(DecodeStats::default),
+            acc.decode.unwrap_or_default(),
+        );
+        mine.work += theirs.work;
+        mine.tokens += theirs.tokens;
+        mine.early_reuse += theirs.early_reuse;
+        mine.cancelled += theirs.cancelled;
+        mine.engine_errors += theirs.engine_errors;
+    }
+}
+
+/// Serves the decode worker's DecodeWork until the streams end (the attach ended) or the future is
+/// dropped (SIGTERM: the caller detaches). Counts go into `total` as attempts end.
+///
+/// # Errors
+/// [`SimError::Setup`] without a target pool or when the knobs are invalid; [`SimError::Client`]
+/// when a stream cannot be opened or fails.
+pub async fn serve_loop(
+    args: &Args,
+    client: &EngineClient,
+    att: Arc<Attached>,
+    total: &mut Summary,
+) -> Result<(), SimError> {
+    let id = att.id();
+    if att.pool(PoolRole::Target).is_none() {
+        return Err(SimError::Setup("no target pool".into()));
+    }
+    let knobs = SimKnobs::from_env().map_err(|e| SimError::Setup(e.to_string()))?;
+    let mut c = client.clone();
+    let mut work = c
+        .decode
+        .watch_work(tonic::Request::new(pb::WatchDecodeWorkRequest {
+            attach_id: id,
+        }))
+        .await
+        .map_err(ClientError::from)?
+        .into_inner();
+    let mut releases = c
+        .decode
+        .watch_releases(tonic::Request::new(pb::WatchReleasesRequest {
+            attach_id: id,
+        }))
+        .await
+        .map_err(ClientError::from)?
+        .into_inner();
+    let ctx = Arc::new(Ctx {
+        client: client.clone(),
+        att,
+        book: Book::default(),
+        knobs,
+        call: Duration::from_millis(args.call_timeout_ms),
+        acc: Mutex::new(Summary::default()),
+    });
+    total.decode.get_or_insert_with(DecodeStats::default);
+    let _merge = Merge {
+        total,
+        ctx: ctx.clone(),
+    };
+    let mut tasks = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            w = work.next() => {
+                let w = w.ok_or_else(|| SimError::Setup("work stream ended".into()))?
+                    .map_err(ClientError::from)?;
+                {
+                    let mut acc = lock(&ctx.acc);
+                    acc.rooms += 1;
+                    acc.decode.get_or_insert_with(DecodeStats::default).work += 1;
+                }
+                let ctx = ctx.clone();
+                tasks.spawn(async move {
+                    let (done, last) = serve_one(&ctx, id, w).await;
+                    apply(&mut lock(&ctx.acc), done);
+                    if let Some(last) = last {
+                        ctx.emit(last).await;
+                    }
+                });
+            }
+            r = releases.next() => {
+                let ev = r.ok_or_else(|| SimError::Setup("release stream ended".into()))?
+                    .map_err(ClientError::from)?;
+                if let Some(key) = ev.room.map(RoomKey::from) {
+                    let mut owner = lock(&ctx.book.owner);
+                    for p in &ev.pages {
+                        if owner.get(p) == Some(&key) {
+                            owner.remove(p);
+                        }
+                    }
+                }
+                ctx.book.released.notify_waiters();
+                lock(&ctx.acc).releases += 1;
+            }
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+        }
+    }
+}
+
+fn apply(total: &mut Summary, d: Done) {
+    total.completed += u32::from(d.completed);
+    total.failed += u32::from(d.failed);
+    total.pages += d.pages;
+    total.chunks += d.chunks;
+    total.corrupt_chunks += d.corrupt;
+    total.spec_steps += d.spec_steps;
+    total.spec_trips += u32::from(d.spec_trip);
+    total.rooms_dropped += u32::from(d.cancelled);
+    let s = total.decode.get_or_insert_with(DecodeStats::default);
+    s.tokens += d.tokens;
+    s.early_reuse += d.early_reuse;
+    s.cancelled += u64::from(d.cancelled);
+    s.engine_errors += u64::from(d.engine_error);
+}
+
+fn end(outcome: pb::decode_end::Outcome) -> Option<pb::DecodeEnd> {
+    Some(pb::DecodeEnd {
+        outcome: Some(outcome),
+    })
+}
+
+impl Ctx {
+    /// EmitTokens; `true` when the attempt is cancelled (or the worker cannot be told).
+    async fn emit(&self, report: pb::EmitTokensRequest) -> bool {
+        let mut c = self.client.clone();
+        match c.decode.emit_tokens(self.client.req(report)).await {
+            Ok(r) => r.into_inner().cancelled,
+            Err(st) => {
+                tracing::warn!(status = %st, "EmitTokens failed; the attempt stops");
+                true
+            }
+        }
+    }
+
+    async fn abort(&self, id: u64, room: Option<pb::RoomRef>) {
+        let mut c = self.client.clone();
+        let r = self.client.req(pb::AbortRequest {
+            attach_id: id,
+            room,
+            reason: pb::FailureReason::ClientAbort as i32,
+        });
+        if let Err(st) = c.decode.abort(r).await {
+            tracing::debug!(status = %st, "Abort refused (the room already ended)");
+        }
+    }
+
+    /// Records `key` as the owner of `pages`; a page still owned by an unreleased room waits
+    /// (bounded) for that release; counts the pages that never got it.
+    async fn own(&self, key: RoomKey, pages: &[u32]) -> u64 {
+        let until = Instant::now() + LATE_RELEASE;
+        loop {
+            let notified = self.book.released.notified();
+            {
+                let mut owner = lock(&self.book.owner);
+                let busy = pages.iter().filter(|p| owner.contains_key(p)).count() as u64;
+                if busy == 0 || Instant::now() >= until {
+                    if busy > 0 {
+                        tracing::error!(%key, busy, "Reserve handed out pages whose SafeToReuse never came");
+                    }
+                    for p in pages {
+                        owner.insert(*p, key);
+                    }
+                    return busy;
+                }
+            }
+            let _ = tokio::time::timeout_at(until.into(), notified).await;
+        }
+    }
+
+    /// Reserve, waiting for releases while the pools are full (until the KV deadline).
+    async fn reserve(&self, id: u64, w: &pb::DecodeWork) -> Result<pb::ReserveReply, ClientError> {
+        let until = Instant::now() + Duration::from_millis(w.kv_deadline_ms.max(1));
+        loop {
+            let notified = self.book.released.notified();
+            let mut c = self.client.clone();
+            let r = self.client.req(pb::ReserveRequest {
+                attach_id: id,
+                request_id: w.request_id,
+                tokens: w.prompt_tokens.max(1),
+                kv_deadline_ms: w.kv_deadline_ms.max(1),
+            });
+            match c.decode.reserve(r).await {
+                Ok(r) => return Ok(r.into_inner()),
+                Err(st) => {
+                    let e = ClientError::from(st);
+                    let full = e
+                        .api()
+                        .is_some_and(|a| a.reason == pb::ErrorReason::NoFreePages);
+                    if !full || Instant::now() >= until {
+                        return Err(e);
+                    }
+                    let _ = tokio::time::timeout_at(until.into(), notified).await;
+                }
+            }
+        }
+    }
+}
+
+/// Layers of the draft pool the engine computes and re-reads per page: the first only (a draft
+/// model's page is large — 64 MiB for an 8B draft — and the check is about the page's owner).
+pub const DRAFT_LAYERS: u32 = 1;
+
+/// Reads and verifies the chunks of `pages` of `role`'s pool for `request` (whole pages; every
+/// layer of the target, [`DRAFT_LAYERS`] of the draft); returns `(chunks, corrupt)`.
+fn verify(att: &Attached, role: PoolRole, request: u64, pages: &[u32]) -> (u64, u64) {
+    let Some(pool) = att.pool(role) else {
+        return (0, 0);
+    };
+    let g = *pool.geometry();
+    let layers = if role == PoolRole::Draft {
+        g.layers.min(DRAFT_LAYERS)
+    } else {
+        g.layers
+    };
+    let tokens = (pages.len() as u32).saturating_mul(g.page_tokens);
+    let (mut chunks, mut bad) = (0, 0);
+    for (k, &page) in pages.iter().enumerate() {
+        for layer in 0..layers {
+            let spec = chunk_spec(pool, request, tokens, k as u32, layer);
+            let mut buf = vec![0u8; spec.bytes()];
+            chunks += 1;
+            let why = match pool.read(page, layer, 0, &mut buf) {
+                Ok(()) => verify_chunk(&buf, &spec).err().map(|c| c.to_string()),
+                Err(e) => Some(e.to_string()),
+            };
+            if let Some(why) = why {
+                bad += 1;
+                tracing::error!(pool = %role, request, page, layer, error = %why, "corrupt KV chunk read");
+            }
+        }
+    }
+    (chunks, bad)
+}
+
+/// Computes the draft model's KV of the prompt into `pages` of the draft pool (if attached;
+/// [`DRAFT_LAYERS`] layers).
+fn fill_draft(att: &Attached, request: u64, pages: &[u32]) -> Result<(), ClientError> {
+    let Some(pool) = att.pool(PoolRole::Draft) else {
+        return Ok(());
+    };
+    let g = *pool.geometry();
+    let tokens = (pages.len() as u32).saturating_mul(g.page_tokens);
+    for (k, &page) in pages.iter().enumerate() {
+        for layer in 0..g.layers.min(DRAFT_LAYERS) {
+            let spec = chunk_spec(pool, request, tokens, k as u32, layer);
+            let mut buf = vec![0u8; spec.bytes()];
+            fill_chunk(&mut buf, &spec);
+            pool.write(page, layer, 0, &buf)?;
+        }
+    }
+    Ok(())
+}
+
+/// Serves one attempt; returns what it did and its last EmitTokens (the end), which the caller
+/// sends after recording the counts (so that a summary printed right after the end includes them).
+async fn serve_one(ctx: &Ctx, id: u64, w: pb::DecodeWork) -> (Done, Option<pb::EmitTokensRequest>) {
+    let mut d = Done::default();
+    let base = pb::EmitTokensRequest {
+        attach_id: id,
+        request_id: w.request_id,
+        attempt: w.attempt,
+        ..pb::EmitTokensRequest::default()
+    };
+    let reply = match ctx.reserve(id, &w).await {
+        Ok(r) => r,
+        Err(e) => {
+            d.engine_error = true;
+            return (
+                d,
+                Some(pb::EmitTokensRequest {
+                    end: end(pb::decode_end::Outcome::EngineError(format!(
+                        "Reserve refused: {e}"
+                    ))),
+                    ..base
+                }),
+            );
+        }
+    };
+    let Some(key) = reply.room.map(RoomKey::from) else {
+        d.engine_error = true;
+        return (d, None);
+    };
+    let room = reply.room;
+    let base = pb::EmitTokensRequest { room, ..base };
+    d.early_reuse = ctx.own(key, &reply.pages).await;
+    let wait = ctx.client.req_within(
+        pb::AwaitKvRequest {
+            attach_id: id,
+            room,
+        },
+        Duration::from_millis(w.kv_deadline_ms) + ctx.call,
+    );
+    let mut c = ctx.client.clone();
+    let outcome = match c.decode.await_kv(wait).await {
+        Ok(r) => r.into_inner().outcome,
+        Err(st) => {
+            d.engine_error = true;
+            ctx.abort(id, room).await;
+            return (
+                d,
+                Some(pb::EmitTokensRequest {
+                    end: end(pb::decode_end::Outcome::EngineError(format!(
+                        "AwaitKv failed: {st}"
+                    ))),
+                    ..base
+                }),
+            );
+        }
+    };
+    let pages = match outcome {
+        Some(pb::await_kv_reply::Outcome::Complete(c)) => c.pages,
+        Some(pb::await_kv_reply::Outcome::Failed(f)) => {
+            d.failed = true;
+            tracing::info!(%key, reason = f.reason, message = %f.message, "the room's KV failed");
+            return (
+                d,
+                Some(pb::EmitTokensRequest {
+                    end: end(pb::decode_end::Outcome::KvFailed(f)),
+                    ..base
+                }),
+            );
+        }
+        None => {
+            d.engine_error = true;
+            ctx.abort(id, room).await;
+            return (d, None);
+        }
+    };
+    d.completed = true;
+    let (chunks, corrupt) = verify(&ctx.att, PoolRole::Target, w.request_id, &pages);
+    d.pages = pages.len() as u64;
+    d.chunks = chunks;
+    d.corrupt = corrupt;
+    if let Err(e) = fill_draft(&ctx.att, w.request_id, &pages) {
+        tracing::error!(%key, error = %e, "writing the draft KV failed");
+    }
+    let token = |pos: u32| (w.request_id as u32).wrapping_add(pos);
+    let first: Vec<u32> = if w.max_tokens > 0 {
+        vec![token(0)]
+    } else {
+        Vec::new()
+    };
+    d.tokens += first.len() as u64;
+    let cancelled = ctx
+        .emit(pb::EmitTokensRequest {
+            tokens: first,
+            chunks_verified: chunks,
+            corrupt_chunks: corrupt,
+            ..base.clone()
+        })
+        .await;
+    if cancelled {
+        d.cancelled = true;
+        ctx.abort(id, room).await;
+        return (d, None);
+    }
+    let fault = ctx
+        .knobs
+        .spec_fault
+        .filter(|f| f.applies_to(w.attempt))
+        .map(|f| f.mode);
+    let draft = (w.draft_tokens > 0).then_some(w.draft_tokens);
+    let seed = w.request_id ^ (u64::from(w.attempt) << 48);
+    let plan = decode_plan(w.max_tokens.saturating_sub(1), draft, seed, fault);
+    let mut pos = 1u32;
+    let (mut proposed, mut accepted, mut steps, mut emitted) = (0u64, 0u64, 0u64, 0u64);
+    for step in plan.steps {
+        tokio::time::sleep(ctx.knobs.tpot).await;
+        if step.proposed > 0 {
+            d.spec_steps += 1;
+            let mut c = ctx.client.clone();
+            let r = ctx.client.req(pb::SpecStepsRequest {
+                attach_id: id,
+                room,
+                steps: vec![pb::SpecStep {
+                    proposed: step.proposed,
+                    accepted: step.accepted,
+                }],
+            });
+            match c.spec.report_steps(r).await {
+                Ok(r) => {
+                    let r = r.into_inner();
+                    if r.tripped {
+                        // The worker aborted the room through the gate: stop reading it.
+                        d.spec_trip = true;
+                        return (
+                            d,
+                            Some(pb::EmitTokensRequest {
+                                end: end(pb::decode_end::Outcome::SpecGuard(pb::SpecTrip {
+                                    anomaly: r.anomaly,
+                                    tokens: r.tokens,
+                                    accept_length: r.accept_length,
+                                    accept_rate: r.accept_rate,
+                                })),
+                                ..base
+                            }),
+                        );
+                    }
+                }
+                Err(st) => {
+                    d.engine_error = true;
+                    ctx.abort(id, room).await;
+                    return (
+                        d,
+                        Some(pb::EmitTokensRequest {
+                            end: end(pb::decode_end::Outcome::EngineError(format!(
+                                "ReportSteps failed: {st}"
+                            ))),
+                            ..base
+                        }),
+                    );
+                }
+            }
+            proposed += u64::from(step.proposed);
+            accepted += u64::from(step.accepted);
+        }
+        steps += 1;
+        emitted += u64::from(step.tokens);
+        let ids: Vec<u32> = (0..step.tokens).map(|i| token(pos + i)).collect();
+        pos += step.tokens;
+        d.tokens += ids.len() as u64;
+        if ctx
+            .emit(pb::EmitTokensRequest {
+                tokens: ids,
+                ..base.clone()
+            })
+            .await
+        {
+            d.cancelled = true;
+            ctx.abort(id, room).await;
+            return (d, None);
+        }
+    }
+    // The draft KV must still be what this request wrote.
+    let (dc, dbad) = verify(&ctx.att, PoolRole::Draft, w.request_id, &pages);
+    d.chunks += dc;
+    d.corrupt += dbad;
+    let mut c = ctx.client.clone();
+    let fin = ctx.client.req(pb::FinishRequest {
+        attach_id: id,
+        room,
+    });
+    if let Err(st) = c.decode.finish(fin).await {
+        d.engine_error = true;
+        return (
+            d,
+            Some(pb::EmitTokensRequest {
+                end: end(pb::decode_end::Outcome::EngineError(format!(
+                    "Finish refused: {st}"
+                ))),
+                ..base
+            }),
+        );
+    }
+    let (accept_length, accept_rate) = if proposed > 0 {
+        (
+            emitted as f64 / steps.max(1) as f64,
+            accepted as f64 / proposed as f64,
+        )
+    } else {
+        (0.0, 0.0)
+    };
+    (
+        d,
+        Some(pb::EmitTokensRequest {
+            chunks_verified: dc,
+            corrupt_chunks: dbad,
+            end: end(pb::decode_end::Outcome::Done(pb::DecodeDone {
+                accept_length,
+                accept_rate,
+            })),
+            ..base
+        }),
+    )
+}
