@@ -14,7 +14,10 @@
 //! (1 for the pool's registration state: `none`, `committed` or `fallback_l2`), the registration
 //! counters of [`RegistrationMetrics`], `tandem_engine_attached` (0/1), `tandem_engine_attaches`,
 //! `tandem_engine_rooms_{submitted,sent,failed}`, `tandem_engine_writes`,
-//! `tandem_engine_source_pages_held`. `/report` carries the same under `engine`.
+//! `tandem_engine_source_pages_held`, and for the tier calls ([`HostTiers`])
+//! `tandem_engine_load_{waits,failed,read_before_ready,pages_from_l3}`,
+//! `tandem_engine_load_{pages,bytes}{tier}`, `tandem_engine_store_pages`. `/report` carries the same
+//! under `engine` (the tier figures under `engine.tiers`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -27,16 +30,18 @@ use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 
 use super::node::PrefillNode;
+use super::prefix_cache::PrefixCache;
+use super::tiers::{HostTiers, TierStats};
 use crate::config::{EngineKind, EngineSeat, WorkerConfig, resolve_path};
 use crate::control::KvLayout;
 use crate::engine_api::pools::{PoolSet, Registration, roles_configured};
 use crate::engine_api::server::{self, RunningServer};
 use crate::engine_api::service::{Backend, EngineApi};
-use crate::engine_api::tiers::NoTiers;
 use crate::engine_api::{DEFAULT_PAGE_TOKENS, EngineApiConfig};
 use crate::health::Health;
-use crate::health::counters::mirror;
+use crate::health::counters::{Counters, mirror};
 use crate::health::http::ServeState;
+use crate::memory::pool::PoolRole;
 use crate::registration::metrics::RegistrationMetrics;
 use crate::roles::ServeError;
 use crate::roles::store_client::SIDECAR_SOCKET;
@@ -69,6 +74,20 @@ pub struct EngineMetrics {
     pub writes: Counter,
     /// Source pages the worker holds for in-flight sends.
     pub source_pages_held: Gauge,
+    /// Tier calls: `LayerLoaded` events delivered (the waits of the engine's compute).
+    pub load_waits: Counter,
+    /// Tier calls: pages copied into engine pages, by source tier (`l2`, `l3`).
+    pub load_pages: Family<Labels, Counter>,
+    /// Tier calls: bytes copied into engine pages, by source tier.
+    pub load_bytes: Family<Labels, Counter>,
+    /// Tier calls: pages loaded whose bytes came from L3 (fetched, or loaded back at restart).
+    pub load_pages_from_l3: Counter,
+    /// Tier calls: loads that ended in LoadFailed.
+    pub load_failed: Counter,
+    /// Tier calls: Stores refused for reading a page a load still writes.
+    pub load_read_before_ready: Counter,
+    /// Tier calls: pages stored into L2.
+    pub store_pages: Counter,
 }
 
 impl EngineMetrics {
@@ -120,6 +139,58 @@ impl EngineMetrics {
             "Source pages held for in-flight sends",
             self.source_pages_held.clone(),
         );
+        r.register(
+            "tandem_engine_load_waits",
+            "LayerLoaded events delivered to the engine (each gates its read of a loaded layer)",
+            self.load_waits.clone(),
+        );
+        r.register(
+            "tandem_engine_load_pages",
+            "Pages loaded into engine pages, by source tier",
+            self.load_pages.clone(),
+        );
+        r.register(
+            "tandem_engine_load_bytes",
+            "Bytes loaded into engine pages, by source tier",
+            self.load_bytes.clone(),
+        );
+        r.register(
+            "tandem_engine_load_pages_from_l3",
+            "Pages loaded into engine pages whose bytes came from L3",
+            self.load_pages_from_l3.clone(),
+        );
+        r.register(
+            "tandem_engine_load_failed",
+            "Loads that ended in LoadFailed",
+            self.load_failed.clone(),
+        );
+        r.register(
+            "tandem_engine_load_read_before_ready",
+            "Stores refused because they read a page a load still writes",
+            self.load_read_before_ready.clone(),
+        );
+        r.register(
+            "tandem_engine_store_pages",
+            "Pages stored into L2 by the engine",
+            self.store_pages.clone(),
+        );
+    }
+
+    fn mirror_tiers(&self, t: &TierStats) {
+        let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        mirror(&self.load_waits, g(&t.layer_events));
+        for (tier, pages, bytes) in [
+            ("l2", &t.pages_loaded_l2, &t.bytes_loaded_l2),
+            ("l3", &t.pages_loaded_l3, &t.bytes_loaded_l3),
+        ] {
+            let l = vec![("tier".to_owned(), tier.to_owned())];
+            mirror(&self.load_pages.get_or_create(&l), g(pages));
+            mirror(&self.load_bytes.get_or_create(&l), g(bytes));
+        }
+        mirror(&self.load_pages_from_l3, g(&t.pages_loaded_from_l3_bytes));
+        mirror(&self.load_failed, g(&t.loads_failed));
+        mirror(&self.load_read_before_ready, g(&t.read_before_ready));
+        mirror(&self.store_pages, g(&t.pages_stored));
     }
 }
 
@@ -158,6 +229,19 @@ pub fn engine_layout(
     Ok((layout, None))
 }
 
+/// What the seat needs to serve the tier calls: the prefix cache (its L3 access), the L2
+/// capacity in pages, the KV layout and the worker's counters.
+pub struct TierSeat {
+    /// The prefix cache whose replica access reaches L3.
+    pub cache: Arc<PrefixCache>,
+    /// L2 capacity in pages.
+    pub l2_pages: usize,
+    /// The KV layout (the target pool's geometry).
+    pub layout: KvLayout,
+    /// The worker's counters (hit accounting).
+    pub counters: Counters,
+}
+
 /// A running engine seat.
 pub struct Seat {
     /// The engine kind the config names.
@@ -166,11 +250,14 @@ pub struct Seat {
     pub socket_dir: PathBuf,
     /// The engine API.
     pub api: Arc<EngineApi>,
+    /// The tier backend (L2 bytes, L3) the engine's Lookup/Load/Store reach.
+    pub tiers: Arc<HostTiers>,
     server: RunningServer,
 }
 
-/// The `/report` value of a worker's engine: `{"kind": "builtin"}` without a seat.
-pub fn report(seat: Option<(&EngineKind, &Arc<EngineApi>)>) -> Value {
+/// The `/report` value of a worker's engine: `{"kind": "builtin"}` without a seat; with one, its
+/// `tiers` are [`HostTiers::report`]'s figures.
+pub fn report(seat: Option<(&EngineKind, &Arc<EngineApi>)>, tiers: Option<&HostTiers>) -> Value {
     let Some((kind, api)) = seat else {
         return json!({ "kind": "builtin" });
     };
@@ -206,6 +293,7 @@ pub fn report(seat: Option<(&EngineKind, &Arc<EngineApi>)>) -> Value {
         "pages_freed": stat(|s| s.pages_freed.load(Ordering::Relaxed)),
         "source_pages_held": side.as_ref().map_or(0, |s| s.held_pages()),
         "rooms_open": side.as_ref().map_or(0, |s| s.rooms()),
+        "tiers": tiers.map_or(Value::Null, HostTiers::report),
     })
 }
 
@@ -220,11 +308,13 @@ fn registration_state(r: &Registration) -> (&'static str, String) {
 impl Seat {
     /// Allocates and registers the pools, starts the engine-API server on `seat.socket_dir` and
     /// makes readiness follow the engine's attach. `rank` is this worker's ordinal;
-    /// `target_token_bytes` scales the target pool's rows ([`engine_layout`]).
+    /// `target_token_bytes` scales the target pool's rows ([`engine_layout`]); the tier calls are
+    /// served by a [`HostTiers`] over `tier`.
     ///
     /// # Errors
-    /// [`ServeError::Config`] when the pools cannot be made or registered (fail-closed), or the
-    /// server cannot bind its sockets.
+    /// [`ServeError::Config`] when the pools cannot be made or registered (fail-closed), the tier
+    /// backend cannot be built, or the server cannot bind its sockets.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         cfg: &WorkerConfig,
         seat: &EngineSeat,
@@ -233,6 +323,7 @@ impl Seat {
         rank: u32,
         metrics: &EngineMetrics,
         target_token_bytes: Option<u64>,
+        tier: TierSeat,
     ) -> Result<Self, ServeError> {
         let socket_dir = resolve_path(&seat.socket_dir);
         let mut api_cfg = EngineApiConfig::for_worker(cfg, &socket_dir);
@@ -276,13 +367,27 @@ impl Seat {
             tracing::info!(pool = %p.role, domain = %p.pool.domain(), bytes = p.pool.buffer().len(),
                 registration = reg, reason, "engine pool allocated");
         }
+        let target = attached
+            .iter()
+            .find(|p| p.role == PoolRole::Target)
+            .map(|p| p.pool.clone())
+            .ok_or_else(|| ServeError::Config("engine pools: no target pool".into()))?;
         drop(attached);
+        let tiers = HostTiers::new(
+            target,
+            tier.layout,
+            tier.l2_pages,
+            tier.cache,
+            tier.counters,
+        )
+        .map_err(|e| ServeError::Config(format!("engine tiers: {e}")))?;
+        node.set_tiers(tiers.clone());
         let api = EngineApi::new(
             cfg,
             api_cfg,
             pools,
             Backend::Prefill(node.clone()),
-            Arc::new(NoTiers),
+            tiers.clone(),
             health.clone(),
         )
         .map_err(|e| ServeError::Config(e.to_string()))?;
@@ -312,8 +417,9 @@ impl Seat {
             }
         });
         // Metrics and the registrar's degradations follow the API on every scrape.
-        let (a, m) = (api.clone(), metrics.clone());
+        let (a, m, t) = (api.clone(), metrics.clone(), tiers.clone());
         state.on_refresh(move |s| {
+            m.mirror_tiers(t.stats());
             m.attached.set(i64::from(a.current_attach().is_some()));
             mirror(&m.attaches, a.attaches());
             for d in health.report().degraded {
@@ -331,10 +437,10 @@ impl Seat {
                 m.source_pages_held.set(i64::from(side.held_pages()));
             }
         });
-        let (kind, a) = (seat.kind, api.clone());
+        let (kind, a, t) = (seat.kind, api.clone(), tiers.clone());
         state.set_extra(move || {
             let mut m = serde_json::Map::new();
-            m.insert("engine".into(), report(Some((&kind, &a))));
+            m.insert("engine".into(), report(Some((&kind, &a)), Some(&t)));
             m
         });
         tracing::info!(kind = ?seat.kind, socket_dir = %socket_dir.display(),
@@ -343,6 +449,7 @@ impl Seat {
             kind: seat.kind,
             socket_dir,
             api,
+            tiers,
             server,
         })
     }
@@ -352,6 +459,7 @@ impl Seat {
     /// freed with the allocator that made them. Returns the release errors, one line each.
     pub async fn stop(mut self) -> Vec<String> {
         self.server.stop().await;
+        self.tiers.close();
         let api = self.api.clone();
         drop(self);
         api.release_pools()
