@@ -195,9 +195,12 @@ async fn the_engine_loads_prefixes_from_l2_then_from_l3_after_a_restart() {
         (1024, 0),
         "shared prefix of two pages"
     );
-    let pr = report_until(&w, 2, "4 pages written through to L3", |r| {
-        r["counters"]["l3_pages_written"] == 4
-    })
+    let pr = report_until(
+        &w,
+        2,
+        "4 pages written through to L3, the engine's 3 rooms published",
+        |r| r["counters"]["l3_pages_written"] == 4 && r["engine"]["engine_summary"]["rooms"] == 3,
+    )
     .await;
     let t = &pr["engine"]["tiers"];
     assert_eq!(t["pages_stored"], 4, "{pr}");
@@ -209,6 +212,12 @@ async fn the_engine_loads_prefixes_from_l2_then_from_l3_after_a_restart() {
     assert_eq!(t["corrupt_objects"], 0);
     assert_eq!(t["loads_failed"], 0);
     assert_eq!(pr["counters"]["prefix_hit_tokens_l2"], 2560, "{pr}");
+    // The engine's own figures, as it publishes them beside its socket.
+    let es = &pr["engine"]["engine_summary"];
+    assert_eq!(es["loaded_pages"], 5, "{pr}");
+    assert_eq!(es["loaded_corrupt_chunks"], 0, "{pr}");
+    assert_eq!(es["read_before_ready"], 0, "{pr}");
+    assert_eq!(pr["engine"]["registration"]["quarantined"], 0, "{pr}");
     let m = metrics(&w, 2).await;
     assert!(
         m.contains(r#"tandem_engine_load_pages_total{tier="l2"} 5"#),

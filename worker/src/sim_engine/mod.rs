@@ -784,6 +784,9 @@ async fn prefill_loop(
                     Err(Refused { error, .. }) => return Err(error.into()),
                 }
                 s.rooms += 1;
+                if args.serve {
+                    tiers::publish_summary(&args.socket_dir, s);
+                }
                 continue;
             }
         }

@@ -17,6 +17,7 @@
 //! right after the Load call, before its event — each such read counts as read-before-ready.
 
 use std::collections::BTreeSet;
+use std::path::Path;
 use std::time::Duration;
 
 use tokio_stream::StreamExt;
@@ -27,6 +28,25 @@ use crate::engine_api::client::{Attached, ClientError, EngineClient, MappedPool}
 use crate::engine_api::pb;
 use crate::engine_api::tiers::key_of_hash;
 use crate::memory::pool::PoolRole;
+
+/// File in the socket directory where a serving simulated engine publishes its running
+/// [`Summary`] (JSON, replaced atomically after every room), so that the worker's `/report` can
+/// show the engine's own verification figures. A real engine writes none.
+pub const SUMMARY_FILE: &str = "sim-engine-summary.json";
+
+/// Publishes `s` as [`SUMMARY_FILE`] in `socket_dir` (resolved under `$TANDEM_ROOT`); a failure is
+/// logged and otherwise ignored (the figures are a report, not the protocol).
+pub fn publish_summary(socket_dir: &Path, s: &Summary) {
+    let dir = crate::config::resolve_path(socket_dir);
+    let tmp = dir.join(format!(".{SUMMARY_FILE}.tmp"));
+    let write = serde_json::to_vec(s)
+        .map_err(std::io::Error::other)
+        .and_then(|b| std::fs::write(&tmp, b))
+        .and_then(|()| std::fs::rename(&tmp, dir.join(SUMMARY_FILE)));
+    if let Err(e) = write {
+        tracing::warn!(error = %e, "cannot publish the engine summary");
+    }
+}
 
 /// The chunk of the page named by `hash` on `layer` of `pool`: the page's own content (keyed by its
 /// page key, tokens from 0), as L2 and L3 hold it.

@@ -42,7 +42,7 @@ use crate::health::Health;
 use crate::health::counters::{Counters, mirror};
 use crate::health::http::ServeState;
 use crate::memory::pool::PoolRole;
-use crate::registration::metrics::RegistrationMetrics;
+use crate::registration::metrics::{RegistrationMetrics, RoleLabel};
 use crate::roles::ServeError;
 use crate::roles::store_client::SIDECAR_SOCKET;
 
@@ -297,6 +297,38 @@ pub fn report(seat: Option<(&EngineKind, &Arc<EngineApi>)>, tiers: Option<&HostT
     })
 }
 
+/// The registration transactions of the seat's pools, summed over pool roles: `commits`,
+/// `rollbacks`, `fallbacks` and `quarantined` (a registration whose undo failed: a leak).
+fn registration_report(m: &RegistrationMetrics) -> Value {
+    let sum = |f: &Family<RoleLabel, Counter>| -> u64 {
+        ["target", "draft", "indexer"]
+            .iter()
+            .map(|r| {
+                f.get_or_create(&RoleLabel {
+                    role: (*r).to_owned(),
+                })
+                .get()
+            })
+            .sum()
+    };
+    json!({
+        "commits": sum(&m.commits),
+        "rollbacks": sum(&m.rollbacks),
+        "fallbacks": sum(&m.fallback),
+        "quarantined": sum(&m.quarantined),
+    })
+}
+
+/// The simulated engine's own running summary ([`crate::sim_engine::tiers::SUMMARY_FILE`] in the
+/// socket directory: rooms, loaded pages verified, loaded chunks corrupt, load waits, reads before
+/// ready), or null (a real engine, or none published yet).
+fn engine_summary(dir: &std::path::Path) -> Value {
+    std::fs::read(dir.join(crate::sim_engine::tiers::SUMMARY_FILE))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or(Value::Null)
+}
+
 fn registration_state(r: &Registration) -> (&'static str, String) {
     match r {
         Registration::None => ("none", String::new()),
@@ -438,9 +470,15 @@ impl Seat {
             }
         });
         let (kind, a, t) = (seat.kind, api.clone(), tiers.clone());
+        let (reg, dir) = (metrics.registration.clone(), socket_dir.clone());
         state.set_extra(move || {
+            let mut engine = report(Some((&kind, &a)), Some(&t));
+            if let Some(obj) = engine.as_object_mut() {
+                obj.insert("registration".into(), registration_report(&reg));
+                obj.insert("engine_summary".into(), engine_summary(&dir));
+            }
             let mut m = serde_json::Map::new();
-            m.insert("engine".into(), report(Some((&kind, &a)), Some(&t)));
+            m.insert("engine".into(), engine);
             m
         });
         tracing::info!(kind = ?seat.kind, socket_dir = %socket_dir.display(),
