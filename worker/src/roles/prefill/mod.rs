@@ -215,6 +215,8 @@ impl PrefillServer {
             state.counters.clone(),
             sink,
         ));
+        // With a tier, no room is admitted before the hot prefixes are back in L2.
+        service.admitting.store(!with_tier, Ordering::SeqCst);
         // The engine seat: pools allocated and registered now, the engine-API server, readiness that
         // follows the engine's attach (DESIGN §3.1). Without one, the built-in engine computes.
         let seat = match &cfg.engine {
@@ -231,6 +233,7 @@ impl PrefillServer {
                     l2_pages,
                     layout,
                     counters: state.counters.clone(),
+                    admitting: service.admitting.clone(),
                 },
             )?),
             None => {
@@ -248,8 +251,6 @@ impl PrefillServer {
         if seat.is_none() {
             service.planner = Some(cache.clone());
         }
-        // With a tier, no room is admitted before the hot prefixes are back in L2.
-        service.admitting.store(!with_tier, Ordering::SeqCst);
         let n = node.clone();
         state.on_refresh(move |s| {
             let st = n.stats();
@@ -285,8 +286,9 @@ impl PrefillServer {
         });
         if with_tier {
             if seat.is_none() {
-                state.set_ready(Err("loading back hot prefixes from L3".into()));
+                state.set_ready(Err(seat::LOADING_BACK.into()));
             }
+            let api = seat.as_ref().map(|s| s.api.clone());
             let (st, c, admitting) = (state.clone(), cache.clone(), service.admitting.clone());
             let tiers = seat.as_ref().map(|s| s.tiers.clone());
             let deadline = Instant::now() + opts.loadback_deadline;
@@ -307,8 +309,9 @@ impl PrefillServer {
                     "L3 loadback into L2 done; admitting"
                 );
                 admitting.store(true, Ordering::SeqCst);
-                // With an engine, readiness follows its attach (the seat's watcher).
-                if !with_engine {
+                // With an engine, ready once it is attached too (the seat's watcher covers an
+                // attach from now on).
+                if !with_engine || api.is_some_and(|a| a.current_attach().is_some()) {
                     st.set_ready(Ok(()));
                 }
             });

@@ -51,6 +51,9 @@ type Labels = Vec<(String, String)>;
 /// The readiness reason while no engine is attached.
 pub const NOT_ATTACHED: &str = "engine not attached";
 
+/// The readiness reason while the restart loadback runs.
+pub const LOADING_BACK: &str = "loading back hot prefixes from L3";
+
 /// The engine seat's metrics; cheap to clone (clones share their values).
 #[derive(Debug, Clone, Default)]
 pub struct EngineMetrics {
@@ -240,6 +243,9 @@ pub struct TierSeat {
     pub layout: KvLayout,
     /// The worker's counters (hit accounting).
     pub counters: Counters,
+    /// Cleared while the restart loadback runs (and at drain): an attached engine makes the
+    /// worker ready only while it is set.
+    pub admitting: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A running engine seat.
@@ -409,8 +415,8 @@ impl Seat {
             target,
             tier.layout,
             tier.l2_pages,
-            tier.cache,
-            tier.counters,
+            tier.cache.clone(),
+            tier.counters.clone(),
         )
         .map_err(|e| ServeError::Config(format!("engine tiers: {e}")))?;
         node.set_tiers(tiers.clone());
@@ -429,14 +435,22 @@ impl Seat {
         state.set_ready(Err(NOT_ATTACHED.into()));
         let mut rx = api.watch_attach();
         let st = state.clone();
+        let admitting = tier.admitting.clone();
         let dir = socket_dir.clone();
         tokio::spawn(async move {
             loop {
                 let now = *rx.borrow_and_update();
                 match now {
-                    Some(id) => {
+                    Some(id) if admitting.load(Ordering::SeqCst) => {
                         tracing::info!(attach_id = id, "engine attached: ready");
                         st.set_ready(Ok(()));
+                    }
+                    Some(id) => {
+                        tracing::info!(
+                            attach_id = id,
+                            "engine attached; loading back from L3 first"
+                        );
+                        st.set_ready(Err(LOADING_BACK.into()));
                     }
                     None => {
                         tracing::warn!(socket_dir = %dir.display(), "{NOT_ATTACHED}: not ready");

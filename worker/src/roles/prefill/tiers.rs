@@ -460,8 +460,14 @@ impl HostTiers {
         Ok(())
     }
 
-    /// Runs one load on the calling thread (see the module docs).
-    fn run_load(&self, job: &LoadJob, events: &mpsc::UnboundedSender<pb::LoadEvent>) {
+    /// Runs one load on the calling thread (see the module docs); returns its terminal event
+    /// (`LoadDone` or `LoadFailed`), which the caller sends once the destination pages are no
+    /// longer marked loading — or `None` when the engine went away.
+    fn run_load(
+        &self,
+        job: &LoadJob,
+        events: &mpsc::UnboundedSender<pb::LoadEvent>,
+    ) -> Option<pb::load_event::Event> {
         let send = |e: pb::load_event::Event| events.send(pb::LoadEvent { event: Some(e) }).is_ok();
         let mut fetched = Vec::with_capacity(job.hashes.len());
         let mut failure = None;
@@ -495,11 +501,10 @@ impl HostTiers {
             if let Err(v) = load_plan::check_load_plan(&plan, &plan_job) {
                 tracing::error!(violation = %v, "refusing a load plan that breaks contract 5");
                 self.stats.loads_failed.fetch_add(1, Ordering::Relaxed);
-                let _ = send(pb::load_event::Event::Failed(pb::LoadFailed {
+                return Some(pb::load_event::Event::Failed(pb::LoadFailed {
                     message: format!("load plan: {v}"),
                     pages_loaded: 0,
                 }));
-                return;
             }
             self.ledger.record_plan(&plan);
             for (i, op) in plan.ops.iter().enumerate() {
@@ -511,11 +516,10 @@ impl HostTiers {
                         if let Err(e) = self.copy_layer(&fetched, dst, layer) {
                             self.ledger.fail_from(&plan, i);
                             self.stats.loads_failed.fetch_add(1, Ordering::Relaxed);
-                            let _ = send(pb::load_event::Event::Failed(pb::LoadFailed {
+                            return Some(pb::load_event::Event::Failed(pb::LoadFailed {
                                 message: format!("copy of layer {layer}: {e}"),
                                 pages_loaded: 0,
                             }));
-                            return;
                         }
                     }
                     LoadOp::Record {
@@ -530,7 +534,7 @@ impl HostTiers {
                         })) {
                             // The engine went away: nobody reads these pages.
                             self.ledger.fail_from(&plan, i + 1);
-                            return;
+                            return None;
                         }
                         self.stats.layer_events.fetch_add(1, Ordering::Relaxed);
                     }
@@ -558,22 +562,20 @@ impl HostTiers {
                 bytes.fetch_add(page, Ordering::Relaxed);
             }
         }
-        match failure {
-            None => {
-                let _ = send(pb::load_event::Event::Done(pb::LoadDone {
-                    pages: n as u32,
-                    bytes: (n * self.page_bytes()) as u64,
-                }));
-            }
+        Some(match failure {
+            None => pb::load_event::Event::Done(pb::LoadDone {
+                pages: n as u32,
+                bytes: (n * self.page_bytes()) as u64,
+            }),
             Some(message) => {
                 tracing::warn!(pages_loaded = n, %message, "load failed");
                 self.stats.loads_failed.fetch_add(1, Ordering::Relaxed);
-                let _ = send(pb::load_event::Event::Failed(pb::LoadFailed {
+                pb::load_event::Event::Failed(pb::LoadFailed {
                     message,
                     pages_loaded: n as u32,
-                }));
+                })
             }
-        }
+        })
     }
 
     fn end_loading(&self, pages: &[u32]) {
@@ -717,8 +719,12 @@ impl TierBackend for HostTiers {
         let spawned = std::thread::Builder::new()
             .name("tier-load".into())
             .spawn(move || {
-                me.run_load(&job, &events);
+                let end = me.run_load(&job, &events);
+                // Unmarked first: the engine may Store the pages the moment it reads the end.
                 me.end_loading(&job.pages);
+                if let Some(e) = end {
+                    let _ = events.send(pb::LoadEvent { event: Some(e) });
+                }
             });
         spawned.map(|_| ()).map_err(|e| {
             self.end_loading(&pages);
