@@ -793,3 +793,214 @@ impl TierBackend for HostTiers {
         Ok(stored)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::memory::Allocator;
+    use crate::memory::mmap::MmapBackend;
+    use crate::memory::pool::{PoolLayout, PoolSpec};
+    use crate::model::{Attention, ModelIdentity};
+    use crate::roles::resolve::Resolver;
+
+    /// 2 layers, 4 tokens per page, 32 B per token and layer; 8 pages, all allocated.
+    fn rig(l2: usize) -> (Arc<HostTiers>, Arc<KvPool>) {
+        let model = ModelIdentity {
+            name: "t".into(),
+            layers: 2,
+            attention: Attention::Gqa {
+                kv_heads: 1,
+                head_dim: 8,
+            },
+            dtype_bytes: 2,
+            row_extra_bytes: 0,
+        };
+        let spec = PoolSpec {
+            role: PoolRole::Target,
+            model,
+            page_tokens: 4,
+            pages: 8,
+            layout: PoolLayout::PageFirst,
+        };
+        let pool = Arc::new(KvPool::new(spec, &Allocator::new("t", MmapBackend::new())).unwrap());
+        pool.allocate(8).unwrap();
+        let layout = KvLayout {
+            layers: 2,
+            page_tokens: 4,
+            token_bytes: 32,
+        };
+        let cache = Arc::new(PrefixCache::new(
+            l2,
+            None,
+            Resolver::from_env(),
+            Duration::ZERO,
+            Counters::default(),
+            Arc::new(|_| {}),
+        ));
+        let t = HostTiers::new(pool.clone(), layout, l2, cache, Counters::default()).unwrap();
+        (t, pool)
+    }
+
+    fn fill(pool: &KvPool, page: u32, byte: u8) {
+        for layer in 0..2 {
+            pool.write_chunk(
+                PageId(page),
+                layer,
+                0,
+                &[byte.wrapping_add(layer as u8); 128],
+            )
+            .unwrap();
+        }
+    }
+
+    fn chunk(pool: &KvPool, page: u32, layer: u32) -> Vec<u8> {
+        let mut b = vec![0u8; 128];
+        pool.read_chunk(PageId(page), layer, 0, &mut b).unwrap();
+        b
+    }
+
+    fn h(id: u64) -> Vec<u8> {
+        hash_of_key(PageKey::from_trace_id(id))
+    }
+
+    /// Every event of one load, in order (bounded wait).
+    fn events_of(
+        t: &HostTiers,
+        hashes: Vec<Vec<u8>>,
+        pages: Vec<u32>,
+    ) -> Vec<pb::load_event::Event> {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        t.load(
+            LoadJob {
+                hashes,
+                pages,
+                pools: vec![PoolRole::Target],
+            },
+            tx,
+        )
+        .unwrap();
+        let end = Instant::now() + Duration::from_secs(10);
+        let mut out = Vec::new();
+        loop {
+            match rx.try_recv() {
+                Ok(e) => out.push(e.event.unwrap()),
+                Err(mpsc::error::TryRecvError::Disconnected) => return out,
+                Err(mpsc::error::TryRecvError::Empty) => {
+                    assert!(Instant::now() < end, "load did not end: {out:?}");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+    }
+
+    fn layer(l: u32) -> pb::load_event::Event {
+        pb::load_event::Event::Layer(pb::LayerLoaded {
+            pool: pb::PoolKind::Target as i32,
+            layer: l,
+        })
+    }
+
+    #[test]
+    fn stored_bytes_load_into_another_page_layer_by_layer() {
+        let (t, pool) = rig(4);
+        fill(&pool, 0, 10);
+        fill(&pool, 1, 20);
+        assert_eq!(t.store(&[h(1), h(2)], &[0, 1]).unwrap(), 2);
+        let hits = t.lookup(&[h(1), h(2), h(3)]).unwrap();
+        assert_eq!(
+            hits,
+            vec![pb::TierHits {
+                tier: pb::Tier::L2 as i32,
+                pages: 2
+            }]
+        );
+        let ev = events_of(&t, vec![h(1), h(2)], vec![5, 6]);
+        assert_eq!(
+            ev,
+            vec![
+                layer(0),
+                layer(1),
+                pb::load_event::Event::Done(pb::LoadDone {
+                    pages: 2,
+                    bytes: 512
+                })
+            ]
+        );
+        for l in 0..2 {
+            assert_eq!(chunk(&pool, 5, l), chunk(&pool, 0, l));
+            assert_eq!(chunk(&pool, 6, l), chunk(&pool, 1, l));
+        }
+        assert_eq!(t.stats().pages_loaded_l2.load(Ordering::Relaxed), 2);
+        assert_eq!(t.stats().layer_events.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn a_missing_page_ends_the_load_with_the_pages_before_it() {
+        let (t, pool) = rig(4);
+        fill(&pool, 0, 1);
+        t.store(&[h(1)], &[0]).unwrap();
+        let ev = events_of(&t, vec![h(1), h(9)], vec![3, 4]);
+        assert_eq!(ev.len(), 3, "{ev:?}");
+        assert_eq!(ev[..2], [layer(0), layer(1)]);
+        match &ev[2] {
+            pb::load_event::Event::Failed(f) => assert_eq!(f.pages_loaded, 1, "{f:?}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(chunk(&pool, 3, 1), chunk(&pool, 0, 1));
+    }
+
+    #[test]
+    fn a_corrupt_l2_entry_is_refused_and_dropped() {
+        let (t, pool) = rig(4);
+        fill(&pool, 0, 1);
+        t.store(&[h(1)], &[0]).unwrap();
+        lock(&t.l2)
+            .get_mut(&PageKey::from_trace_id(1))
+            .unwrap()
+            .checksum ^= 1;
+        let ev = events_of(&t, vec![h(1)], vec![3]);
+        assert!(
+            matches!(&ev[..], [pb::load_event::Event::Failed(f)] if f.pages_loaded == 0),
+            "{ev:?}"
+        );
+        assert_eq!(t.stats().corrupt_objects.load(Ordering::Relaxed), 1);
+        assert_eq!(t.lookup(&[h(1)]).unwrap()[0].pages, 0, "dropped");
+    }
+
+    #[test]
+    fn refusals_are_typed_and_nothing_is_left_marked() {
+        let (t, _pool) = rig(1);
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let e = t
+            .load(
+                LoadJob {
+                    hashes: vec![h(1)],
+                    pages: vec![0],
+                    pools: vec![PoolRole::Draft],
+                },
+                tx,
+            )
+            .unwrap_err();
+        assert_eq!(e.reason, pb::ErrorReason::TierUnavailable);
+        assert!(lock(&t.loading).is_empty());
+        // A Store that reads a page a load still writes: refused, counted.
+        lock(&t.loading).insert(2, 1);
+        let e = t.store(&[h(1)], &[2]).unwrap_err();
+        assert_eq!(e.reason, pb::ErrorReason::RoomState);
+        assert_eq!(t.stats().read_before_ready.load(Ordering::Relaxed), 1);
+        lock(&t.loading).clear();
+        // L2 of one page: the second store evicts the first.
+        t.store(&[h(1)], &[0]).unwrap();
+        t.store(&[h(2)], &[1]).unwrap();
+        assert_eq!(t.lookup(&[h(1)]).unwrap()[0].pages, 0);
+        assert_eq!(t.lookup(&[h(2)]).unwrap()[0].pages, 1);
+        // Closed: stores refused, no panic.
+        t.close();
+        assert_eq!(
+            t.store(&[h(3)], &[0]).unwrap_err().reason,
+            pb::ErrorReason::ShuttingDown
+        );
+    }
+}
