@@ -155,6 +155,10 @@ struct DemoArgs {
     /// Deadline of each wait (operator, Ready, scale, restart, teardown), seconds.
     #[arg(long, default_value_t = 300)]
     wait_timeout_s: u64,
+    /// Run the PrefillPool on the worker's built-in engine instead of the Simulated engine
+    /// container on the engine API.
+    #[arg(long)]
+    builtin_engine: bool,
 }
 
 #[derive(Subcommand)]
@@ -378,6 +382,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
         replay: args.workload.replay_config(),
         cached_only: args.cached_only,
         wait_timeout: Duration::from_secs(args.wait_timeout_s),
+        builtin_engine: args.builtin_engine,
     };
     let summary = tandem_e2e::demo::run(&opts).await?;
     Ok(if summary.passed() {

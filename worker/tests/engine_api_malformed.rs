@@ -435,6 +435,7 @@ async fn malformed_prefill_calls_and_out_of_range_pages_are_refused_typed() {
         request_id: 3,
         tokens: 20,
         deadline_ms: 1000,
+        ..pb::PrefillWork::default()
     })
     .unwrap();
     let ready = |pages: Vec<u32>, layers: Option<pb::LayerRange>| pb::PagesReadyRequest {

@@ -83,6 +83,9 @@ pub struct DemoOptions {
     pub cached_only: bool,
     /// Deadline of each wait (operator, Ready, restart, teardown).
     pub wait_timeout: Duration,
+    /// Run the PrefillPool with the worker's built-in engine instead of the Simulated engine
+    /// container on the engine API ([`with_simulated_engine`]).
+    pub builtin_engine: bool,
 }
 
 impl Default for DemoOptions {
@@ -102,6 +105,7 @@ impl Default for DemoOptions {
             replay: ReplayConfig::default(),
             cached_only: false,
             wait_timeout: Duration::from_secs(300),
+            builtin_engine: false,
         }
     }
 }
@@ -197,6 +201,35 @@ fn exit_on_second_signal() {
         eprintln!("[demo] {second} during cleanup: exiting now; processes may be left running");
         std::process::exit(130);
     });
+}
+
+/// `yaml` (a PrefillPool manifest) with `spec.engine: {kind: Simulated}` — the prefill's KV
+/// computed by the simulated engine as its own container, through the engine API (DESIGN §3.1) —
+/// unless it names an engine already.
+///
+/// # Errors
+/// A message when the manifest has no top-level `spec:` line.
+pub fn with_simulated_engine(yaml: &str) -> Result<String, String> {
+    if yaml.lines().any(|l| l.trim_start().starts_with("engine:")) {
+        return Ok(yaml.to_owned());
+    }
+    let mut out = String::with_capacity(yaml.len() + 40);
+    let mut done = false;
+    for line in yaml.split_inclusive('\n') {
+        out.push_str(line);
+        if !done && line.trim_end() == "spec:" {
+            if !line.ends_with('\n') {
+                out.push('\n');
+            }
+            out.push_str("  engine:\n    kind: Simulated\n");
+            done = true;
+        }
+    }
+    if done {
+        Ok(out)
+    } else {
+        Err("the PrefillPool manifest has no top-level `spec:` line".to_owned())
+    }
 }
 
 /// The workload of `opts`: the trace's first N requests, or N generated ones (default 300).
@@ -351,10 +384,31 @@ async fn on_cluster(
         .clone()
         .unwrap_or_else(|| root.join("manifests/samples"));
     say(format!("samples from {}", samples_dir.display()));
-    let manifests: Vec<String> = SAMPLES
+    let mut manifests: Vec<String> = SAMPLES
         .iter()
         .map(|f| samples_dir.join(f).to_string_lossy().into_owned())
         .collect();
+    if !opts.builtin_engine {
+        // The prefill runs through the engine API: the Simulated engine as its own container.
+        let stack_dir = opts.out.join("stack");
+        let prefill = samples_dir.join(SAMPLES[1]);
+        let text = std::fs::read_to_string(&prefill)
+            .map_err(|e| StackError::Missing(format!("{}: {e}", prefill.display())))
+            .map_err(at(Phase::Stack))?;
+        let with = with_simulated_engine(&text)
+            .map_err(StackError::Missing)
+            .map_err(at(Phase::Stack))?;
+        let path = stack_dir.join(SAMPLES[1]);
+        std::fs::create_dir_all(&stack_dir)
+            .and_then(|()| std::fs::write(&path, with))
+            .map_err(|e| StackError::Missing(format!("{}: {e}", path.display())))
+            .map_err(at(Phase::Stack))?;
+        say(format!(
+            "PrefillPool on the Simulated engine (engine API): {}",
+            path.display()
+        ));
+        manifests[1] = path.to_string_lossy().into_owned();
+    }
     let mut apply = vec!["apply", "--kubeconfig", &kubeconfig];
     for s in &manifests {
         apply.extend(["-f", s]);
@@ -704,6 +758,23 @@ mod tests {
     }
 
     #[test]
+    fn the_sample_prefill_pool_gets_the_simulated_engine_once() {
+        let dir = stack::repo_root().join("manifests/samples");
+        let text = std::fs::read_to_string(dir.join(SAMPLES[1])).unwrap();
+        let with = with_simulated_engine(&text).unwrap();
+        assert!(
+            with.contains("spec:\n  engine:\n    kind: Simulated\n"),
+            "{with}"
+        );
+        assert_eq!(
+            with.len(),
+            text.len() + "  engine:\n    kind: Simulated\n".len()
+        );
+        assert_eq!(with_simulated_engine(&with).unwrap(), with, "idempotent");
+        assert!(with_simulated_engine("kind: PrefillPool\n").is_err());
+    }
+
+    #[test]
     fn pod_env_defaults_yield_to_the_user() {
         assert_eq!(effective_pod_env(&[]), DEFAULT_POD_ENV.map(str::to_owned));
         let user = vec![
@@ -713,7 +784,6 @@ mod tests {
         let env = effective_pod_env(&user);
         assert!(!env.contains(&"TANDEM_SIM_KV_BYTES_PER_TOKEN=1024".to_owned()));
         assert_eq!(env[env.len() - 2..], user[..], "{env:?}");
-
     }
 
     #[test]

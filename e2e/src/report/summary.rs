@@ -113,6 +113,85 @@ pub struct Check {
     pub detail: String,
 }
 
+/// One prefill worker incarnation that served through the engine API (its `/report.engine`;
+/// worker/interfaces/README.md §4), as last sampled.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EngineWorker {
+    /// Pod name.
+    pub pod: String,
+    /// The incarnation started after the first restart event.
+    pub after_restart: bool,
+    /// Engine kind (`Simulated`, …).
+    pub kind: String,
+    /// Pools: `(pool, domain, bytes, registration state)`.
+    pub pools: Vec<(String, String, u64, String)>,
+    /// Registration transactions committed.
+    pub registration_commits: u64,
+    /// Registrations quarantined (undo failed: leaked).
+    pub registration_leaks: u64,
+    /// Rooms the engine produced and the transport delivered.
+    pub rooms_sent: u64,
+    /// Rooms failed on the engine path.
+    pub rooms_failed: u64,
+    /// `LayerLoaded` events delivered by the worker.
+    pub load_waits: u64,
+    /// Reads before ready: the worker's refused Stores plus the engine's early reads.
+    pub read_before_ready: u64,
+    /// Pages loaded into engine pages from L2 and from L3.
+    pub pages_loaded_l2: u64,
+    /// Pages loaded into engine pages straight from L3.
+    pub pages_loaded_l3: u64,
+    /// Pages loaded whose bytes came from L3 (fetched, or loaded back at restart).
+    pub pages_loaded_from_l3: u64,
+    /// The engine's own count of loaded pages it verified.
+    pub engine_pages_verified: u64,
+    /// Loaded chunks that failed the engine's check.
+    pub engine_corrupt_chunks: u64,
+}
+
+impl EngineWorker {
+    /// The figures of one incarnation's `/report.engine`, or `None` for the built-in engine.
+    pub fn of(pod: &str, after_restart: bool, e: &serde_json::Value) -> Option<Self> {
+        let kind = e["kind"].as_str()?.to_owned();
+        if kind == "builtin" {
+            return None;
+        }
+        let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+        let (t, es) = (&e["tiers"], &e["engine_summary"]);
+        Some(Self {
+            pod: pod.to_owned(),
+            after_restart,
+            kind,
+            pools: e["pools"]
+                .as_array()
+                .map(|ps| {
+                    ps.iter()
+                        .map(|p| {
+                            (
+                                p["pool"].as_str().unwrap_or("").to_owned(),
+                                p["domain"].as_str().unwrap_or("").to_owned(),
+                                n(&p["bytes"]),
+                                p["registration"].as_str().unwrap_or("").to_owned(),
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+            registration_commits: n(&e["registration"]["commits"]),
+            registration_leaks: n(&e["registration"]["quarantined"]),
+            rooms_sent: n(&e["rooms_sent"]),
+            rooms_failed: n(&e["rooms_failed"]),
+            load_waits: n(&t["load_waits"]),
+            read_before_ready: n(&t["read_before_ready"]) + n(&es["read_before_ready"]),
+            pages_loaded_l2: n(&t["pages_loaded"]["l2"]),
+            pages_loaded_l3: n(&t["pages_loaded"]["l3"]),
+            pages_loaded_from_l3: n(&t["pages_loaded_from_l3_bytes"]),
+            engine_pages_verified: n(&es["loaded_pages"]),
+            engine_corrupt_chunks: n(&es["loaded_corrupt_chunks"]),
+        })
+    }
+}
+
 /// `results.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
@@ -163,6 +242,9 @@ pub struct Summary {
     pub corrupt_chunks_in_responses: u64,
     /// `l3_pages_loaded_back` of the incarnations that started after the first restart event.
     pub l3_pages_loaded_back_after_restart: Option<u64>,
+    /// Prefill incarnations that served through the engine API.
+    #[serde(default)]
+    pub engine_workers: Vec<EngineWorker>,
     /// Events.
     pub events: Vec<Event>,
     /// Teardown (demo).
@@ -309,6 +391,13 @@ pub fn summarize_run(input: ReportInput<'_>) -> Summary {
             .map(|i| i.last.l3_pages_loaded_back)
             .sum()
     });
+    let engine_workers: Vec<EngineWorker> = incs
+        .iter()
+        .filter_map(|i| {
+            let after = restart_ms.is_some_and(|t| i.first_ms >= t);
+            EngineWorker::of(&i.pod, after, i.engine.as_ref()?)
+        })
+        .collect();
     let rounds = per_round_increase(input.samples, |c| c.kv_bytes_received);
     let mut rates = Vec::new();
     for pair in rounds.windows(2) {
@@ -374,6 +463,7 @@ pub fn summarize_run(input: ReportInput<'_>) -> Summary {
         sample_errors: input.samples.iter().filter(|s| s.error.is_some()).count(),
         corrupt_chunks_in_responses: corrupt_chunks,
         l3_pages_loaded_back_after_restart: loaded_after,
+        engine_workers,
         events: input.events.to_vec(),
         teardown: input.teardown,
         checks: Vec::new(),
@@ -388,6 +478,39 @@ pub fn summarize_run(input: ReportInput<'_>) -> Summary {
             s.worker_counters.corrupt_pages_read, s.corrupt_chunks_in_responses
         ),
     );
+    if !s.engine_workers.is_empty() {
+        let e = s.engine_workers.clone();
+        let sum = |f: fn(&EngineWorker) -> u64| e.iter().map(f).sum::<u64>();
+        let (waits, early, corrupt, leaks) = (
+            sum(|w| w.load_waits),
+            sum(|w| w.read_before_ready),
+            sum(|w| w.engine_corrupt_chunks),
+            sum(|w| w.registration_leaks),
+        );
+        s.check(
+            "engine API: loads waited per layer, none read before ready, every loaded page verified",
+            waits > 0 && early == 0 && corrupt == 0 && leaks == 0,
+            format!(
+                "{} engine workers: {waits} load waits, {early} reads before ready, {} pages \
+                 loaded and verified by the engine, {corrupt} corrupt loaded chunks, {leaks} \
+                 registration leaks",
+                e.len(),
+                sum(|w| w.engine_pages_verified)
+            ),
+        );
+        if restart_ms.is_some() {
+            let l3 = e
+                .iter()
+                .filter(|w| w.after_restart)
+                .map(|w| w.pages_loaded_from_l3)
+                .sum::<u64>();
+            s.check(
+                "engine API: L3 pages loaded into engine pages after the restart",
+                l3 > 0,
+                format!("{l3} pages whose bytes came from L3, loaded by restarted workers"),
+            );
+        }
+    }
     s.check(
         "no request lost beyond the retry budget",
         counts.failed == 0,
@@ -509,6 +632,34 @@ impl fmt::Display for Summary {
             "workers       {} process incarnations sampled, {} failed /report GETs",
             self.worker_incarnations, self.sample_errors
         )?;
+        for w in &self.engine_workers {
+            let pools: Vec<String> = w
+                .pools
+                .iter()
+                .map(|(p, d, b, r)| format!("{p} {:.0} MiB {d} {r}", mib(*b)))
+                .collect();
+            writeln!(
+                f,
+                "engine        {}{} {}: pools [{}], {} commits, {} leaks; rooms {} sent {} failed; \
+                 loads {} L2 + {} L3 pages ({} with L3 bytes), {} waits, {} read before ready; \
+                 engine verified {} loaded pages, {} corrupt chunks",
+                w.pod,
+                if w.after_restart { " (restarted)" } else { "" },
+                w.kind,
+                pools.join(", "),
+                w.registration_commits,
+                w.registration_leaks,
+                w.rooms_sent,
+                w.rooms_failed,
+                w.pages_loaded_l2,
+                w.pages_loaded_l3,
+                w.pages_loaded_from_l3,
+                w.load_waits,
+                w.read_before_ready,
+                w.engine_pages_verified,
+                w.engine_corrupt_chunks
+            )?;
+        }
         for e in &self.events {
             writeln!(
                 f,
@@ -671,5 +822,44 @@ mod tests {
         });
         assert!(!corrupt.passed());
         assert_eq!(corrupt.l3_pages_loaded_back_after_restart, None);
+    }
+}
+
+#[cfg(test)]
+mod engine_tests {
+    use super::EngineWorker;
+
+    #[test]
+    fn engine_figures_come_from_the_report_and_builtin_is_skipped() {
+        let e = serde_json::json!({
+            "kind": "Simulated", "rooms_sent": 9, "rooms_failed": 1,
+            "pools": [{"pool": "target", "domain": "SharedMemory", "bytes": 1048576,
+                       "registration": "committed"}],
+            "registration": {"commits": 1, "quarantined": 0},
+            "tiers": {"load_waits": 80, "read_before_ready": 0,
+                      "pages_loaded": {"l2": 7, "l3": 3}, "pages_loaded_from_l3_bytes": 4},
+            "engine_summary": {"loaded_pages": 10, "loaded_corrupt_chunks": 0,
+                               "read_before_ready": 2}
+        });
+        let w = EngineWorker::of("p-0", true, &e).unwrap();
+        assert_eq!(
+            w.pools,
+            vec![(
+                "target".into(),
+                "SharedMemory".into(),
+                1048576,
+                "committed".into()
+            )]
+        );
+        assert_eq!((w.rooms_sent, w.rooms_failed), (9, 1));
+        assert_eq!((w.pages_loaded_l2, w.pages_loaded_l3), (7, 3));
+        assert_eq!(w.pages_loaded_from_l3, 4);
+        assert_eq!(w.load_waits, 80);
+        assert_eq!(
+            w.read_before_ready, 2,
+            "the engine's early reads count as well"
+        );
+        assert_eq!(w.engine_pages_verified, 10);
+        assert!(EngineWorker::of("p-1", false, &serde_json::json!({"kind": "builtin"})).is_none());
     }
 }

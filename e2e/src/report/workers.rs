@@ -47,6 +47,9 @@ pub struct Incarnation {
     pub last_ms: f64,
     /// Counters at the last sample.
     pub last: Counters,
+    /// The engine seat at the last sample that reported one (prefill workers).
+    #[serde(default)]
+    pub engine: Option<serde_json::Value>,
 }
 
 /// Splits samples into process incarnations (see the module doc), in order of first appearance.
@@ -63,6 +66,9 @@ pub fn incarnations(samples: &[Sample]) -> Vec<Incarnation> {
                 inc.last_ms = s.t_ms;
                 inc.last = r.counters;
                 inc.revision.clone_from(&r.revision);
+                if r.engine.is_some() {
+                    inc.engine.clone_from(&r.engine);
+                }
             }
             _ => {
                 current.insert(&s.uid, out.len());
@@ -74,6 +80,7 @@ pub fn incarnations(samples: &[Sample]) -> Vec<Incarnation> {
                     first_ms: s.t_ms,
                     last_ms: s.t_ms,
                     last: r.counters,
+                    engine: r.engine.clone(),
                 });
             }
         }

@@ -166,6 +166,11 @@ pub struct WorkerReport {
     /// Cache replicas: bytes held.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bytes: Option<u64>,
+    /// Prefill workers: the engine seat as the worker reports it (`{"kind": "builtin"}`, or the
+    /// engine API's attach, pools, rooms, registration, `tiers` and the simulated engine's
+    /// `engine_summary`; README §4), kept as sent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<serde_json::Value>,
 }
 
 #[cfg(test)]

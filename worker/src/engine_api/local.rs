@@ -149,6 +149,7 @@ impl KvSource for LocalLink {
             request_id: room.request_id,
             tokens: room.tokens,
             deadline_ms: room.deadline.as_millis() as u64,
+            ..pb::PrefillWork::default()
         };
         prefill.submit_work(work).map_err(|e| {
             lock(&self.rooms).remove(&room.key);

@@ -97,3 +97,17 @@ pub fn check_hashes(hashes: &[Vec<u8>]) -> Result<(), ApiError> {
     }
     Ok(())
 }
+
+/// The page key a prefix hash names: 8 bytes are the big-endian key itself (Mooncake `hash_ids`
+/// taken as is, engine.proto `PrefillWork.prefix_hashes`); any other length is hashed (xxh3-64).
+pub fn key_of_hash(h: &[u8]) -> crate::tier::PageKey {
+    match <[u8; 8]>::try_from(h) {
+        Ok(b) => crate::tier::PageKey::from_trace_id(u64::from_be_bytes(b)),
+        Err(_) => crate::tier::PageKey::from_trace_id(xxhash_rust::xxh3::xxh3_64(h)),
+    }
+}
+
+/// The 8-byte prefix hash of `key` (inverse of [`key_of_hash`]).
+pub fn hash_of_key(key: crate::tier::PageKey) -> Vec<u8> {
+    key.as_u64().to_be_bytes().to_vec()
+}

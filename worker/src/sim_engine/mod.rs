@@ -22,6 +22,11 @@
 //! A room the worker refuses (it failed meanwhile) is dropped and its pages reused once free; the
 //! session goes on. Against a decode worker, serve mode decodes the requests its front door hands
 //! out ([`decode`]).
+//!
+//! A PrefillWork with prefix hashes goes through the tier calls first ([`tiers`]): Lookup, Load of
+//! the hit pages into the room's source pages (each layer read only after its `LayerLoaded`, every
+//! loaded chunk verified against its page's content), Store of the computed pages; loaded pages
+//! cost no compute time.
 
 pub mod decode;
 
@@ -41,6 +46,8 @@ use crate::engine_api::identity::{
 use crate::engine_api::pb;
 use crate::memory::pool::{PoolLayout, PoolRole};
 use crate::release::RoomKey;
+
+pub mod tiers;
 
 /// Command-line arguments of `tandem-worker sim-engine`.
 #[derive(Debug, Clone, clap::Args)]
@@ -99,6 +106,11 @@ pub struct Args {
     #[cfg(feature = "negative-controls")]
     #[arg(long, hide = true)]
     pub corrupt_one_byte: bool,
+    /// Negative control: read every loaded layer right after the Load call instead of after its
+    /// `LayerLoaded` (counted as read-before-ready). Only with the `negative-controls` feature.
+    #[cfg(feature = "negative-controls")]
+    #[arg(long, hide = true)]
+    pub skip_load_wait: bool,
 }
 
 impl Args {
@@ -119,6 +131,17 @@ impl Args {
             .and_then(|v| v.trim().parse::<u64>().ok());
         let default = if self.serve { 20 } else { 0 };
         Duration::from_micros(self.prefill_us_per_token.or(env).unwrap_or(default))
+    }
+
+    fn skip_load_wait(&self) -> bool {
+        #[cfg(feature = "negative-controls")]
+        {
+            self.skip_load_wait
+        }
+        #[cfg(not(feature = "negative-controls"))]
+        {
+            false
+        }
     }
 
     fn corrupt_once(&self) -> bool {
@@ -171,6 +194,31 @@ pub struct Summary {
     /// Serve mode / decode: what the decode serve loop did ([`decode::DecodeStats`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode: Option<decode::DecodeStats>,
+    /// Prefill: Lookup calls (rooms with prefix hashes; [`tiers`]).
+    #[serde(default)]
+    pub lookups: u32,
+    /// Prefill: pages loaded from the tiers into source pages (their compute was saved).
+    #[serde(default)]
+    pub loaded_pages: u64,
+    /// Prefill: loaded chunks verified byte for byte against their page's content.
+    #[serde(default)]
+    pub loaded_chunks: u64,
+    /// Prefill: loaded chunks that did not hold their page's bytes (must be 0).
+    #[serde(default)]
+    pub loaded_corrupt_chunks: u64,
+    /// Prefill: `LayerLoaded` events awaited before reading a loaded layer.
+    #[serde(default)]
+    pub load_waits: u64,
+    /// Prefill: loaded layers read before their `LayerLoaded` (must be 0; only the negative
+    /// control `--skip-load-wait` reads early).
+    #[serde(default)]
+    pub read_before_ready: u64,
+    /// Prefill: loads that ended in LoadFailed (or broke the event order).
+    #[serde(default)]
+    pub load_failures: u32,
+    /// Prefill: computed pages stored into the tiers.
+    #[serde(default)]
+    pub stored_pages: u64,
 }
 
 /// Why a run failed.
@@ -344,9 +392,13 @@ async fn run_inner(args: Args) -> Result<Summary, SimError> {
         "prefill" => prefill_loop(&args, &mut client, &attached, &mut summary).await?,
         other => return Err(SimError::Setup(format!("unknown worker role {other:?}"))),
     }
-    if summary.corrupt_chunks > 0 || summary.failed > 0 {
+    if summary.corrupt_chunks > 0
+        || summary.failed > 0
+        || summary.loaded_corrupt_chunks > 0
+        || summary.read_before_ready > 0
+    {
         return Err(SimError::Verification {
-            corrupt: summary.corrupt_chunks,
+            corrupt: summary.corrupt_chunks + summary.loaded_corrupt_chunks,
             failed: summary.failed,
             summary: Box::new(summary),
         });
@@ -711,8 +763,17 @@ async fn prefill_loop(
                 for p in &pages {
                     free.remove(p);
                 }
-                match compute_and_send(client, att, id, &w, &pages, s, &mut corrupt, per_token)
-                    .await
+                match compute_and_send(
+                    client,
+                    att,
+                    &w,
+                    &pages,
+                    s,
+                    &mut corrupt,
+                    per_token,
+                    args.skip_load_wait(),
+                )
+                .await
                 {
                     Ok(()) => {}
                     Err(Refused {
@@ -730,6 +791,9 @@ async fn prefill_loop(
                     Err(Refused { error, .. }) => return Err(error.into()),
                 }
                 s.rooms += 1;
+                if args.serve {
+                    tiers::publish_summary(&args.socket_dir, s);
+                }
                 continue;
             }
         }
@@ -762,18 +826,43 @@ struct Refused {
 async fn compute_and_send(
     client: &mut EngineClient,
     att: &Attached,
-    id: u64,
     w: &pb::PrefillWork,
     pages: &[u32],
     s: &mut Summary,
     corrupt: &mut bool,
     per_token: Duration,
+    skip_load_wait: bool,
 ) -> Result<(), Refused> {
+    let id = att.id();
     let mut any_accepted = false;
     let refused = |any_accepted: bool, error: ClientError| Refused {
         any_accepted,
         error,
     };
+    // The tier calls: loaded pages cost no compute ([`tiers`]).
+    let bound = Duration::from_millis(w.deadline_ms.max(1_000));
+    let loaded = tiers::load_and_store(
+        client,
+        att,
+        &w.prefix_hashes,
+        pages,
+        bound,
+        skip_load_wait,
+        s,
+    )
+    .await
+    .unwrap_or_else(|e| {
+        // The tiers failed this room: compute every page (the KV is the same, only slower).
+        s.load_failures += 1;
+        tracing::warn!(room = ?w.room, error = %e, "tier calls failed; computing every page");
+        0
+    });
+    let page_tokens = att
+        .pool(PoolRole::Target)
+        .map_or(1, |p| p.geometry().page_tokens);
+    let computed_tokens = w
+        .tokens
+        .saturating_sub((loaded as u32).saturating_mul(page_tokens));
     let layers = att
         .pool(PoolRole::Target)
         .map_or(1, |p| p.geometry().layers);
@@ -782,7 +871,7 @@ async fn compute_and_send(
     } else {
         vec![(0, layers, true)]
     };
-    let cost = per_token.saturating_mul(w.tokens) / halves.len().max(1) as u32;
+    let cost = per_token.saturating_mul(computed_tokens) / halves.len().max(1) as u32;
     for (start, end, last) in halves {
         if !cost.is_zero() {
             tokio::time::sleep(cost).await;

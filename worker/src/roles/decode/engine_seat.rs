@@ -282,7 +282,7 @@ pub fn report_of(
     rooms: &EngineRooms,
 ) -> Value {
     {
-        let mut out = seat::report(Some((&kind, api)));
+        let mut out = seat::report(Some((&kind, api)), None);
         let s = &rooms.stats;
         let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         let side = api.decode_side();

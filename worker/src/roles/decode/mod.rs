@@ -392,7 +392,7 @@ impl DecodeServer {
                 let (api, rooms, kind) = (s.seat.api.clone(), s.rooms.clone(), s.seat.kind);
                 Arc::new(move || engine_seat::report_of(kind, &api, &rooms))
             }
-            None => Arc::new(|| crate::roles::prefill::seat::report(None)),
+            None => Arc::new(|| crate::roles::prefill::seat::report(None, None)),
         };
         state.set_extra(move || {
             let mut m = serde_json::Map::new();

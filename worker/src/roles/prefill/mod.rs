@@ -9,7 +9,9 @@
 //!
 //! With a tier, the worker starts not ready and admits no room until it loaded its hot prefixes
 //! back from L3 into L2 (bounded by a deadline; DESIGN §5 "load back from L3, admit when
-//! CacheWarm"); with write-back, drain flushes L2 to L3.
+//! CacheWarm"); with write-back, drain flushes L2 to L3. With an engine, the loadback reads the
+//! pages' bytes into [`tiers::HostTiers`]' L2 and readiness follows the engine's attach (rooms are
+//! not admitted before the loadback ends).
 //!
 //! The data port (`ports.data`) is where a decode worker's KV receiver listens; the prefill side
 //! only dials it, so a prefill binds no data port.
@@ -26,11 +28,14 @@
 //! - [`seat`]: the engine seat (pools, engine-API server, readiness, metrics) of a worker with an
 //!   engine;
 //! - [`prefix_cache`]: the L2 index and the L3 store around the built-in engine (contract 7);
+//! - [`tiers`]: with an engine, the tier calls (L2 of page bytes, L3 loads into the engine's pages
+//!   with per-layer events, stores; contracts 5 and 7);
 //! - here: the CLI ([`Args`], [`run`]) and the server that wires them ([`PrefillServer`]).
 
 pub mod node;
 pub mod prefix_cache;
 pub mod seat;
+pub mod tiers;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -206,7 +211,6 @@ impl PrefillServer {
             None => st.health.recover("l3"),
         });
         let with_tier = l3.is_some();
-        let l3_configured = with_tier;
         let cache = Arc::new(PrefixCache::new(
             l2_pages,
             l3,
@@ -215,6 +219,11 @@ impl PrefillServer {
             state.counters.clone(),
             sink,
         ));
+        // With a tier, no room is admitted before the hot prefixes are back in L2; with a refused
+        // transport, none at all.
+        service
+            .admitting
+            .store(!with_tier && !refused, Ordering::SeqCst);
         // The engine seat: pools allocated and registered now, the engine-API server, readiness that
         // follows the engine's attach (DESIGN §3.1). Without one, the built-in engine computes.
         let seat = match &cfg.engine {
@@ -226,32 +235,29 @@ impl PrefillServer {
                 rank,
                 &engine_metrics,
                 target_token_bytes,
+                seat::TierSeat {
+                    cache: cache.clone(),
+                    l2_pages,
+                    layout,
+                    counters: state.counters.clone(),
+                    admitting: service.admitting.clone(),
+                },
             )?),
             None => {
                 state.set_extra(|| {
                     let mut m = serde_json::Map::new();
-                    m.insert("engine".into(), seat::report(None));
+                    m.insert("engine".into(), seat::report(None, None));
                     m
                 });
                 None
             }
         };
         // The prefix cache and L3 loadback plan the built-in engine's compute; an engine reaches
-        // the tiers through the engine API's tier calls instead.
-        let with_tier = with_tier && seat.is_none();
+        // the tiers through the engine API's tier calls instead (the seat's `HostTiers`, whose
+        // L2 holds page bytes and which loads back from L3 itself).
         if seat.is_none() {
             service.planner = Some(cache.clone());
-        } else if l3_configured {
-            tracing::warn!(
-                "a CacheTier is configured: with an engine the prefill's L2/L3 prefix cache is not \
-                 consulted (the engine API's tier calls are not wired into the serving path yet)"
-            );
         }
-        // With a tier, no room is admitted before the hot prefixes are back in L2; with a refused
-        // transport, none at all.
-        service
-            .admitting
-            .store(!with_tier && !refused, Ordering::SeqCst);
         let n = node.clone();
         state.on_refresh(move |s| {
             let st = n.stats();
@@ -286,23 +292,35 @@ impl PrefillServer {
             }
         });
         if with_tier {
-            state.set_ready(Err("loading back hot prefixes from L3".into()));
+            if seat.is_none() {
+                state.set_ready(Err(seat::LOADING_BACK.into()));
+            }
+            let api = seat.as_ref().map(|s| s.api.clone());
             let (st, c, admitting) = (state.clone(), cache.clone(), service.admitting.clone());
+            let tiers = seat.as_ref().and_then(|s| s.tiers.clone());
             let deadline = Instant::now() + opts.loadback_deadline;
             let limit = opts.loadback_pages.unwrap_or(l2_pages).min(l2_pages);
             tokio::spawn(async move {
                 let started = Instant::now();
-                let loaded =
-                    tokio::task::spawn_blocking(move || c.load_back(layout, limit, deadline))
-                        .await
-                        .unwrap_or(0);
+                let with_engine = tiers.is_some();
+                let loaded = tokio::task::spawn_blocking(move || match tiers {
+                    // With an engine, L2 holds the bytes: the loadback reads them into it.
+                    Some(t) => t.load_back(limit, deadline),
+                    None => c.load_back(layout, limit, deadline),
+                })
+                .await
+                .unwrap_or(0);
                 tracing::info!(
                     loaded,
                     elapsed_ms = started.elapsed().as_millis() as u64,
                     "L3 loadback into L2 done; admitting"
                 );
                 admitting.store(!refused, Ordering::SeqCst);
-                st.set_ready(Ok(()));
+                // With an engine, ready once it is attached too (the seat's watcher covers an
+                // attach from now on).
+                if !with_engine || api.is_some_and(|a| a.current_attach().is_some()) {
+                    st.set_ready(Ok(()));
+                }
             });
         } else if seat.is_none() {
             state.set_ready(Ok(()));
@@ -354,6 +372,15 @@ impl PrefillServer {
             tracing::error!("writes still in flight at the drain deadline");
         }
         self.transport.shutdown();
+        let (cache, layout) = (self.cache.clone(), self.layout);
+        let tiers = self.seat.as_ref().and_then(|s| s.tiers.clone());
+        let flush_deadline = Instant::now() + Duration::from_secs(10);
+        let flushed = tokio::task::spawn_blocking(move || match tiers {
+            Some(t) => t.flush(flush_deadline),
+            None => cache.flush(layout),
+        })
+        .await
+        .unwrap_or(0);
         if let Some(seat) = self.seat {
             let errors = seat.stop().await;
             if errors.is_empty() {
@@ -362,10 +389,6 @@ impl PrefillServer {
                 tracing::error!(?errors, "releasing the engine pools failed");
             }
         }
-        let (cache, layout) = (self.cache.clone(), self.layout);
-        let flushed = tokio::task::spawn_blocking(move || cache.flush(layout))
-            .await
-            .unwrap_or(0);
         if flushed > 0 {
             tracing::info!(flushed, "L2 flushed to L3 (write-back)");
         }

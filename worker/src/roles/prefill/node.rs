@@ -114,6 +114,8 @@ pub struct PrefillNode {
     events: broadcast::Sender<pb::RoomEvent>,
     stats: PrefillStats,
     engine: std::sync::OnceLock<std::sync::Weak<EngineApi>>,
+    /// The engine path's tier backend (L2 bytes, L3), set with the engine.
+    tiers: std::sync::OnceLock<Arc<super::tiers::HostTiers>>,
     abort_from: Mutex<HashMap<RoomKey, String>>,
     me: std::sync::Weak<PrefillNode>,
     /// This process's incarnation (issue 18), sent in the hello, heartbeats and room replies.
@@ -164,6 +166,7 @@ impl PrefillNode {
             events,
             stats: PrefillStats::default(),
             engine: std::sync::OnceLock::new(),
+            tiers: std::sync::OnceLock::new(),
             abort_from: Mutex::new(HashMap::new()),
             me: me.clone(),
             incarnation: if crate::control::incarnation_ignored() {
@@ -637,7 +640,10 @@ impl Transfer for PrefillService {
         let spec = r.request.clone().unwrap_or_default();
         let request = r.request.as_ref().map_or(key.room.0, |q| q.request_id);
         if self.node.engine_mode() {
-            return self.open_engine_room(key, request, r).map(Response::new);
+            return self
+                .open_engine_room(key, request, r)
+                .await
+                .map(Response::new);
         }
         {
             let mut rooms = lock(&self.node.rooms);

@@ -7,8 +7,14 @@
 //! lookup takes the leading L2 pages, then the leading L3 pages after them; hit pages cost no
 //! compute, the rest cost `TANDEM_SIM_PREFILL_US_PER_TOKEN` per token. After the room computed,
 //! its pages enter L2 and, by write policy, L3: write-through puts every computed page at once;
-//! write-back puts the pages L2 evicts. L2 holds keys only (the bytes the engine sends are
-//! regenerated), so its capacity is the target pool's page count.
+//! write-back puts the pages L2 evicts. For the built-in engine L2 holds keys only (the bytes the
+//! built-in engine sends are regenerated), so its capacity is the target pool's page count; with an
+//! engine, L2 holds the pages' bytes (see below).
+//!
+//! With an engine (`config.engine`) this planner is not used: the engine reaches the tiers through
+//! the engine API's tier calls, served by [`super::tiers::HostTiers`], whose L2 holds real page
+//! bytes and which reaches L3 through this cache's replica access ([`PrefixCache::l3_get`],
+//! [`PrefixCache::l3_put`], [`PrefixCache::l3_leading_pages`], [`PrefixCache::l3_hot`]).
 //!
 //! Only pages the store acknowledged count as L3 hits (a failed or pending put is not a hit;
 //! DESIGN contract 7). A replica that cannot be reached is a miss and a degraded reason, never an
@@ -186,9 +192,11 @@ impl PrefixCache {
         n
     }
 
-    /// Bytes of the L3 object of `page`: every layer's chunk, generated from the page key.
-    fn object_bytes(page: PageKey, layout: KvLayout) -> Vec<u8> {
-        let id = u64::from_str_radix(&page.to_string(), 16).unwrap_or(0);
+    /// Bytes of the L3 object of `page`: every layer's chunk in layer order, generated from the
+    /// page key (rows of [`fill_chunk`] keyed by [`PageKey::as_u64`], tokens from 0). The
+    /// simulated engine writes and verifies exactly these bytes for a page it stores or loads.
+    pub fn object_bytes(page: PageKey, layout: KvLayout) -> Vec<u8> {
+        let id = page.as_u64();
         let mut out = vec![0u8; layout.page_bytes() as usize];
         for (layer, chunk) in out
             .chunks_exact_mut(layout.chunk_bytes() as usize)
@@ -220,6 +228,75 @@ impl PrefixCache {
             }
             self.counters.l3_pages_written.inc();
         }
+    }
+}
+
+/// L3 access for the engine API's tier backend ([`super::tiers::HostTiers`]): the same replica
+/// resolution, placement, reconnect-once and degraded reasons as the built-in path.
+impl PrefixCache {
+    /// The L3 target, when a tier is configured.
+    pub fn l3_target(&self) -> Option<&L3Target> {
+        self.l3.as_ref()
+    }
+
+    /// Leading pages of `keys` present in L3 (0 without a tier or when no replica answers).
+    pub fn l3_leading_pages(&self, keys: &[PageKey]) -> usize {
+        match &self.l3 {
+            Some(t) => self.l3_leading(t, keys),
+            None => 0,
+        }
+    }
+
+    /// The bytes of `page`'s target-pool object. `Ok(None)`: a miss (absent, or the store found
+    /// its checksum or length bad and quarantined it).
+    ///
+    /// # Errors
+    /// A reason when no tier is configured or no replica answered.
+    pub fn l3_get(&self, page: PageKey) -> Result<Option<Vec<u8>>, String> {
+        let target = self.l3.as_ref().ok_or("no L3 tier is configured")?;
+        let object = self.object(target, page);
+        self.with_replica(target, page, "get", |c| c.get(&object))
+            .ok_or_else(|| format!("no L3 replica answered a get of page {page}"))
+    }
+
+    /// Puts `bytes` as `page`'s target-pool object; true when the store acknowledged it (counted
+    /// in `l3_pages_written`).
+    pub fn l3_put(&self, page: PageKey, bytes: &[u8]) -> bool {
+        let Some(target) = &self.l3 else { return false };
+        let object = self.object(target, page);
+        let ok = self
+            .with_replica(target, page, "put", |c| c.put(&object, bytes))
+            .is_some();
+        if ok {
+            self.counters.l3_pages_written.inc();
+        }
+        ok
+    }
+
+    /// Up to `limit` of this shard's most recently used target-pool keys, over every replica
+    /// (restart loadback).
+    pub fn l3_hot(&self, limit: usize) -> Vec<PageKey> {
+        let Some(target) = &self.l3 else {
+            return Vec::new();
+        };
+        let addrs = match self.resolver.lookup_blocking(&target.service, target.port) {
+            Ok(a) => a,
+            Err(e) => {
+                (self.health)(Some(e.to_string()));
+                return Vec::new();
+            }
+        };
+        let mut hot = Vec::new();
+        for addr in addrs {
+            match L3Client::connect(addr, Duration::from_millis(500))
+                .and_then(|c| c.hot(target.shard, PoolRole::Target, limit))
+            {
+                Ok(keys) => hot.extend(keys.into_iter().map(|o| o.page)),
+                Err(e) => (self.health)(Some(format!("L3 replica {addr}: {e}"))),
+            }
+        }
+        hot.truncate(limit);
+        hot
     }
 }
 

@@ -16,7 +16,10 @@
 //! (1 for the pool's registration state: `none`, `committed` or `fallback_l2`), the registration
 //! counters of [`RegistrationMetrics`], `tandem_engine_attached` (0/1), `tandem_engine_attaches`,
 //! `tandem_engine_rooms_{submitted,sent,failed}`, `tandem_engine_writes`,
-//! `tandem_engine_source_pages_held`. `/report` carries the same under `engine`.
+//! `tandem_engine_source_pages_held`, and for the tier calls ([`HostTiers`])
+//! `tandem_engine_load_{waits,failed,read_before_ready,pages_from_l3}`,
+//! `tandem_engine_load_{pages,bytes}{tier}`, `tandem_engine_store_pages`. `/report` carries the same
+//! under `engine` (the tier figures under `engine.tiers`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -29,18 +32,20 @@ use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 
 use super::node::PrefillNode;
+use super::prefix_cache::PrefixCache;
+use super::tiers::{HostTiers, TierStats};
 use crate::config::{EngineKind, EngineSeat, WorkerConfig, WorkerRole, resolve_path};
 use crate::control::KvLayout;
 use crate::engine_api::decode::KvSource;
 use crate::engine_api::pools::{PoolSet, Registration, roles_configured};
 use crate::engine_api::server::{self, RunningServer};
 use crate::engine_api::service::{Backend, EngineApi};
-use crate::engine_api::tiers::NoTiers;
 use crate::engine_api::{DEFAULT_PAGE_TOKENS, EngineApiConfig};
 use crate::health::Health;
-use crate::health::counters::mirror;
+use crate::health::counters::{Counters, mirror};
 use crate::health::http::ServeState;
-use crate::registration::metrics::RegistrationMetrics;
+use crate::memory::pool::PoolRole;
+use crate::registration::metrics::{RegistrationMetrics, RoleLabel};
 use crate::roles::ServeError;
 use crate::roles::store_client::SIDECAR_SOCKET;
 
@@ -48,6 +53,9 @@ type Labels = Vec<(String, String)>;
 
 /// The readiness reason while no engine is attached.
 pub const NOT_ATTACHED: &str = "engine not attached";
+
+/// The readiness reason while the restart loadback runs.
+pub const LOADING_BACK: &str = "loading back hot prefixes from L3";
 
 /// The engine seat's metrics; cheap to clone (clones share their values).
 #[derive(Debug, Clone, Default)]
@@ -72,6 +80,20 @@ pub struct EngineMetrics {
     pub writes: Counter,
     /// Source pages the worker holds for in-flight sends.
     pub source_pages_held: Gauge,
+    /// Tier calls: `LayerLoaded` events delivered (the waits of the engine's compute).
+    pub load_waits: Counter,
+    /// Tier calls: pages copied into engine pages, by source tier (`l2`, `l3`).
+    pub load_pages: Family<Labels, Counter>,
+    /// Tier calls: bytes copied into engine pages, by source tier.
+    pub load_bytes: Family<Labels, Counter>,
+    /// Tier calls: pages loaded whose bytes came from L3 (fetched, or loaded back at restart).
+    pub load_pages_from_l3: Counter,
+    /// Tier calls: loads that ended in LoadFailed.
+    pub load_failed: Counter,
+    /// Tier calls: Stores refused for reading a page a load still writes.
+    pub load_read_before_ready: Counter,
+    /// Tier calls: pages stored into L2.
+    pub store_pages: Counter,
 }
 
 impl EngineMetrics {
@@ -133,6 +155,58 @@ impl EngineMetrics {
             "Source pages held for in-flight sends",
             self.source_pages_held.clone(),
         );
+        r.register(
+            "tandem_engine_load_waits",
+            "LayerLoaded events delivered to the engine (each gates its read of a loaded layer)",
+            self.load_waits.clone(),
+        );
+        r.register(
+            "tandem_engine_load_pages",
+            "Pages loaded into engine pages, by source tier",
+            self.load_pages.clone(),
+        );
+        r.register(
+            "tandem_engine_load_bytes",
+            "Bytes loaded into engine pages, by source tier",
+            self.load_bytes.clone(),
+        );
+        r.register(
+            "tandem_engine_load_pages_from_l3",
+            "Pages loaded into engine pages whose bytes came from L3",
+            self.load_pages_from_l3.clone(),
+        );
+        r.register(
+            "tandem_engine_load_failed",
+            "Loads that ended in LoadFailed",
+            self.load_failed.clone(),
+        );
+        r.register(
+            "tandem_engine_load_read_before_ready",
+            "Stores refused because they read a page a load still writes",
+            self.load_read_before_ready.clone(),
+        );
+        r.register(
+            "tandem_engine_store_pages",
+            "Pages stored into L2 by the engine",
+            self.store_pages.clone(),
+        );
+    }
+
+    fn mirror_tiers(&self, t: &TierStats) {
+        let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        mirror(&self.load_waits, g(&t.layer_events));
+        for (tier, pages, bytes) in [
+            ("l2", &t.pages_loaded_l2, &t.bytes_loaded_l2),
+            ("l3", &t.pages_loaded_l3, &t.bytes_loaded_l3),
+        ] {
+            let l = vec![("tier".to_owned(), tier.to_owned())];
+            mirror(&self.load_pages.get_or_create(&l), g(pages));
+            mirror(&self.load_bytes.get_or_create(&l), g(bytes));
+        }
+        mirror(&self.load_pages_from_l3, g(&t.pages_loaded_from_l3_bytes));
+        mirror(&self.load_failed, g(&t.loads_failed));
+        mirror(&self.load_read_before_ready, g(&t.read_before_ready));
+        mirror(&self.store_pages, g(&t.pages_stored));
     }
 }
 
@@ -171,6 +245,22 @@ pub fn engine_layout(
     Ok((layout, None))
 }
 
+/// What the seat needs to serve the tier calls: the prefix cache (its L3 access), the L2
+/// capacity in pages, the KV layout and the worker's counters.
+pub struct TierSeat {
+    /// The prefix cache whose replica access reaches L3.
+    pub cache: Arc<PrefixCache>,
+    /// L2 capacity in pages.
+    pub l2_pages: usize,
+    /// The KV layout (the target pool's geometry).
+    pub layout: KvLayout,
+    /// The worker's counters (hit accounting).
+    pub counters: Counters,
+    /// Cleared while the restart loadback runs (and at drain): an attached engine makes the
+    /// worker ready only while it is set.
+    pub admitting: Arc<std::sync::atomic::AtomicBool>,
+}
+
 /// A running engine seat.
 pub struct Seat {
     /// The engine kind the config names.
@@ -179,11 +269,15 @@ pub struct Seat {
     pub socket_dir: PathBuf,
     /// The engine API.
     pub api: Arc<EngineApi>,
+    /// The tier backend (L2 bytes, L3) the engine's Lookup/Load/Store reach (a prefill's; a
+    /// decode serves no tier calls).
+    pub tiers: Option<Arc<HostTiers>>,
     server: RunningServer,
 }
 
-/// The `/report` value of a worker's engine: `{"kind": "builtin"}` without a seat.
-pub fn report(seat: Option<(&EngineKind, &Arc<EngineApi>)>) -> Value {
+/// The `/report` value of a worker's engine: `{"kind": "builtin"}` without a seat; with one, its
+/// `tiers` are [`HostTiers::report`]'s figures.
+pub fn report(seat: Option<(&EngineKind, &Arc<EngineApi>)>, tiers: Option<&HostTiers>) -> Value {
     let Some((kind, api)) = seat else {
         return json!({ "kind": "builtin" });
     };
@@ -226,6 +320,7 @@ pub fn report(seat: Option<(&EngineKind, &Arc<EngineApi>)>) -> Value {
         "pages_freed": stat(|s| s.pages_freed.load(Ordering::Relaxed)),
         "source_pages_held": side.as_ref().map_or(0, |s| s.held_pages()),
         "rooms_open": side.as_ref().map_or(0, |s| s.rooms()),
+        "tiers": tiers.map_or(Value::Null, HostTiers::report),
     });
     if let (Some(o), Value::Object(p)) = (out.as_object_mut(), prefill) {
         o.extend(p);
@@ -235,11 +330,44 @@ pub fn report(seat: Option<(&EngineKind, &Arc<EngineApi>)>) -> Value {
 
 /// The role behind a seat: what the engine API's calls reach.
 pub enum SeatRole<'a> {
-    /// A prefill worker: PrefillWork from the node's rooms, PagesReady moved by its transport.
-    Prefill(&'a Arc<PrefillNode>),
+    /// A prefill worker: PrefillWork from the node's rooms, PagesReady moved by its transport, the
+    /// tier calls served by a [`HostTiers`] over the [`TierSeat`].
+    Prefill(&'a Arc<PrefillNode>, TierSeat),
     /// A decode worker: Reserve opens rooms through this transport (and it receives EmitTokens).
     /// The role follows the attach in its own readiness and `/report`.
     Decode(Arc<dyn KvSource>),
+}
+
+/// The registration transactions of the seat's pools, summed over pool roles: `commits`,
+/// `rollbacks`, `fallbacks` and `quarantined` (a registration whose undo failed: a leak).
+fn registration_report(m: &RegistrationMetrics) -> Value {
+    let sum = |f: &Family<RoleLabel, Counter>| -> u64 {
+        ["target", "draft", "indexer"]
+            .iter()
+            .map(|r| {
+                f.get_or_create(&RoleLabel {
+                    role: (*r).to_owned(),
+                })
+                .get()
+            })
+            .sum()
+    };
+    json!({
+        "commits": sum(&m.commits),
+        "rollbacks": sum(&m.rollbacks),
+        "fallbacks": sum(&m.fallback),
+        "quarantined": sum(&m.quarantined),
+    })
+}
+
+/// The simulated engine's own running summary ([`crate::sim_engine::tiers::SUMMARY_FILE`] in the
+/// socket directory: rooms, loaded pages verified, loaded chunks corrupt, load waits, reads before
+/// ready), or null (a real engine, or none published yet).
+fn engine_summary(dir: &std::path::Path) -> Value {
+    std::fs::read(dir.join(crate::sim_engine::tiers::SUMMARY_FILE))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or(Value::Null)
 }
 
 fn registration_state(r: &Registration) -> (&'static str, String) {
@@ -253,11 +381,13 @@ fn registration_state(r: &Registration) -> (&'static str, String) {
 impl Seat {
     /// Allocates and registers the pools, starts the engine-API server on `seat.socket_dir` and
     /// makes readiness follow the engine's attach. `rank` is this worker's ordinal;
-    /// `target_token_bytes` scales the target pool's rows ([`engine_layout`]).
+    /// `target_token_bytes` scales the target pool's rows ([`engine_layout`]); the tier calls are
+    /// served by a [`HostTiers`] over `tier`.
     ///
     /// # Errors
-    /// [`ServeError::Config`] when the pools cannot be made or registered (fail-closed), or the
-    /// server cannot bind its sockets.
+    /// [`ServeError::Config`] when the pools cannot be made or registered (fail-closed), the tier
+    /// backend cannot be built, or the server cannot bind its sockets.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         cfg: &WorkerConfig,
         seat: &EngineSeat,
@@ -266,11 +396,12 @@ impl Seat {
         rank: u32,
         metrics: &EngineMetrics,
         target_token_bytes: Option<u64>,
+        tier: TierSeat,
     ) -> Result<Self, ServeError> {
         Self::start_role(
             cfg,
             seat,
-            SeatRole::Prefill(node),
+            SeatRole::Prefill(node, tier),
             state,
             rank,
             metrics,
@@ -298,7 +429,7 @@ impl Seat {
         api_cfg.target_token_bytes = target_token_bytes;
         api_cfg.ranks = cfg.parallelism.ranks_of(rank);
         match &role {
-            SeatRole::Prefill(_) => api_cfg.prefill_rank = rank,
+            SeatRole::Prefill(..) => api_cfg.prefill_rank = rank,
             SeatRole::Decode(_) => api_cfg.decode_rank = rank,
         }
         let health = Arc::new(Health::new());
@@ -338,20 +469,41 @@ impl Seat {
             tracing::info!(pool = %p.role, domain = %p.pool.domain(), bytes = p.pool.buffer().len(),
                 registration = reg, reason, "engine pool allocated");
         }
+        let target = attached
+            .iter()
+            .find(|p| p.role == PoolRole::Target)
+            .map(|p| p.pool.clone())
+            .ok_or_else(|| ServeError::Config("engine pools: no target pool".into()))?;
         drop(attached);
-        let (backend, node) = match role {
-            SeatRole::Prefill(node) => (Backend::Prefill(node.clone()), Some(node)),
-            SeatRole::Decode(source) => (Backend::Decode(source), None),
+        let (backend, node, tiers, admitting) = match role {
+            SeatRole::Prefill(node, tier) => {
+                let tiers = HostTiers::new(
+                    target,
+                    tier.layout,
+                    tier.l2_pages,
+                    tier.cache.clone(),
+                    tier.counters.clone(),
+                )
+                .map_err(|e| ServeError::Config(format!("engine tiers: {e}")))?;
+                node.set_tiers(tiers.clone());
+                (
+                    Backend::Prefill(node.clone()),
+                    Some(node),
+                    Some(tiers),
+                    Some(tier.admitting),
+                )
+            }
+            SeatRole::Decode(source) => {
+                drop(target);
+                (Backend::Decode(source), None, None, None)
+            }
         };
-        let api = EngineApi::new(
-            cfg,
-            api_cfg,
-            pools,
-            backend,
-            Arc::new(NoTiers),
-            health.clone(),
-        )
-        .map_err(|e| ServeError::Config(e.to_string()))?;
+        let tier_backend: Arc<dyn crate::engine_api::tiers::TierBackend> = match &tiers {
+            Some(t) => t.clone(),
+            None => Arc::new(crate::engine_api::tiers::NoTiers),
+        };
+        let api = EngineApi::new(cfg, api_cfg, pools, backend, tier_backend, health.clone())
+            .map_err(|e| ServeError::Config(e.to_string()))?;
         if let Some(node) = node {
             node.set_engine(&api);
         }
@@ -370,9 +522,16 @@ impl Seat {
             loop {
                 let now = *rx.borrow_and_update();
                 match now {
-                    Some(id) => {
+                    Some(id) if admitting.as_ref().is_none_or(|a| a.load(Ordering::SeqCst)) => {
                         tracing::info!(attach_id = id, "engine attached: ready");
                         st.set_ready(Ok(()));
+                    }
+                    Some(id) => {
+                        tracing::info!(
+                            attach_id = id,
+                            "engine attached; loading back from L3 first"
+                        );
+                        st.set_ready(Err(LOADING_BACK.into()));
                     }
                     None => {
                         tracing::warn!(socket_dir = %dir.display(), "{NOT_ATTACHED}: not ready");
@@ -385,8 +544,11 @@ impl Seat {
             }
         });
         // Metrics and the registrar's degradations follow the API on every scrape.
-        let (a, m) = (api.clone(), metrics.clone());
+        let (a, m, t) = (api.clone(), metrics.clone(), tiers.clone());
         state.on_refresh(move |s| {
+            if let Some(t) = &t {
+                m.mirror_tiers(t.stats());
+            }
             m.attached.set(i64::from(a.current_attach().is_some()));
             mirror(&m.attaches, a.attaches());
             for d in health.report().degraded {
@@ -404,11 +566,17 @@ impl Seat {
                 m.source_pages_held.set(i64::from(side.held_pages()));
             }
         });
-        if prefill {
+        if let (true, Some(t)) = (prefill, tiers.clone()) {
             let (kind, a) = (seat.kind, api.clone());
+            let (reg, dir) = (metrics.registration.clone(), socket_dir.clone());
             state.set_extra(move || {
+                let mut engine = report(Some((&kind, &a)), Some(&t));
+                if let Some(obj) = engine.as_object_mut() {
+                    obj.insert("registration".into(), registration_report(&reg));
+                    obj.insert("engine_summary".into(), engine_summary(&dir));
+                }
                 let mut m = serde_json::Map::new();
-                m.insert("engine".into(), report(Some((&kind, &a))));
+                m.insert("engine".into(), engine);
                 m
             });
         }
@@ -418,6 +586,7 @@ impl Seat {
             kind: seat.kind,
             socket_dir,
             api,
+            tiers,
             server,
         })
     }
@@ -427,6 +596,9 @@ impl Seat {
     /// freed with the allocator that made them. Returns the release errors, one line each.
     pub async fn stop(mut self) -> Vec<String> {
         self.server.stop().await;
+        if let Some(t) = &self.tiers {
+            t.close();
+        }
         let api = self.api.clone();
         drop(self);
         api.release_pools()

@@ -400,6 +400,7 @@ impl KvSource for EngineRooms {
             dst_pages: room.pages.clone(),
             layout: Some(self.layout.into()),
             deadline_ms: room.deadline.as_millis() as u64,
+            decode_incarnation: self.node.incarnation,
         };
         let mut client = link.client.clone();
         let api = self.api.get().cloned();

@@ -3,8 +3,10 @@
 //!
 //! 1. A decode worker opens a room (peer `OpenRoom`): the room opens in the engine API's sender table
 //!    ([`PrefillSide::submit_work`], DESIGN contract 3) and the engine receives a `PrefillWork` on its
-//!    WatchWork stream. No engine attached: the open is refused (`UNAVAILABLE`), the decode fails the
-//!    request with the reason.
+//!    WatchWork stream, with the request's prefix hashes; the worker looks the prefix up in its tiers
+//!    first ([`HostTiers::open_lookup`]: the hits the decode is told) and the engine then Loads the
+//!    hit pages and Stores the pages it computed through the tier calls. No engine attached: the
+//!    open is refused (`UNAVAILABLE`), the decode fails the request with the reason.
 //! 2. The engine writes the room's KV into pages of the shared target pool and says `PagesReady`
 //!    (per layer range); the side begins one write and hands it here ([`KvSink::send`]).
 //! 3. Those source pages are moved to the decode's destination pages by the TCP transport, straight
@@ -33,6 +35,7 @@ use crate::engine_api::service::EngineApi;
 use crate::memory::pool::{KvPool, PageId};
 use crate::release::RoomKey;
 use crate::release::sender::{AbortAck, SenderState};
+use crate::roles::prefill::tiers::HostTiers;
 use crate::transfer::{RegionId, TransferHandle, TransferStatus, Transport, WriteBatch, WriteOp};
 
 /// Default time an engine has to produce a room whose open names no deadline.
@@ -63,6 +66,11 @@ impl PrefillNode {
         let _ = self.engine.set(Arc::downgrade(api));
     }
 
+    /// The engine path's tier backend (set once, with the engine; later calls are ignored).
+    pub fn set_tiers(&self, tiers: Arc<HostTiers>) {
+        let _ = self.tiers.set(tiers);
+    }
+
     /// True when the node serves through an engine (`config.engine`).
     pub fn engine_mode(&self) -> bool {
         self.engine.get().is_some()
@@ -81,6 +89,7 @@ impl PrefillNode {
         request: u64,
         pages: u32,
         deadline: Duration,
+        prefix_hashes: Vec<Vec<u8>>,
     ) -> Result<(), Status> {
         let side = self
             .engine_side()
@@ -91,6 +100,7 @@ impl PrefillNode {
             // Whole pages: the decode verifies every token row of every page it receives.
             tokens: pages.saturating_mul(self.cfg.layout.page_tokens),
             deadline_ms: deadline.as_millis() as u64,
+            prefix_hashes,
         };
         side.submit_work(work)
             .map_err(|e| Status::unavailable(e.to_string()))?;
@@ -356,13 +366,27 @@ impl KvSink for PrefillNode {
 }
 
 impl PrefillService {
-    /// OpenRoom with an engine: the room's plan is recorded and the engine gets the work.
-    pub(super) fn open_engine_room(
+    /// OpenRoom with an engine: the room's plan is recorded, the prefix is looked up in the tiers
+    /// (the hits the decode is told, counted as the built-in planner counts them) and the engine
+    /// gets the work with the request's prefix hashes.
+    pub(super) async fn open_engine_room(
         &self,
         key: RoomKey,
         request: u64,
         r: pb::OpenRoomRequest,
     ) -> Result<pb::OpenRoomReply, Status> {
+        let spec = r.request.clone().unwrap_or_default();
+        let layout = self.node.cfg.layout;
+        let hashes = HostTiers::hashes_of(&spec, layout);
+        let hits = match self.node.tiers.get().cloned() {
+            Some(tiers) => {
+                let (s, h) = (spec.clone(), hashes.clone());
+                tokio::task::spawn_blocking(move || tiers.open_lookup(&s, &h))
+                    .await
+                    .unwrap_or_default()
+            }
+            None => pb::PrefixHits::default(),
+        };
         let deadline = if r.deadline_ms == 0 {
             DEFAULT_ROOM_DEADLINE
         } else {
@@ -388,7 +412,7 @@ impl PrefillService {
                 },
             );
         }
-        if let Err(status) = self.node.engine_open(key, request, pages, deadline) {
+        if let Err(status) = self.node.engine_open(key, request, pages, deadline, hashes) {
             lock(&self.node.plans).remove(&key);
             tracing::warn!(%key, %status, "room refused: no engine to compute it");
             return Err(status);
@@ -398,7 +422,7 @@ impl PrefillService {
             room: Some(key.into()),
             prefill_rank: self.node.cfg.rank,
             result: None,
-            hits: Some(pb::PrefixHits::default()),
+            hits: Some(hits),
             incarnation: self.node.incarnation(),
         })
     }

@@ -1,0 +1,193 @@
+//! The simulated prefill engine's use of the tier calls (DESIGN §3.1 "Tiers", contract 5), for a
+//! PrefillWork that carries prefix hashes:
+//!
+//! 1. **Lookup** the hashes: the leading L2 pages, then the L3 pages after them, are loadable.
+//! 2. **Load** them into the room's first source pages and read each layer only after its
+//!    `LayerLoaded` event (each event awaited is a load wait); every loaded chunk is verified byte
+//!    for byte against the page's deterministic content ([`page_chunk`], the L3 object form of
+//!    [`crate::roles::prefill::prefix_cache::PrefixCache::object_bytes`]): a mismatch is a corrupt
+//!    loaded chunk. A `LoadFailed` keeps the pages it says loaded; the rest are computed.
+//! 3. The pages after the loaded ones are computed: their page content is written and **Store**d
+//!    (the worker copies them into L2 and, per the write policy, L3) — only then are they reused.
+//!
+//! The decode side verifies rows keyed by the request ([`super::chunk_spec`]), so after this the
+//! engine writes the room's rows into every page as before; a loaded page costs no compute time.
+//!
+//! Negative control (feature `negative-controls`, `--skip-load-wait`): every loaded layer is read
+//! right after the Load call, before its event — each such read counts as read-before-ready.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::time::Duration;
+
+use tokio_stream::StreamExt;
+
+use super::Summary;
+use crate::engine::content::{ChunkSpec, fill_chunk, verify_chunk};
+use crate::engine_api::client::{Attached, ClientError, EngineClient, MappedPool};
+use crate::engine_api::pb;
+use crate::engine_api::tiers::key_of_hash;
+use crate::memory::pool::PoolRole;
+
+/// File in the socket directory where a serving simulated engine publishes its running
+/// [`Summary`] (JSON, replaced atomically after every room), so that the worker's `/report` can
+/// show the engine's own verification figures. A real engine writes none.
+pub const SUMMARY_FILE: &str = "sim-engine-summary.json";
+
+/// Publishes `s` as [`SUMMARY_FILE`] in `socket_dir` (resolved under `$TANDEM_ROOT`); a failure is
+/// logged and otherwise ignored (the figures are a report, not the protocol).
+pub fn publish_summary(socket_dir: &Path, s: &Summary) {
+    let dir = crate::config::resolve_path(socket_dir);
+    let tmp = dir.join(format!(".{SUMMARY_FILE}.tmp"));
+    let write = serde_json::to_vec(s)
+        .map_err(std::io::Error::other)
+        .and_then(|b| std::fs::write(&tmp, b))
+        .and_then(|()| std::fs::rename(&tmp, dir.join(SUMMARY_FILE)));
+    if let Err(e) = write {
+        tracing::warn!(error = %e, "cannot publish the engine summary");
+    }
+}
+
+/// The chunk of the page named by `hash` on `layer` of `pool`: the page's own content (keyed by its
+/// page key, tokens from 0), as L2 and L3 hold it.
+pub fn page_chunk(pool: &MappedPool, hash: &[u8], layer: u32) -> ChunkSpec {
+    let g = pool.geometry();
+    ChunkSpec {
+        request: key_of_hash(hash).as_u64(),
+        layer,
+        first_token: 0,
+        tokens: g.page_tokens,
+        token_bytes: g.bytes_per_token_layer as usize,
+    }
+}
+
+fn verify_layer(pool: &MappedPool, hashes: &[Vec<u8>], pages: &[u32], layer: u32, s: &mut Summary) {
+    for (h, &page) in hashes.iter().zip(pages) {
+        let spec = page_chunk(pool, h, layer);
+        let mut buf = vec![0u8; spec.bytes()];
+        s.loaded_chunks += 1;
+        let bad = match pool.read(page, layer, 0, &mut buf) {
+            Ok(()) => verify_chunk(&buf, &spec).err().map(|c| c.to_string()),
+            Err(e) => Some(e.to_string()),
+        };
+        if let Some(why) = bad {
+            s.loaded_corrupt_chunks += 1;
+            tracing::error!(page, layer, error = %why, "a loaded chunk does not hold its page");
+        }
+    }
+}
+
+/// Lookup, Load (waiting per layer, verifying) and Store for one room whose source pages are
+/// `pages` (in token order); returns the leading pages that were loaded (their compute is saved).
+///
+/// # Errors
+/// A refused tier call; a Load stream that ends without its `LoadDone`/`LoadFailed` or outlives
+/// `bound`.
+pub async fn load_and_store(
+    client: &mut EngineClient,
+    att: &Attached,
+    hashes: &[Vec<u8>],
+    pages: &[u32],
+    bound: Duration,
+    skip_wait: bool,
+    s: &mut Summary,
+) -> Result<usize, ClientError> {
+    let id = att.id();
+    let Some(target) = att.pool(PoolRole::Target) else {
+        return Ok(0);
+    };
+    let m = hashes.len().min(pages.len());
+    if m == 0 {
+        return Ok(0);
+    }
+    let (hashes, pages) = (&hashes[..m], &pages[..m]);
+    let r = client.req(pb::LookupRequest {
+        attach_id: id,
+        prefix_hashes: hashes.to_vec(),
+    });
+    let hits = client.tiers.lookup(r).await?.into_inner().hits;
+    s.lookups += 1;
+    let hit: usize = hits.iter().map(|h| h.pages as usize).sum::<usize>().min(m);
+    let mut loaded = 0;
+    if hit > 0 {
+        let r = client.req_within(
+            pb::LoadRequest {
+                attach_id: id,
+                prefix_hashes: hashes[..hit].to_vec(),
+                pages: pages[..hit].to_vec(),
+                pools: vec![pb::PoolKind::Target as i32],
+            },
+            bound,
+        );
+        let mut events = client.tiers.load(r).await?.into_inner();
+        let layers = target.geometry().layers;
+        let mut ready: BTreeSet<u32> = BTreeSet::new();
+        if skip_wait {
+            // Negative control: read every layer now, whatever the events say.
+            for layer in 0..layers {
+                s.read_before_ready += 1;
+                verify_layer(target, &hashes[..hit], &pages[..hit], layer, s);
+            }
+        }
+        let outcome = tokio::time::timeout(bound, async {
+            while let Some(ev) = events.next().await {
+                match ev?.event {
+                    Some(pb::load_event::Event::Layer(l)) => {
+                        s.load_waits += 1;
+                        if l.pool == pb::PoolKind::Target as i32 && ready.insert(l.layer) && !skip_wait
+                        {
+                            verify_layer(target, &hashes[..hit], &pages[..hit], l.layer, s);
+                        }
+                    }
+                    Some(pb::load_event::Event::Done(d)) => return Ok(d.pages as usize),
+                    Some(pb::load_event::Event::Failed(f)) => {
+                        s.load_failures += 1;
+                        tracing::warn!(message = %f.message, pages_loaded = f.pages_loaded, "load failed");
+                        return Ok(f.pages_loaded as usize);
+                    }
+                    None => {}
+                }
+            }
+            Err(ClientError::Status(tonic::Status::internal(
+                "the Load stream ended without LoadDone or LoadFailed",
+            )))
+        })
+        .await
+        .map_err(|_| {
+            ClientError::Status(tonic::Status::deadline_exceeded(format!(
+                "the Load did not end within {bound:?}"
+            )))
+        })??;
+        loaded = outcome.min(hit);
+        if loaded > 0 && ready.len() < layers as usize {
+            // Every loaded page's layers must have had their events.
+            s.load_failures += 1;
+            tracing::error!(
+                events = ready.len(),
+                layers,
+                "LoadDone before every layer's LayerLoaded"
+            );
+            loaded = 0;
+        }
+        s.loaded_pages += loaded as u64;
+    }
+    if loaded < m {
+        let g = *target.geometry();
+        for (h, &page) in hashes[loaded..].iter().zip(&pages[loaded..]) {
+            for layer in 0..g.layers {
+                let spec = page_chunk(target, h, layer);
+                let mut buf = vec![0u8; spec.bytes()];
+                fill_chunk(&mut buf, &spec);
+                target.write(page, layer, 0, &buf)?;
+            }
+        }
+        let r = client.req(pb::StoreRequest {
+            attach_id: id,
+            prefix_hashes: hashes[loaded..].to_vec(),
+            pages: pages[loaded..].to_vec(),
+        });
+        let stored = client.tiers.store(r).await?.into_inner().pages;
+        s.stored_pages += u64::from(stored);
+    }
+    Ok(loaded)
+}

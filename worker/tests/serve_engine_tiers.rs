@@ -1,0 +1,325 @@
+//! The tier calls on the engine's serving path (DESIGN §3.1 "Tiers", contracts 5 and 7; issue 13),
+//! through real processes: a prefill worker with an engine (`engine: Simulated`) and a CacheTier,
+//! `tandem-worker sim-engine --serve` as its engine container, a `tandem-worker cache` replica and a
+//! decode worker with its front door.
+//!
+//! - a repeated prefix is loaded from L2 (real bytes, copied into the engine's pages with one
+//!   `LayerLoaded` per layer that the engine waits on, every loaded chunk verified); after the
+//!   prefill and its engine restart (L2 empty, no loadback), from L3 — the replica's objects,
+//!   loaded into pages and verified — then from L2 again; 0 corrupt, 0 read before ready; metrics
+//!   `tandem_engine_load_*` and `/report.engine.tiers` say the same;
+//! - negative controls (feature `negative-controls`): a worker whose loads send their events without
+//!   copying makes the engine's loaded-bytes check fail; an engine that reads before the events
+//!   counts reads before ready.
+//!
+//! Each test has its own `127.0.<net>.x` addresses (nets 111–113).
+
+mod serve_support;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use serve_support::*;
+use tandem_worker::config::*;
+use tandem_worker::memory::AllocatorDomain;
+use tandem_worker::memory::pool::PoolLayout;
+use tandem_worker::store_client::ClientMode;
+
+const L3_SERVICE: &str = "l3-store.serving.svc.cluster.local";
+/// The engine socket directory as the pod mounts it (resolved under each process's `$TANDEM_ROOT`).
+const SOCKET_DIR: &str = "/run/tandem/engine";
+/// Layers of the KV layout the serving tests' `TANDEM_SIM_KV_BYTES_PER_TOKEN=512` implies.
+const LAYERS: u64 = 8;
+
+/// A prefill with an engine beside it and, when `l3`, a write-through CacheTier.
+fn prefill(w: &World, l3: bool) -> WorkerConfig {
+    let mut c = config(WorkerRole::Prefill, "r1", w.ports);
+    c.memory.allocator = AllocatorDomain::SharedMemory;
+    c.memory.client_mode = l3.then_some(ClientMode::Embedded);
+    c.engine = Some(EngineSeat {
+        kind: EngineKind::Simulated,
+        socket_dir: SOCKET_DIR.into(),
+    });
+    // Without a tier: L2 only, pages of the default 512 tokens (the trace blocks).
+    c.cache = l3.then(|| CacheConfig {
+        tier: "l3".into(),
+        service: L3_SERVICE.into(),
+        replicas: 1,
+        page_tokens: 512,
+        write_policy: WritePolicy::WriteThrough,
+    });
+    c
+}
+
+fn tier(w: &World, model: &WorkerConfig) -> CacheTierConfig {
+    CacheTierConfig {
+        api_version: CACHE_TIER_CONFIG_API_VERSION.into(),
+        namespace: "serving".into(),
+        tier: "l3".into(),
+        revision: "t1".into(),
+        model: model.model.clone(),
+        indexer: None,
+        page_tokens: 512,
+        layout: PoolLayout::LayerFirst,
+        max_tensor: DEFAULT_MAX_PARALLEL,
+        max_context: DEFAULT_MAX_PARALLEL,
+        memory_bytes: 64 << 20,
+        disk_bytes: 256 << 20,
+        persistent: true,
+        data_dir: DEFAULT_CACHE_DATA_DIR.into(),
+        ports: CachePorts {
+            l3: 7420,
+            health: w.ports.health,
+        },
+        eviction: CacheEviction::default(),
+        write_policy: WritePolicy::WriteThrough,
+        registration_failure: None,
+    }
+}
+
+/// `tandem-worker sim-engine --serve` as the engine container of the prefill pod on `host`.
+fn spawn_engine(w: &World, host: u8, extra: &[&str]) -> Proc {
+    let child = Command::new(BIN)
+        .args(["sim-engine", "--serve", "--socket-dir", SOCKET_DIR])
+        .args(["--config", &format!("/etc/tandem/{CONFIG_FILE}")])
+        .args(["--ordinal", "0", "--attach-backoff-max-ms", "200"])
+        .args(extra)
+        .env("TANDEM_ROOT", w.root(host))
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    Proc(child)
+}
+
+/// SIGTERM, then (bounded) the engine's exit status and the summary line it printed.
+fn stop_engine(mut engine: Proc) -> (std::process::ExitStatus, Value) {
+    engine.signal(libc::SIGTERM);
+    let status = engine
+        .wait_exit(Duration::from_secs(20))
+        .expect("the engine exits within 20 s of SIGTERM");
+    let mut out = String::new();
+    use std::io::Read;
+    engine
+        .0
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    let summary = out
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str::<Value>(l).ok())
+        .unwrap_or(Value::Null);
+    (status, summary)
+}
+
+fn request(hashes: &[u64]) -> Value {
+    serde_json::json!({"prompt": "x", "max_tokens": 1, "input_tokens": 1536,
+        "kv_block_hashes": hashes})
+}
+
+/// One request through the front door: its (L2, L3) prefix hit tokens; 200 and 0 corrupt asserted.
+async fn hits(w: &World, hashes: &[u64]) -> (u64, u64) {
+    let (code, frames) = http(
+        w.addr(9, w.ports.front),
+        "POST",
+        "/v1/completions",
+        Some(request(hashes)),
+    )
+    .await;
+    let v: Value = serde_json::from_str(&text(&frames)).unwrap();
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["tandem"]["corrupt_chunks"], 0, "{v}");
+    let h = &v["tandem"]["prefix_hit_tokens"];
+    (h["l2"].as_u64().unwrap(), h["l3"].as_u64().unwrap())
+}
+
+async fn wait_ready(w: &World, host: u8) {
+    let h = w.addr(host, w.ports.health);
+    until(Duration::from_secs(30), || async {
+        status(h, "/readyz").await == Some(200)
+    })
+    .await;
+}
+
+async fn report(w: &World, host: u8) -> Value {
+    get_json(w.addr(host, w.ports.health), "/report").await.1
+}
+
+async fn metrics(w: &World, host: u8) -> String {
+    text(
+        &http(w.addr(host, w.ports.health), "GET", "/metrics", None)
+            .await
+            .1,
+    )
+}
+
+/// Waits (bounded) until the prefill's `/report` satisfies `ok`; returns that report.
+async fn report_until(w: &World, host: u8, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+    let end = Instant::now() + Duration::from_secs(15);
+    loop {
+        let r = report(w, host).await;
+        if ok(&r) {
+            return r;
+        }
+        assert!(Instant::now() < end, "{what}: {r}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engine_loads_prefixes_from_l2_then_from_l3_after_a_restart() {
+    let w = World::new(111);
+    w.publish_names(&[(SERVICE, &[2]), (L3_SERVICE, &[5])]);
+    let pcfg = prefill(&w, true);
+    let _cache = w.spawn_cache(5, &tier(&w, &pcfg));
+    wait_ready(&w, 5).await;
+    let mut p = w.spawn(2, &pcfg, &[]);
+    let engine = spawn_engine(&w, 2, &[]);
+    wait_ready(&w, 2).await;
+    let _d = w.spawn(9, &config(WorkerRole::Decode, "r1", w.ports), &[]);
+    wait_ready(&w, 9).await;
+
+    assert_eq!(hits(&w, &[101, 102, 103]).await, (0, 0), "cold");
+    assert_eq!(
+        hits(&w, &[101, 102, 103]).await,
+        (1536, 0),
+        "whole prompt from L2"
+    );
+    assert_eq!(
+        hits(&w, &[101, 102, 999]).await,
+        (1024, 0),
+        "shared prefix of two pages"
+    );
+    let pr = report_until(
+        &w,
+        2,
+        "4 pages written through to L3, the engine's 3 rooms published",
+        |r| r["counters"]["l3_pages_written"] == 4 && r["engine"]["engine_summary"]["rooms"] == 3,
+    )
+    .await;
+    let t = &pr["engine"]["tiers"];
+    assert_eq!(t["pages_stored"], 4, "{pr}");
+    assert_eq!(t["pages_loaded"]["l2"], 5, "{pr}");
+    assert_eq!(t["pages_loaded"]["l3"], 0, "{pr}");
+    assert_eq!(t["bytes_loaded"]["l2"], 5 * 512 * 512, "{pr}");
+    assert_eq!(t["load_waits"], 2 * LAYERS, "one event per layer per load");
+    assert_eq!(t["read_before_ready"], 0);
+    assert_eq!(t["corrupt_objects"], 0);
+    assert_eq!(t["loads_failed"], 0);
+    assert_eq!(pr["counters"]["prefix_hit_tokens_l2"], 2560, "{pr}");
+    // The engine's own figures, as it publishes them beside its socket.
+    let es = &pr["engine"]["engine_summary"];
+    assert_eq!(es["loaded_pages"], 5, "{pr}");
+    assert_eq!(es["loaded_corrupt_chunks"], 0, "{pr}");
+    assert_eq!(es["read_before_ready"], 0, "{pr}");
+    assert_eq!(pr["engine"]["registration"]["quarantined"], 0, "{pr}");
+    let m = metrics(&w, 2).await;
+    assert!(
+        m.contains(r#"tandem_engine_load_pages_total{tier="l2"} 5"#),
+        "{m}"
+    );
+    assert!(
+        m.contains(&format!("tandem_engine_load_waits_total {}", 2 * LAYERS)),
+        "{m}"
+    );
+    assert!(
+        m.contains("tandem_engine_load_read_before_ready_total 0"),
+        "{m}"
+    );
+    let (st, s) = stop_engine(engine);
+    assert!(st.success(), "{st:?} {s}");
+    assert_eq!(s["loaded_pages"], 5, "{s}");
+    assert_eq!(s["loaded_chunks"], 5 * LAYERS, "{s}");
+    assert_eq!(s["loaded_corrupt_chunks"], 0, "{s}");
+    assert_eq!(s["load_waits"], 2 * LAYERS, "{s}");
+    assert_eq!(s["read_before_ready"], 0, "{s}");
+    assert_eq!(s["stored_pages"], 4, "{s}");
+
+    // The prefill restarts without loadback: L2 is empty; the pages come from the replica.
+    p.signal(libc::SIGTERM);
+    assert!(
+        p.wait_exit(Duration::from_secs(15))
+            .expect("prefill exits")
+            .success()
+    );
+    let _p = w.spawn(2, &pcfg, &[("TANDEM_L3_LOADBACK_PAGES", "0")]);
+    let engine = spawn_engine(&w, 2, &[]);
+    wait_ready(&w, 2).await;
+    let front = w.addr(9, w.ports.front);
+    until(Duration::from_secs(15), || async {
+        http(front, "POST", "/v1/completions", Some(request(&[7])))
+            .await
+            .0
+            == 200
+    })
+    .await;
+    assert_eq!(
+        hits(&w, &[101, 102, 103]).await,
+        (0, 1536),
+        "whole prompt from L3"
+    );
+    assert_eq!(
+        hits(&w, &[101, 102, 103]).await,
+        (1536, 0),
+        "and now from L2"
+    );
+    let pr = report(&w, 2).await;
+    let t = &pr["engine"]["tiers"];
+    assert_eq!(t["pages_loaded"]["l3"], 3, "{pr}");
+    assert_eq!(t["bytes_loaded"]["l3"], 3 * 512 * 512, "{pr}");
+    assert_eq!(t["pages_loaded"]["l2"], 3, "{pr}");
+    assert_eq!(t["pages_loaded_from_l3_bytes"], 6, "{pr}");
+    assert_eq!(t["read_before_ready"], 0);
+    let m = metrics(&w, 2).await;
+    assert!(
+        m.contains(r#"tandem_engine_load_pages_total{tier="l3"} 3"#),
+        "{m}"
+    );
+    let (st, s) = stop_engine(engine);
+    assert!(st.success(), "{st:?} {s}");
+    assert_eq!(s["loaded_pages"], 6, "{s}");
+    assert_eq!(s["loaded_corrupt_chunks"], 0, "{s}");
+    assert_eq!(s["read_before_ready"], 0, "{s}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_a_load_that_does_not_copy_fails_the_loaded_bytes_check() {
+    let w = World::new(112);
+    w.publish(&[2]);
+    let pcfg = prefill(&w, false);
+    let _p = w.spawn(2, &pcfg, &[("TANDEM_NC_TIERS_SKIP_COPY", "1")]);
+    let engine = spawn_engine(&w, 2, &[]);
+    wait_ready(&w, 2).await;
+    let _d = w.spawn(9, &config(WorkerRole::Decode, "r1", w.ports), &[]);
+    wait_ready(&w, 9).await;
+    assert_eq!(hits(&w, &[201, 202, 203]).await, (0, 0));
+    assert_eq!(hits(&w, &[201, 202, 203]).await, (1536, 0));
+    let (_, s) = stop_engine(engine);
+    assert_eq!(s["loaded_pages"], 3, "{s}");
+    assert_eq!(
+        s["loaded_corrupt_chunks"],
+        3 * LAYERS,
+        "every chunk of a load that copied nothing fails: {s}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_an_engine_that_skips_the_layer_wait_reads_before_ready() {
+    let w = World::new(113);
+    w.publish(&[2]);
+    let pcfg = prefill(&w, false);
+    let _p = w.spawn(2, &pcfg, &[]);
+    let engine = spawn_engine(&w, 2, &["--skip-load-wait"]);
+    wait_ready(&w, 2).await;
+    let _d = w.spawn(9, &config(WorkerRole::Decode, "r1", w.ports), &[]);
+    wait_ready(&w, 9).await;
+    assert_eq!(hits(&w, &[301, 302, 303]).await, (0, 0));
+    assert_eq!(hits(&w, &[301, 302, 303]).await, (1536, 0));
+    let (_, s) = stop_engine(engine);
+    assert_eq!(s["read_before_ready"], LAYERS, "{s}");
+}
