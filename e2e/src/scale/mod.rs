@@ -84,7 +84,8 @@ pub struct ScaleOptions {
     pub resync_seconds: Option<u64>,
     /// Directory of the three sample manifests (default `manifests/samples`).
     pub samples: Option<PathBuf>,
-    /// The operator binary (default `$TANDEM_OPERATOR_BIN`, else next to this executable).
+    /// The operator binary (default `$TANDEM_OPERATOR_BIN`, else next to this executable or one
+    /// directory up, as a test binary in `target/<profile>/deps` finds it).
     pub operator_bin: Option<PathBuf>,
     /// How to obtain the control-plane binaries.
     pub build: BuildMode,
@@ -215,16 +216,9 @@ impl Operator {
         cluster: &RunningCluster,
         resync: u64,
     ) -> Result<Self, ScaleError> {
-        let bin = opts
-            .operator_bin
-            .clone()
-            .or_else(|| std::env::var_os("TANDEM_OPERATOR_BIN").map(PathBuf::from))
-            .or_else(|| {
-                std::env::current_exe()
-                    .ok()
-                    .and_then(|e| e.parent().map(|d| d.join("tandem-operator")))
-            })
-            .ok_or_else(|| ScaleError::Operator("no operator binary".into()))?;
+        let bin = opts.operator_bin.clone().unwrap_or_else(|| {
+            crate::runner::image::locate_binary("tandem-operator", "TANDEM_OPERATOR_BIN")
+        });
         if !bin.exists() {
             return Err(ScaleError::Operator(format!(
                 "{} not found (cargo build -p tandem-operator, or set TANDEM_OPERATOR_BIN)",
@@ -512,6 +506,7 @@ async fn measure_with(
     let all: Vec<Stack> = (0..n)
         .map(|i| stacks::stack(samples, &stacks::stack_namespace(i)))
         .collect();
+    let load_at_apply = report::load_avg();
     let apply_started = Instant::now();
     let applied: Vec<Result<(usize, Instant), kube::Error>> = futures::stream::iter(0..n)
         .map(|i| {
@@ -589,6 +584,7 @@ async fn measure_with(
         .await
         .ok_or_else(|| ScaleError::Operator("GET apiserver /metrics failed".into()))?;
     let op_settled = scrape_op(op).await?;
+    let load_settled = report::load_avg();
     let proc_settled = sampler.snapshot();
 
     // Steady resync window: every object reconciled at least once more.
@@ -647,6 +643,24 @@ async fn measure_with(
         ),
         &prom::sum_by(&api_after, "apiserver_request_total", &["verb", "resource"]),
     );
+    let dur = "apiserver_request_duration_seconds";
+    let sums = delta_map(
+        &prom::sum_by(&api_before, &format!("{dur}_sum"), &["verb"]),
+        &prom::sum_by(&api_after, &format!("{dur}_sum"), &["verb"]),
+    );
+    let counts = delta_map(
+        &prom::sum_by(&api_before, &format!("{dur}_count"), &["verb"]),
+        &prom::sum_by(&api_after, &format!("{dur}_count"), &["verb"]),
+    );
+    let api_latency: std::collections::BTreeMap<String, f64> = sums
+        .iter()
+        // A WATCH lasts as long as the watch: not a latency.
+        .filter(|(k, _)| k.as_str() != "WATCH" && k.as_str() != "CONNECT")
+        .filter_map(|(k, s)| {
+            let n = counts.get(k).copied().unwrap_or(0.0);
+            (n > 0.0).then(|| (k.clone(), 1e3 * s / n))
+        })
+        .collect();
     let op_writes = delta_map(
         &prom::sum_by(&op_before, "tandem_operator_writes_total", &["verb"]),
         &prom::sum_by(&op_settled, "tandem_operator_writes_total", &["verb"]),
@@ -682,6 +696,7 @@ async fn measure_with(
         },
         api_requests_by_verb: by_verb,
         api_requests_by_verb_resource: by_verb_resource,
+        api_request_mean_ms_by_verb: api_latency,
         operator_writes_by_verb: op_writes,
         steady_window_s: window_s,
         steady_reconciles: resync_reconciles,
@@ -691,6 +706,7 @@ async fn measure_with(
         } else {
             f64::NAN
         },
+        load_avg: [load_at_apply, load_settled],
         process: proc_settled,
     };
     ready.stop();

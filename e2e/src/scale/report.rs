@@ -65,6 +65,9 @@ pub struct RunFigures {
     pub api_requests_by_verb: BTreeMap<String, f64>,
     /// The same by `verb/resource`.
     pub api_requests_by_verb_resource: BTreeMap<String, f64>,
+    /// Mean API server request latency over the same span, by verb (ms; from
+    /// `apiserver_request_duration_seconds` sum and count): what every reconcile's API calls wait.
+    pub api_request_mean_ms_by_verb: BTreeMap<String, f64>,
     /// The operator's own writes over the same span, by verb.
     pub operator_writes_by_verb: BTreeMap<String, f64>,
     /// Length of the steady window (s).
@@ -75,8 +78,22 @@ pub struct RunFigures {
     pub steady_writes: f64,
     /// `steady_writes` per full resync of every object (must be 0).
     pub writes_per_steady_resync: f64,
+    /// `/proc/loadavg` (1, 5, 15 min) when the stacks were applied and when settled: the
+    /// machine's load, which every latency here includes (two cores shared with other work).
+    pub load_avg: [[f64; 3]; 2],
     /// The operator process over time (until settled).
     pub process: Vec<ProcSample>,
+}
+
+/// `/proc/loadavg`'s three averages (zeros when unreadable).
+pub fn load_avg() -> [f64; 3] {
+    let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let mut v = text.split_whitespace().map(|x| x.parse().unwrap_or(0.0));
+    [
+        v.next().unwrap_or(0.0),
+        v.next().unwrap_or(0.0),
+        v.next().unwrap_or(0.0),
+    ]
 }
 
 /// The scale 1 → target and rolling-restart experiment.
@@ -236,13 +253,14 @@ impl ScaleReport {
             "\n| N | nodes | apply (s) | all Ready (s) | apply→Ready p50 (ms) | p99 (ms) | max (ms) | \
              reconcile p50 | reconcile p99 | steady reconcile p99 | queue depth max / mean | \
              peak RSS (MiB) | CPU to settled (s) | steady CPU (%) | steady reconciles | writes \
-             per steady resync |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+             per steady resync | load avg (1 min) at apply / settled |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
         for r in &self.runs {
             let a = r.apply_to_ready_ms;
             let _ = writeln!(
                 m,
-                "| {} | {} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {:.0} / {:.2} | {:.1} | {:.1} | {:.1} | {:.0} | {} |",
+                "| {} | {} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {:.0} / {:.2} | {:.1} | {:.1} | {:.1} | {:.0} | {} | {:.1} / {:.1} |",
                 r.n,
                 r.nodes,
                 r.apply_s,
@@ -259,7 +277,9 @@ impl ScaleReport {
                 r.cpu_s_to_settled,
                 r.steady_cpu_percent,
                 r.steady_reconciles,
-                r.writes_per_steady_resync
+                r.writes_per_steady_resync,
+                r.load_avg[0][0],
+                r.load_avg[1][0]
             );
         }
         m.push_str("\n## API requests, first apply → settled (all clients), by verb\n\n");
@@ -274,12 +294,18 @@ impl ScaleReport {
                 .iter()
                 .map(|(k, v)| format!("{k} {v:.0}"))
                 .collect();
+            let lat: Vec<String> = r
+                .api_request_mean_ms_by_verb
+                .iter()
+                .map(|(k, v)| format!("{k} {v:.1}"))
+                .collect();
             let _ = writeln!(
                 m,
-                "- N = {}: {}; of which the operator's writes: {}",
+                "- N = {}: {}; of which the operator's writes: {}; mean API server latency (ms): {}",
                 r.n,
                 verbs.join(", "),
-                ops.join(", ")
+                ops.join(", "),
+                lat.join(", ")
             );
         }
         m.push_str("\nTop verb/resource pairs:\n\n");
@@ -533,11 +559,13 @@ mod tests {
             steady_cpu_percent: 1.0,
             api_requests_by_verb: BTreeMap::from([("LIST".into(), 10.0)]),
             api_requests_by_verb_resource: BTreeMap::from([("LIST/pods".into(), 10.0)]),
+            api_request_mean_ms_by_verb: BTreeMap::from([("LIST".into(), 3.0)]),
             operator_writes_by_verb: BTreeMap::from([("apply".into(), 5.0)]),
             steady_window_s: 20.0,
             steady_reconciles: 3.0 * n as f64,
             steady_writes: writes,
             writes_per_steady_resync: writes,
+            load_avg: [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]],
             process: vec![],
         }
     }
