@@ -15,13 +15,20 @@
 use std::time::{Duration, Instant};
 
 use tandem_e2e::cluster::BuildMode;
-use tandem_e2e::demo::stack::ensure_binaries;
+use tandem_e2e::runner::image::locate_binary;
 use tandem_e2e::scale::{ScaleError, ScaleOptions, run_scale};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_stacks_and_one_pool_scaled_to_eight_on_kwok() {
     let required = std::env::var_os("TANDEM_E2E_REQUIRE_CLUSTER").is_some();
-    ensure_binaries().await.expect("tandem-operator builds");
+    // `cargo test --workspace` builds the operator binary; a lone `cargo test -p tandem-e2e` needs
+    // `cargo build -p tandem-operator` first (building it here would hold the cluster lock).
+    let operator = locate_binary("tandem-operator", "TANDEM_OPERATOR_BIN");
+    assert!(
+        operator.is_file(),
+        "{} missing: run `cargo build -p tandem-operator` (or set TANDEM_OPERATOR_BIN)",
+        operator.display()
+    );
     let tmp = tempfile::tempdir().expect("temp dir");
     let opts = ScaleOptions {
         stacks: vec![5],
@@ -32,7 +39,7 @@ async fn five_stacks_and_one_pool_scaled_to_eight_on_kwok() {
         scale_groups: 8,
         resync_seconds: Some(10),
         samples: None,
-        operator_bin: None,
+        operator_bin: Some(operator.clone()),
         build: if required {
             BuildMode::BuildIfMissing
         } else {
