@@ -5,6 +5,7 @@
 //!   cached; `tandem-e2e cluster up|down|status`.
 //! * [`runner`]: the process runner, a minimal kubelet that runs pods bound to its nodes as local
 //!   processes (`tandem-worker`, `tandem-operator`) on their own 127.x addresses.
+//! * [`scale`]: the operator at scale on kwok nodes, measured (`tandem-e2e scale`).
 //! * [`pidfile`], [`http_get`]: process identity for safe stops; health and readiness GETs.
 //!
 //! Measured figures (build time, memory, disk, startup) are in `e2e/README.md`.
@@ -16,3 +17,4 @@ pub mod pidfile;
 pub mod replay;
 pub mod report;
 pub mod runner;
+pub mod scale;

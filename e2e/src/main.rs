@@ -46,6 +46,46 @@ enum Command {
     /// Cluster up, helm install, sample stack, replay with scale-up and rolling restart, teardown
     /// order check, report, cluster down (exit 1 if any check fails).
     Demo(DemoArgs),
+    /// The operator at scale on kwok nodes: N stacks per cluster, measured; then one pool scaled
+    /// 1 → 64 groups and rolled (report: scale.json, scale.md, SVG plots; exit 1 if a check fails).
+    Scale(ScaleArgs),
+}
+
+#[derive(Args)]
+struct ScaleArgs {
+    /// Stack counts, one fresh cluster each (e.g. `10,100,1000`).
+    #[arg(long, value_delimiter = ',', default_value = "10")]
+    stacks: Vec<usize>,
+    /// Report directory.
+    #[arg(long, default_value = "tandem-scale-out")]
+    out: PathBuf,
+    /// Decode groups the scaled pool goes to (0 skips the scale and restart experiment).
+    #[arg(long, default_value_t = 64)]
+    scale_groups: u32,
+    /// nvidia.com/gpu per kwok node.
+    #[arg(long, default_value_t = 8)]
+    gpus_per_node: u32,
+    /// The operator's --resync-seconds (default N / 5, clamped to 20..300).
+    #[arg(long)]
+    resync_seconds: Option<u64>,
+    /// Added to every cluster port.
+    #[arg(long, default_value_t = 0)]
+    port_offset: u16,
+    /// Cluster state dir (default ~/.cache/tandem-e2e/scale-<offset>).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Directory with cachetier.yaml, prefillpool.yaml, decodepool.yaml (default manifests/samples).
+    #[arg(long)]
+    samples: Option<PathBuf>,
+    /// The operator binary (default $TANDEM_OPERATOR_BIN, else next to this executable).
+    #[arg(long)]
+    operator_bin: Option<PathBuf>,
+    /// Fail instead of building the control plane when it is not cached.
+    #[arg(long)]
+    cached_only: bool,
+    /// Deadline of each wait, seconds.
+    #[arg(long, default_value_t = 900)]
+    wait_timeout_s: u64,
 }
 
 /// Workload flags shared by `replay` and `demo`.
@@ -300,7 +340,37 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Runner(args) => runner(args).await,
         Command::Replay(args) => replay(args).await,
         Command::Demo(args) => demo(args).await,
+        Command::Scale(args) => scale(args).await,
     }
+}
+
+async fn scale(args: ScaleArgs) -> anyhow::Result<ExitCode> {
+    let opts = tandem_e2e::scale::ScaleOptions {
+        stacks: args.stacks,
+        out: args.out.clone(),
+        port_offset: args.port_offset,
+        state_dir: args.state_dir,
+        gpus_per_node: args.gpus_per_node,
+        scale_groups: args.scale_groups,
+        resync_seconds: args.resync_seconds,
+        samples: args.samples,
+        operator_bin: args.operator_bin,
+        build: if args.cached_only {
+            BuildMode::CachedOnly
+        } else {
+            BuildMode::BuildIfMissing
+        },
+        phase_timeout: Duration::from_secs(args.wait_timeout_s),
+    };
+    let report = tandem_e2e::scale::run_scale(&opts).await?;
+    println!("{}", report.markdown());
+    eprintln!("[scale] report in {}", args.out.display());
+    Ok(if report.passed() {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("[scale] FAILED: see the checks");
+        ExitCode::FAILURE
+    })
 }
 
 async fn replay(args: ReplayArgs) -> anyhow::Result<ExitCode> {

@@ -73,6 +73,14 @@ struct Args {
     /// Lease duration in seconds (a new leader takes over at most this long after a crash).
     #[arg(long, env = "TANDEM_LEASE_SECONDS", default_value_t = 15)]
     lease_seconds: u64,
+    /// Requeue interval of a settled resource, in seconds (the safety resync).
+    #[arg(long, env = "TANDEM_RESYNC_SECONDS", default_value_t = 300)]
+    resync_seconds: u64,
+    /// Probe cache replicas' `GET /report` for `CacheWarm` (default). `false` on simulated nodes
+    /// (kwok), whose pods serve nothing: `CacheWarm` is then judged by pod readiness and its
+    /// reason says `ReadyApproximation`.
+    #[arg(long, env = "TANDEM_PROBE_REPORTS", default_value_t = true, action = clap::ArgAction::Set)]
+    probe_reports: bool,
 }
 
 #[derive(Clone)]
@@ -224,7 +232,8 @@ async fn main() -> anyhow::Result<()> {
     // Past this point this replica leads (or runs without election).
     metrics.leading.set(1);
     let mut ctx = Context::new(client, metrics);
-    ctx.probe_reports = true;
+    ctx.probe_reports = args.probe_reports;
+    ctx.resync = std::time::Duration::from_secs(args.resync_seconds.max(1));
     ctx.watches = watches;
     let scope = Scope {
         namespace: (!args.watch_namespace.is_empty()).then(|| args.watch_namespace.clone()),

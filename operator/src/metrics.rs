@@ -6,7 +6,11 @@
 //!   `Progressing`, `PolicyConflict`, `InsufficientCapacity`, `Terminating`, `NotReady`), set on
 //!   every reconcile;
 //! - `tandem_operator_writes_total{kind,verb}` — API writes by verb (`apply`, `patch`, `delete`,
-//!   `status`), the figure a steady state keeps at zero growth;
+//!   `status`, `scale`, `finalizer`, `event`: every API write a reconcile makes, events included),
+//!   the figure a steady state keeps at zero growth;
+//! - `tandem_operator_reconciles_in_flight{kind}` — reconciles running now. kube-runtime's
+//!   scheduler starts every due object at once (no concurrency limit is set) and holds back only
+//!   an object already being reconciled, so this is the work outstanding: the queue depth;
 //! - `tandem_operator_watches_failing` — watches failing now (each retried with back-off; `/readyz`
 //!   names them).
 
@@ -66,6 +70,8 @@ pub struct Metrics {
     pub resources: Family<StateLabels, Gauge>,
     /// API writes by kind and verb.
     pub writes: Family<WriteLabels, Counter>,
+    /// Reconciles running now, by kind (the queue depth, see the module docs).
+    pub in_flight: Family<KindLabels, Gauge>,
     /// 1 while this replica holds the leader-election Lease (or runs without election), else 0.
     pub leading: Gauge,
     /// Watches failing now.
@@ -91,6 +97,12 @@ impl Metrics {
         let resources = Family::<StateLabels, Gauge>::default();
         let writes = Family::<WriteLabels, Counter>::default();
         let leading = Gauge::default();
+        let in_flight = Family::<KindLabels, Gauge>::default();
+        registry.register(
+            "reconciles_in_flight",
+            "Reconciles running now, by kind (the work outstanding)",
+            in_flight.clone(),
+        );
         let watches_failing = Gauge::default();
         registry.register(
             "watches_failing",
@@ -128,6 +140,7 @@ impl Metrics {
             reconcile_errors,
             resources,
             writes,
+            in_flight,
             leading,
             watches_failing,
             states: Arc::default(),
@@ -209,6 +222,11 @@ mod tests {
         m.set_state("DecodePool", "ns/b", Some("Ready"));
         m.set_state("DecodePool", "ns/b", None);
         m.write("DecodePool", "apply");
+        m.in_flight
+            .get_or_create(&KindLabels {
+                kind: "DecodePool".into(),
+            })
+            .inc();
         let text = m.encode();
         assert!(text.contains("tandem_operator_reconcile_duration_seconds_bucket"));
         assert!(
@@ -216,5 +234,9 @@ mod tests {
             "{text}"
         );
         assert!(text.contains(r#"tandem_operator_writes_total{kind="DecodePool",verb="apply"} 1"#));
+        assert!(
+            text.contains(r#"tandem_operator_reconciles_in_flight{kind="DecodePool"} 1"#),
+            "{text}"
+        );
     }
 }

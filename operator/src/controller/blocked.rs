@@ -16,7 +16,7 @@ use tandem_crds::{CacheTier, CacheTierStatus, DecodePool, PoolStatus, PrefillPoo
 
 use super::children::{self, warning};
 use super::refusal::Refusal;
-use super::{Context, RESYNC, Result, cache_tier, decode_pool, prefill_pool};
+use super::{Context, Result, cache_tier, decode_pool, prefill_pool};
 use crate::status::{self, ConditionType, Decided, Reason};
 use crate::teardown::TeardownStep;
 
@@ -187,7 +187,7 @@ pub async fn report<K: Reported>(
         .set_state(K::KIND, &key, Some(K::state(&status)));
     children::patch_status_if_changed(ctx, K::KIND, api, &obj.name_any(), obj.status(), &status)
         .await?;
-    Ok(Action::requeue(RESYNC))
+    Ok(Action::requeue(ctx.resync))
 }
 
 /// The resources-gauge state of a condition list: the first of `PolicyConflict`,

@@ -21,7 +21,7 @@ use super::children::{self, need, normal};
 use super::pool::apply::apply_child;
 use super::probe;
 use super::refusal::Refusal;
-use super::{BUSY, Context, RESYNC, Result, teardown};
+use super::{BUSY, Context, Result, teardown};
 use crate::labels::{self, Role};
 use crate::render::tier::{self, L3_PORT};
 use crate::status::{self, ConditionType, Decided, Reason};
@@ -246,7 +246,7 @@ pub async fn reconcile(ct: Arc<CacheTier>, ctx: Arc<Context>) -> Result<Action> 
         .set_state(KIND, &key, Some(CacheTier::state(&status)));
     children::patch_status_if_changed(&ctx, KIND, &api, &name, prev, &status).await?;
     let busy = ready_n < replicas || !warm.is_true();
-    Ok(Action::requeue(if busy { BUSY } else { RESYNC }))
+    Ok(Action::requeue(if busy { BUSY } else { ctx.resync }))
 }
 
 /// `CacheWarm` from the replicas' reports (`None` = unreachable, judged by readiness).

@@ -55,7 +55,8 @@ pub const FINALIZER: &str = "serving.tandem.dev/teardown";
 /// Annotation with the hash of the desired object last applied.
 pub const DESIRED_HASH: &str = "serving.tandem.dev/desired-hash";
 
-/// Requeue interval of a settled resource (a safety resync; watches do the real work).
+/// Default requeue interval of a settled resource (a safety resync; watches do the real work).
+/// [`Context::resync`] holds the interval in use (`tandem-operator --resync-seconds`).
 pub const RESYNC: Duration = Duration::from_secs(300);
 /// Requeue interval while something is moving (rollout, teardown, pending scale-up, warming).
 pub const BUSY: Duration = Duration::from_secs(5);
@@ -85,8 +86,12 @@ pub struct Context {
     pub recorder: Recorder,
     /// Metrics.
     pub metrics: Metrics,
-    /// Probe cache replicas' `/report` for `CacheWarm` (off in tests without a network).
+    /// Probe cache replicas' `/report` for `CacheWarm` (off in tests without a network, and on
+    /// simulated nodes, whose pods serve nothing: `CacheWarm` then says `ReadyApproximation`).
     pub probe_reports: bool,
+    /// Requeue interval of a settled resource (default [`RESYNC`]; shorter in the scale harness,
+    /// which measures the writes of steady resyncs).
+    pub resync: Duration,
     /// Per-object failure counts for the error policy.
     pub error_backoff: Arc<ErrorBackoff>,
     /// Which watches are failing (read by `/readyz`).
@@ -109,6 +114,7 @@ impl Context {
             watches: WatchHealth::with_gauge(metrics.watches_failing.clone()),
             metrics,
             probe_reports: true,
+            resync: RESYNC,
             error_backoff: Arc::default(),
             #[cfg(feature = "negative-controls")]
             unsafe_modes: UnsafeModes::default(),
@@ -164,9 +170,13 @@ impl Context {
         action: &str,
         note: String,
     ) {
+        let kind = object.kind.as_deref().unwrap_or_default();
+        // An event is an API write too (events.k8s.io create or patch of a series): counted, so
+        // a steady state's zero-write claim covers it.
+        self.metrics.write(kind, "event");
         tracing::info!(
             object = object.name.as_deref().unwrap_or_default(),
-            kind = object.kind.as_deref().unwrap_or_default(),
+            kind,
             reason,
             action,
             %note,

@@ -195,6 +195,23 @@ fn object_key<K: Resource<DynamicType = ()>>(obj: &K) -> String {
     )
 }
 
+/// Holds one count of the `reconciles_in_flight` gauge; dropping it (also when the reconcile
+/// future is cancelled at shutdown) releases the count.
+struct InFlight(prometheus_client::metrics::gauge::Gauge);
+
+impl InFlight {
+    fn start(gauge: prometheus_client::metrics::gauge::Gauge) -> Self {
+        gauge.inc();
+        Self(gauge)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// Times one reconcile, counts its error by kind, and resets the object's error backoff on
 /// success.
 fn instrumented<K, F>(
@@ -212,10 +229,13 @@ where
         Box::pin(async move {
             let started = Instant::now();
             let key = object_key(obj.as_ref());
+            let labels = KindLabels { kind: kind.into() };
+            let in_flight = InFlight::start(ctx.metrics.in_flight.get_or_create(&labels).clone());
             let out = f(obj, ctx.clone()).await;
+            drop(in_flight);
             ctx.metrics
                 .reconcile_duration
-                .get_or_create(&KindLabels { kind: kind.into() })
+                .get_or_create(&labels)
                 .observe(started.elapsed().as_secs_f64());
             match &out {
                 Ok(_) => ctx.error_backoff.succeeded(&key),

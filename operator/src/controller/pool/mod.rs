@@ -34,7 +34,7 @@ use super::blocked::{self, Block, Reported};
 use super::children::{self, need, normal};
 use super::refusal::Refusal;
 use super::revision::Resolved;
-use super::{BUSY, Context, RESYNC, Result, teardown};
+use super::{BUSY, Context, Result, teardown};
 use crate::labels::Role;
 use crate::render::PoolView;
 use crate::rollout::{RolloutPlan, phase};
@@ -212,7 +212,7 @@ pub async fn reconcile<K: PoolKind>(handed: Arc<K>, ctx: Arc<Context>) -> Result
         .set_state(K::KIND, &key, Some(K::state(&status)));
     children::patch_status_if_changed(&ctx, K::KIND, &api, &name, prev, &status).await?;
     let busy = desired.busy || plan.phase != phase::IDLE || ready < desired.groups;
-    Ok(Action::requeue(if busy { BUSY } else { RESYNC }))
+    Ok(Action::requeue(if busy { BUSY } else { ctx.resync }))
 }
 
 /// `RolloutComplete` when the previous status had a rollout under way and this plan is idle.
