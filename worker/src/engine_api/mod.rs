@@ -58,6 +58,12 @@ pub const POOLS_SOCKET: &str = "pools.sock";
 /// Default tokens per page when the worker has no CacheTier (the CacheTier default, DESIGN §2).
 pub const DEFAULT_PAGE_TOKENS: u32 = 512;
 
+/// File in the socket directory where a serving simulated engine publishes its running summary
+/// (JSON, replaced atomically after every room), so that the worker's `/report` can show the
+/// engine's own verification figures (`engine.engine_summary`). A real engine writes none. Here,
+/// beside the sockets, because both sides of the socket directory name it.
+pub const SIM_SUMMARY_FILE: &str = "sim-engine-summary.json";
+
 /// Settings of the engine-API server that the worker config does not carry.
 #[derive(Debug, Clone)]
 pub struct EngineApiConfig {

@@ -30,9 +30,8 @@ use crate::engine_api::tiers::key_of_hash;
 use crate::memory::pool::PoolRole;
 
 /// File in the socket directory where a serving simulated engine publishes its running
-/// [`Summary`] (JSON, replaced atomically after every room), so that the worker's `/report` can
-/// show the engine's own verification figures. A real engine writes none.
-pub const SUMMARY_FILE: &str = "sim-engine-summary.json";
+/// [`Summary`] ([`crate::engine_api::SIM_SUMMARY_FILE`]).
+pub const SUMMARY_FILE: &str = crate::engine_api::SIM_SUMMARY_FILE;
 
 /// Publishes `s` as [`SUMMARY_FILE`] in `socket_dir` (resolved under `$TANDEM_ROOT`); a failure is
 /// logged and otherwise ignored (the figures are a report, not the protocol).

@@ -360,11 +360,11 @@ fn registration_report(m: &RegistrationMetrics) -> Value {
     })
 }
 
-/// The simulated engine's own running summary ([`crate::sim_engine::tiers::SUMMARY_FILE`] in the
+/// The simulated engine's own running summary ([`crate::engine_api::SIM_SUMMARY_FILE`] in the
 /// socket directory: rooms, loaded pages verified, loaded chunks corrupt, load waits, reads before
 /// ready), or null (a real engine, or none published yet).
 fn engine_summary(dir: &std::path::Path) -> Value {
-    std::fs::read(dir.join(crate::sim_engine::tiers::SUMMARY_FILE))
+    std::fs::read(dir.join(crate::engine_api::SIM_SUMMARY_FILE))
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or(Value::Null)
