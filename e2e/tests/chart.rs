@@ -661,6 +661,18 @@ async fn take_ownership_scenario(cluster: &RunningCluster, tmp: &Path) -> Result
     // Negative control: the same path without the annotation deletes the CRDs.
     let stripped = copy_chart(tmp, "stripped", true)?;
     install_then_adopt(&helm_in, &stripped)?;
+    // A CRD deleted while its storage is still initializing can stay Terminating for good
+    // ("InstanceDeletionFailed: could not list instances: storage is (re)initializing", seen in
+    // cold CI rehearsals): list each kind's objects first, so its storage is serving.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for kind in ["cachetiers", "prefillpools", "decodepools"] {
+        while let Err(e) = run(&kubectl, &["get", kind, "-A", "-o", "name"], &env) {
+            if Instant::now() > deadline {
+                return Err(format!("list {kind} after the control's install: {e}"));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
     // No `--wait`: what the control asserts is that the CRDs go, and the loop below watches exactly
     // that. `helm uninstall --wait` also waits on every other resource of the release, and timed
     // out at 60 s and then at 180 s in cold CI runs (two clusters of this suite on 2 cores) while
