@@ -320,6 +320,14 @@ pub struct EngineSpec {
 const ENGINE_NO_GPU_MESSAGE: &str =
     "engine.resources must not set nvidia.com/gpu: the operator sets the pod's one GPU";
 
+/// Default of `spec.maxGroupRestarts` on both pool kinds.
+pub const DEFAULT_MAX_GROUP_RESTARTS: i32 = 5;
+
+/// `spec.maxGroupRestarts`' default ([`DEFAULT_MAX_GROUP_RESTARTS`]).
+pub fn default_max_group_restarts() -> i32 {
+    DEFAULT_MAX_GROUP_RESTARTS
+}
+
 /// Default worker image; the tag follows the crate version.
 pub fn default_worker_image() -> String {
     format!(

@@ -154,6 +154,9 @@ reasons! {
     // Degraded and the blocking reasons.
     /// Degraded=False, PolicyConflict=False on a blocked resource: nothing observed.
     AsExpected,
+    /// CacheTier Degraded: a store replica's volume is full — puts are refused and counted, reads
+    /// keep serving (issue 18 item 5; from the replica's `/report` `degraded` entry `VolumeFull`).
+    StoreVolumeFull,
     /// The config cannot be rendered.
     RenderFailed,
     /// `spec.engine.kind` names an engine this version does not serve (only `Simulated` runs
@@ -167,6 +170,14 @@ reasons! {
     DecodePoolBlocked,
     /// The resource is being deleted; its teardown runs.
     Terminating,
+    /// Degraded: a group kept failing past `spec.maxGroupRestarts` at this revision; its
+    /// StatefulSet is held at 0 pods (GPUs released) until the revision changes
+    /// (kubernetes-sigs/lws KEP-820).
+    ReplicaRestartBudgetExceeded,
+    /// Degraded: a worker of the pool that is not Ready reports a degradation in its `/report`
+    /// (e.g. its engine pools were refused before anything was registered, seed 000); the message
+    /// names the pod and the worker's component, code and message.
+    WorkerDegraded,
     // PolicyConflict.
     /// PolicyConflict=False: the tier's policy resolved (the message says what).
     PolicyResolved,

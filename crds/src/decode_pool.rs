@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::common::{
     EngineSpec, HostPoolSpec, LocalRef, ModelSpec, Parallelism, PodTemplateOverrides,
-    SpeculativeSpec, Transport, default_worker_image,
+    SpeculativeSpec, Transport, default_max_group_restarts, default_worker_image,
 };
 use crate::prefill_pool::{NO_GPU_IN_RESOURCES, NO_GPU_IN_RESOURCES_MESSAGE, PoolStatus};
 use crate::ratio::PdRatio;
@@ -207,6 +207,16 @@ pub struct DecodePoolSpec {
     /// `SGLang` and `vLLM` are refused by this operator version (`EngineUnsupported`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine: Option<EngineSpec>,
+    /// Times a group that keeps failing (a container of one of its pods restarted) is restarted
+    /// at the current revision before the operator gives up on it: the
+    /// group's StatefulSet is scaled to 0 (its GPUs released) and the pool reports
+    /// `Degraded=True, ReplicaRestartBudgetExceeded` (kubernetes-sigs/lws KEP-820). A group of
+    /// several pods is restarted whole (one rank's restart breaks the group's collectives); a
+    /// one-pod group is restarted in place by the kubelet and each container restart counts. A
+    /// new revision (a changed spec, `restart.id`) starts every group's count at 0.
+    #[serde(default = "default_max_group_restarts")]
+    #[x_kube(validation = Rule::new("self >= 0 && self <= 1000").message("maxGroupRestarts must be between 0 and 1000"))]
+    pub max_group_restarts: i32,
     /// Worker image.
     #[serde(default = "default_worker_image")]
     #[x_kube(validation = Rule::new("self.size() > 0").message("image must not be empty"))]

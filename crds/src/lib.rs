@@ -27,16 +27,16 @@ pub use cache_tier::{
     EvictionSpec, LoadbackProgress, PersistenceSpec, RegistrationFailurePolicy, WritePolicy,
 };
 pub use common::{
-    AttentionKind, EngineKind, EngineSpec, HostPoolSpec, IndexerSpec, KvDtype, LocalRef, ModelSpec,
-    Parallelism, PodTemplateOverrides, SpeculativeSpec, Transport,
+    AttentionKind, DEFAULT_MAX_GROUP_RESTARTS, EngineKind, EngineSpec, HostPoolSpec, IndexerSpec,
+    KvDtype, LocalRef, ModelSpec, Parallelism, PodTemplateOverrides, SpeculativeSpec, Transport,
 };
 pub use decode_pool::{
     BudgetSpec, DecodePool, DecodePoolSpec, FrontDoorSpec, PrefillPairing, RestartSpec,
     SpecGuardSpec,
 };
 pub use prefill_pool::{
-    GroupCounts, PoolStatus, PrefillPool, PrefillPoolSpec, RolloutStatus, ScalingStatus,
-    SnapshotBufferSpec,
+    GroupCounts, GroupRestartStatus, PoolStatus, PrefillPool, PrefillPoolSpec, RolloutStatus,
+    ScalingStatus, SnapshotBufferSpec,
 };
 pub use ratio::{PdRatio, RatioError};
 

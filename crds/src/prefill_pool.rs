@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::common::{
     EngineSpec, HostPoolSpec, LocalRef, ModelSpec, Parallelism, PodTemplateOverrides,
-    SpeculativeSpec, Transport, default_worker_image,
+    SpeculativeSpec, Transport, default_max_group_restarts, default_worker_image,
 };
 
 /// The dedicated receive buffer for decode→prefill session snapshots (seed 002, DESIGN
@@ -134,6 +134,16 @@ pub struct PrefillPoolSpec {
     /// `SGLang` and `vLLM` are refused by this operator version (`EngineUnsupported`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine: Option<EngineSpec>,
+    /// Times a group that keeps failing (a container of one of its pods restarted) is restarted
+    /// at the current revision before the operator gives up on it: the
+    /// group's StatefulSet is scaled to 0 (its GPUs released) and the pool reports
+    /// `Degraded=True, ReplicaRestartBudgetExceeded` (kubernetes-sigs/lws KEP-820). A group of
+    /// several pods is restarted whole (one rank's restart breaks the group's collectives); a
+    /// one-pod group is restarted in place by the kubelet and each container restart counts. A
+    /// new revision (a changed spec, `restart.id`) starts every group's count at 0.
+    #[serde(default = "default_max_group_restarts")]
+    #[x_kube(validation = Rule::new("self >= 0 && self <= 1000").message("maxGroupRestarts must be between 0 and 1000"))]
+    pub max_group_restarts: i32,
     /// Worker image.
     #[serde(default = "default_worker_image")]
     #[x_kube(validation = Rule::new("self.size() > 0").message("image must not be empty"))]
@@ -166,6 +176,23 @@ pub struct RolloutStatus {
     /// Revision the rollout moves to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target_revision: Option<String>,
+}
+
+/// One group's restarts at the current revision (`spec.maxGroupRestarts`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GroupRestartStatus {
+    /// Group index.
+    pub group: i32,
+    /// The revision the count belongs to; a group at another revision starts again at 0.
+    pub revision: String,
+    /// Whole-group restarts the operator made (groups of several pods).
+    #[serde(default)]
+    pub restarts: i32,
+    /// The budget was spent: the group's StatefulSet is held at 0 pods until the revision
+    /// changes.
+    #[serde(default)]
+    pub halted: bool,
 }
 
 /// Observed state of a PrefillPool or DecodePool.
@@ -209,6 +236,10 @@ pub struct PoolStatus {
     /// Revision the pool is moving to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub update_revision: Option<String>,
+    /// Groups that failed at the current revision: whole-group restarts made and groups halted
+    /// (`spec.maxGroupRestarts`). Empty while every group runs clean.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub group_restarts: Vec<GroupRestartStatus>,
     /// Rolling-restart progress.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<RolloutStatus>,

@@ -8,7 +8,8 @@
 //! - [`scaling`]: the P:D ratio and GPU-budget transactions; [`capacity`]: that transaction
 //!   across reconciles (shrink before grow, unschedulable rollback);
 //! - [`render`]: the worker and tier configs and the Kubernetes objects of a pool or tier;
-//! - [`rollout`]: the rolling-restart state machine; [`teardown`]: the teardown step planner;
+//! - [`rollout`]: the rolling-restart state machine; [`recovery`]: bounded group recovery
+//!   (`maxGroupRestarts`); [`teardown`]: the teardown step planner;
 //! - [`status`]: typed conditions whose transition time moves only on a flip.
 //!
 //! I/O: [`controller`] (the reconcilers, tested against a mock API with tower-test),
@@ -20,6 +21,7 @@ pub mod labels;
 pub mod metrics;
 pub mod policy;
 pub mod quantity;
+pub mod recovery;
 pub mod render;
 pub mod rollout;
 pub mod scaling;

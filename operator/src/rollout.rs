@@ -30,6 +30,9 @@ pub struct PodObservation {
     pub ready: bool,
     /// It has a deletion timestamp.
     pub terminating: bool,
+    /// The largest `restartCount` of its containers (native sidecars included): restarts in
+    /// place since the pod was created ([`crate::recovery`]).
+    pub restarts: u32,
 }
 
 /// One group: its index, how many pods it should have (`tensor × context`) and the pods found.
@@ -215,6 +218,7 @@ mod tests {
             revision: rev.into(),
             ready,
             terminating: false,
+            restarts: 0,
         }
     }
 

@@ -1036,3 +1036,161 @@ async fn an_unsupported_engine_is_refused_and_changes_no_pod() {
         "the Simulated engine never reached the prefill group"
     );
 }
+
+/// Marks every container of pod `name` as restarted `count` times in place (what a kubelet
+/// reports after a crash).
+fn restarted(fake: &FakeApi, name: &str, count: i64) {
+    fake.edit(paths::PODS, name, |o| {
+        o["status"]["containerStatuses"] = json!([{
+            "name": "worker", "image": "w", "imageID": "w", "ready": false,
+            "restartCount": count
+        }]);
+    });
+}
+
+fn deleted_pods(calls: &[Call]) -> Vec<String> {
+    calls
+        .iter()
+        .filter(|c| c.method == "DELETE" && c.path.starts_with(paths::PODS))
+        .map(|c| c.path.rsplit('/').next().unwrap().to_owned())
+        .collect()
+}
+
+/// Issue 17 (bounded group recovery, kubernetes-sigs/lws KEP-820): a rank of a two-pod prefill
+/// group restarts → the operator restarts the whole group (both pods deleted, counted in
+/// `status.groupRestarts`, a `GroupRestarted` event); with `maxGroupRestarts: 1` spent, the next
+/// failure halts the group — its StatefulSet held at 0 pods, `Degraded=True,
+/// ReplicaRestartBudgetExceeded`, one event — and the halted pool then resyncs with zero writes.
+#[tokio::test]
+async fn a_failing_rank_restarts_its_group_whole_then_the_budget_halts_it() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    fake.edit(paths::PREFILLS, PREFILL, |o| {
+        o["spec"]["parallelism"]["tensor"] = json!(2);
+        o["spec"]["maxGroupRestarts"] = json!(1);
+    });
+    let ctx = context(client);
+    converge(&fake, &ctx).await;
+    let g0 = format!("{PREFILL}-g0");
+    let pods = [format!("{g0}-0"), format!("{g0}-1")];
+    assert!(fake.get(paths::PODS, &pods[1]).is_some());
+
+    // First failure: the group restarts whole.
+    restarted(&fake, &pods[1], 1);
+    fake.clear_calls();
+    reconcile_prefill(&ctx).await;
+    assert_eq!(deleted_pods(&fake.calls()), pods.to_vec());
+    assert_eq!(
+        event_reasons(&fake.calls()),
+        vec!["GroupRestarted".to_string()]
+    );
+    let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
+    assert_eq!(p["status"]["groupRestarts"][0]["restarts"], json!(1), "{p}");
+    assert_eq!(p["status"]["groupRestarts"][0]["halted"], json!(false));
+    assert_eq!(status_of(&condition(&p, "Degraded")).0, Some("False"));
+
+    // The group comes back clean: nothing more to do.
+    fake.materialize_pods();
+    fake.clear_calls();
+    reconcile_prefill(&ctx).await;
+    assert!(deleted_pods(&fake.calls()).is_empty());
+
+    // Second failure with the budget (1) spent: halted, never deleted by hand again.
+    restarted(&fake, &pods[0], 1);
+    fake.clear_calls();
+    reconcile_prefill(&ctx).await;
+    let calls = fake.calls();
+    assert!(deleted_pods(&calls).is_empty(), "{:?}", summary(&calls));
+    assert_eq!(
+        fake.get(paths::STS, &g0).unwrap()["spec"]["replicas"],
+        json!(0),
+        "the halted group's StatefulSet holds no pod (GPUs released)"
+    );
+    assert_eq!(
+        event_reasons(&calls),
+        vec![
+            "Updated".to_string(),
+            "ReplicaRestartBudgetExceeded".to_string()
+        ]
+    );
+    let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
+    let degraded = condition(&p, "Degraded");
+    assert_eq!(
+        status_of(&degraded),
+        (Some("True"), Some("ReplicaRestartBudgetExceeded")),
+        "{degraded}"
+    );
+    assert!(
+        degraded["message"]
+            .as_str()
+            .unwrap()
+            .contains("group(s) 0 kept failing past maxGroupRestarts 1"),
+        "{degraded}"
+    );
+    assert_eq!(p["status"]["groupRestarts"][0]["halted"], json!(true));
+
+    // Halted is a steady state: the pods go, and a resync writes nothing and raises no event.
+    fake.materialize_pods();
+    assert!(fake.get(paths::PODS, &pods[0]).is_none());
+    reconcile_prefill(&ctx).await;
+    fake.clear_calls();
+    reconcile_prefill(&ctx).await;
+    assert_eq!(summary(&fake.writes()), Vec::<String>::new());
+}
+
+/// A one-pod decode group is restarted in place by the kubelet, never by the operator; past
+/// `maxGroupRestarts` it is halted. A new revision (`restart.id`) starts the count again and
+/// brings the group back.
+#[tokio::test]
+async fn a_crash_looping_pod_is_halted_past_its_budget_and_a_new_revision_brings_it_back() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    fake.edit(paths::DECODES, DECODE, |o| {
+        o["spec"]["maxGroupRestarts"] = json!(2);
+    });
+    let ctx = context(client);
+    converge(&fake, &ctx).await;
+    let g0 = format!("{DECODE}-g0");
+    let pod = format!("{g0}-0");
+
+    restarted(&fake, &pod, 2);
+    fake.clear_calls();
+    reconcile_decode(&ctx).await;
+    assert!(deleted_pods(&fake.calls()).is_empty());
+    assert_eq!(
+        fake.get(paths::STS, &g0).unwrap()["spec"]["replicas"],
+        json!(1)
+    );
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(d["status"]["groupRestarts"][0]["restarts"], json!(2), "{d}");
+    assert_eq!(status_of(&condition(&d, "Degraded")).0, Some("False"));
+
+    restarted(&fake, &pod, 3);
+    fake.clear_calls();
+    reconcile_decode(&ctx).await;
+    assert!(deleted_pods(&fake.calls()).is_empty());
+    assert_eq!(
+        fake.get(paths::STS, &g0).unwrap()["spec"]["replicas"],
+        json!(0)
+    );
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(
+        status_of(&condition(&d, "Degraded")),
+        (Some("True"), Some("ReplicaRestartBudgetExceeded"))
+    );
+
+    fake.materialize_pods();
+    fake.edit(paths::DECODES, DECODE, |o| {
+        o["spec"]["restart"]["id"] = json!("fixed");
+        o["metadata"]["generation"] = json!(2);
+    });
+    reconcile_decode(&ctx).await;
+    assert_eq!(
+        fake.get(paths::STS, &g0).unwrap()["spec"]["replicas"],
+        json!(1),
+        "a new revision brings the halted group back"
+    );
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(d["status"].get("groupRestarts"), None, "{d}");
+    assert_eq!(status_of(&condition(&d, "Degraded")).0, Some("False"));
+}

@@ -184,6 +184,7 @@ fn pool_common() -> Vec<(String, Disposition)> {
         ("hostPool.size".into(), Rendered(|| json!("2Gi"))),
         ("transport".into(), Rendered(|| json!("TCP"))),
         ("image".into(), Rendered(|| json!("example/worker:2"))),
+        ("maxGroupRestarts".into(), Controller("recovery::plan: whole-group restarts and the halt (ReplicaRestartBudgetExceeded); see controller.rs group_recovery tests")),
         ("resources".into(), Rendered(|| json!({"requests": {"cpu": "2"}}))),
         ("podTemplate.labels".into(), Rendered(|| json!({"team": "a"}))),
         ("podTemplate.annotations".into(), Rendered(|| json!({"a": "b"}))),

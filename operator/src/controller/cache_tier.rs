@@ -5,6 +5,11 @@
 //! replica whose report cannot be fetched (no pod IP, not reachable from the operator) counts as
 //! warm when it is Ready, and the condition's reason is then `ReadyApproximation` instead of
 //! `AllReplicasWarm`, so the source of the claim is visible.
+//!
+//! `Degraded` is True with `StoreVolumeFull` while some replica's report says its volume is full
+//! (issue 18 item 5: puts refused and counted, reads still served); the message names the replicas
+//! and what they report. While reports are probed, a settled tier is re-read every
+//! [`REPORT_POLL`] (a volume fills without any API event).
 
 use std::sync::Arc;
 
@@ -17,7 +22,7 @@ use tandem_crds::conditions::TIER_CONDITIONS;
 use tandem_crds::{CacheTier, CacheTierStatus, DecodePool, PrefillPool};
 
 use super::blocked::{self, Block, Reported, blocked_conditions, previous_conditions};
-use super::children::{self, need, normal};
+use super::children::{self, need, normal, warning};
 use super::pool::apply::apply_child;
 use super::probe;
 use super::refusal::Refusal;
@@ -29,6 +34,10 @@ use crate::teardown::TeardownObservation;
 
 /// Kind name for metrics and logs.
 pub const KIND: &str = "CacheTier";
+
+/// Requeue interval of a settled tier while replicas' reports are probed: how late a full volume
+/// (or its recovery) may show in `Degraded`. A re-read that changes nothing writes nothing.
+pub const REPORT_POLL: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Pools in `ns` whose `cacheTierRef` names `tier`, as `Kind/name`.
 pub async fn referencing_pools(ctx: &Context, ns: &str, tier: &str) -> Result<Vec<String>> {
@@ -156,7 +165,9 @@ pub async fn reconcile(ct: Arc<CacheTier>, ctx: Arc<Context>) -> Result<Action> 
         .filter(|p| p.labels().get(labels::REVISION) == Some(&cfg.revision))
         .count() as i32;
     let mut reports = Vec::new();
+    let mut names = Vec::new();
     for p in &ready {
+        names.push(p.name_any());
         let ip = p.status.as_ref().and_then(|s| s.pod_ip.clone());
         let report = match (&ip, ctx.probe_reports) {
             (Some(ip), true) => probe::cache_report(ip, cfg.ports.health).await,
@@ -197,11 +208,7 @@ pub async fn reconcile(ct: Arc<CacheTier>, ctx: Arc<Context>) -> Result<Action> 
                 "every replica is ready at the current revision",
             )
         },
-        Decided::no(
-            ConditionType::Degraded,
-            Reason::AsExpected,
-            "no degradation observed",
-        ),
+        store_degraded(&names, &reports),
         warm.clone(),
     ];
     if warm.is_true()
@@ -216,6 +223,18 @@ pub async fn reconcile(ct: Arc<CacheTier>, ctx: Arc<Context>) -> Result<Action> 
         )
         .await;
     }
+    if decided[2].is_true()
+        && !status::is_true(previous_conditions(ct.as_ref()), ConditionType::Degraded)
+    {
+        ctx.event(
+            &parent,
+            warning(),
+            Reason::StoreVolumeFull.as_str(),
+            "StoreWrite",
+            decided[2].message.clone(),
+        )
+        .await;
+    }
     let mut base = prev.cloned().unwrap_or_default();
     base.replicas = live.len() as i32;
     base.ready_replicas = ready_n;
@@ -224,7 +243,7 @@ pub async fn reconcile(ct: Arc<CacheTier>, ctx: Arc<Context>) -> Result<Action> 
             .saturating_mul(u64::try_from(replicas).unwrap_or(0)),
     )
     .unwrap_or(i64::MAX);
-    let known: Vec<probe::CacheReport> = reports.iter().flatten().copied().collect();
+    let known: Vec<probe::CacheReport> = reports.iter().flatten().cloned().collect();
     if !known.is_empty() {
         base.objects =
             i64::try_from(known.iter().map(|r| r.objects).sum::<u64>()).unwrap_or(i64::MAX);
@@ -246,7 +265,41 @@ pub async fn reconcile(ct: Arc<CacheTier>, ctx: Arc<Context>) -> Result<Action> 
         .set_state(KIND, &key, Some(CacheTier::state(&status)));
     children::patch_status_if_changed(&ctx, KIND, &api, &name, prev, &status).await?;
     let busy = ready_n < replicas || !warm.is_true();
-    Ok(Action::requeue(if busy { BUSY } else { ctx.resync }))
+    Ok(Action::requeue(if busy {
+        BUSY
+    } else if ctx.probe_reports {
+        ctx.resync.min(REPORT_POLL)
+    } else {
+        ctx.resync
+    }))
+}
+
+/// `Degraded` from the replicas' reports (`names[i]` is the pod of `reports[i]`; `None` =
+/// unreachable, which says nothing about its volume): True, `StoreVolumeFull`, when some replica
+/// reports a full volume (issue 18 item 5); False, `AsExpected`, otherwise.
+pub fn store_degraded(names: &[String], reports: &[Option<probe::CacheReport>]) -> Decided {
+    let full: Vec<String> = names
+        .iter()
+        .zip(reports)
+        .filter_map(|(n, r)| Some(format!("{n}: {}", r.as_ref()?.volume_full.as_ref()?)))
+        .collect();
+    if full.is_empty() {
+        Decided::no(
+            ConditionType::Degraded,
+            Reason::AsExpected,
+            "no degradation observed",
+        )
+    } else {
+        Decided::yes(
+            ConditionType::Degraded,
+            Reason::StoreVolumeFull,
+            format!(
+                "store volume full on {} replica(s), writes refused: {}",
+                full.len(),
+                full.join("; ")
+            ),
+        )
+    }
 }
 
 /// `CacheWarm` from the replicas' reports (`None` = unreachable, judged by readiness).
@@ -261,7 +314,7 @@ pub fn cache_warm(replicas: i32, ready: i32, reports: &[Option<probe::CacheRepor
     }
     let cold = reports
         .iter()
-        .filter(|r| r.is_some_and(|r| !r.warm))
+        .filter(|r| r.as_ref().is_some_and(|r| !r.warm))
         .count();
     if cold > 0 {
         return Decided::no(
@@ -307,4 +360,34 @@ fn tier_status(
     base.conditions = status::conditions(previous, decided, generation, jiff::Timestamp::now());
     base.observed_generation = generation;
     base
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(volume_full: Option<&str>) -> Option<probe::CacheReport> {
+        Some(probe::CacheReport {
+            warm: true,
+            volume_full: volume_full.map(str::to_owned),
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn a_full_volume_on_any_replica_degrades_the_tier_and_names_it() {
+        let names = ["t-store-0".to_owned(), "t-store-1".to_owned()];
+        let ok = store_degraded(&names, &[report(None), None]);
+        assert!(!ok.is_true());
+        assert_eq!(ok.reason, Reason::AsExpected);
+        let full = store_degraded(&names, &[None, report(Some("2 put(s) refused"))]);
+        assert!(full.is_true());
+        assert_eq!(full.reason, Reason::StoreVolumeFull);
+        assert!(
+            full.message.contains("t-store-1: 2 put(s) refused")
+                && !full.message.contains("t-store-0"),
+            "{}",
+            full.message
+        );
+    }
 }

@@ -226,6 +226,21 @@ pub fn pod_ready(p: &Pod) -> bool {
     condition(p, "Ready").is_some_and(ConditionStatus::is_true)
 }
 
+/// The largest `restartCount` among the pod's containers and init containers (native sidecars
+/// restart in place like main containers); 0 without status.
+pub fn pod_restarts(p: &Pod) -> u32 {
+    let Some(st) = p.status.as_ref() else {
+        return 0;
+    };
+    st.container_statuses
+        .iter()
+        .chain(st.init_container_statuses.iter())
+        .flatten()
+        .map(|c| u32::try_from(c.restart_count).unwrap_or(0))
+        .max()
+        .unwrap_or(0)
+}
+
 /// `PodScheduled=False` with reason `Unschedulable`.
 pub fn pod_unschedulable(p: &Pod) -> bool {
     p.status

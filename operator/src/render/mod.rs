@@ -56,6 +56,8 @@ pub struct PoolView<'a> {
     pub pod_template: &'a PodTemplateOverrides,
     /// `restart.id` (decode; prefill follows its DecodePool's).
     pub restart_id: Option<&'a str>,
+    /// `spec.maxGroupRestarts` ([`crate::recovery`]); not rendered into any child.
+    pub max_group_restarts: i32,
 }
 
 impl<'a> PoolView<'a> {
@@ -82,6 +84,7 @@ impl<'a> PoolView<'a> {
             resources: &s.resources,
             pod_template: &s.pod_template,
             restart_id: None,
+            max_group_restarts: s.max_group_restarts,
         }
     }
 
@@ -108,6 +111,7 @@ impl<'a> PoolView<'a> {
             resources: &s.resources,
             pod_template: &s.pod_template,
             restart_id: s.restart.as_ref().map(|r| r.id.as_str()),
+            max_group_restarts: s.max_group_restarts,
         }
     }
 

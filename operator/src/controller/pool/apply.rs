@@ -12,6 +12,7 @@ use super::super::{Context, Result};
 use super::observe::PoolChildren;
 use super::{Desired, Note};
 use crate::labels;
+use crate::recovery::{RecoveryAction, RecoveryPlan};
 use crate::render::{PoolView, workload};
 use crate::rollout::{self, RolloutAction, RolloutPlan};
 
@@ -86,7 +87,9 @@ where
 }
 
 /// Converges a pool's children to `desired` (its groups rendered from its config, revision
-/// filled in). Returns the rollout plan that was acted on.
+/// filled in; a group `recovery` halted held at 0 pods) and makes `recovery`'s whole-group
+/// restarts. Returns the rollout plan that was acted on (halted groups take no part in it).
+#[allow(clippy::too_many_arguments)]
 pub async fn converge(
     ctx: &Context,
     kind: &str,
@@ -95,6 +98,7 @@ pub async fn converge(
     desired: &Desired,
     owner: &OwnerReference,
     observed: &PoolChildren,
+    recovery: &RecoveryPlan,
 ) -> Result<RolloutPlan> {
     let cfg = &desired.resolved.config;
     let groups = desired.groups;
@@ -130,7 +134,12 @@ pub async fn converge(
 
     let group_size = i32::try_from(view.group_size()).unwrap_or(i32::MAX);
     for g in 0..groups {
-        let sts = workload::group_statefulset(view, cfg, g, owner);
+        let mut sts = workload::group_statefulset(view, cfg, g, owner);
+        let halted = recovery.halted(g);
+        if halted {
+            sts.spec.replicas = Some(0);
+        }
+        let group_size = if halted { 0 } else { group_size };
         let name = labels::group_name(view.name, g);
         let existing = observed.statefulsets.get(&name);
         let have = existing.and_then(|s| s.spec.replicas);
@@ -162,10 +171,62 @@ pub async fn converge(
         }
     }
 
-    let obs = observed.observations(groups, view.group_size());
+    let pod_api: Api<Pod> = Api::namespaced(c.clone(), ns);
+    for action in &recovery.actions {
+        let group_ref = |g: u32| {
+            Some(child_ref::<StatefulSet>(
+                &labels::group_name(view.name, g),
+                parent,
+            ))
+        };
+        match action {
+            RecoveryAction::RestartGroup {
+                group,
+                pods,
+                attempt,
+            } => {
+                for p in pods {
+                    children::delete(ctx, kind, &pod_api, p).await?;
+                }
+                ctx.event_related(
+                    parent,
+                    group_ref(*group),
+                    warning(),
+                    "GroupRestarted",
+                    "RecoverGroup",
+                    format!(
+                        "group {group}: a container restarted; deleted its {} pod(s) to restart the group whole (restart {attempt} of at most {} at revision {})",
+                        pods.len(),
+                        view.max_group_restarts,
+                        cfg.revision
+                    ),
+                )
+                .await;
+            }
+            RecoveryAction::Halt { group, restarts } => {
+                ctx.event_related(
+                    parent,
+                    group_ref(*group),
+                    warning(),
+                    "ReplicaRestartBudgetExceeded",
+                    "HaltGroup",
+                    format!(
+                        "group {group} failed again after {restarts} restart(s) (maxGroupRestarts {}) at revision {}: its StatefulSet is held at 0 pods and its GPUs released until the revision changes",
+                        view.max_group_restarts, cfg.revision
+                    ),
+                )
+                .await;
+            }
+        }
+    }
+
+    let obs: Vec<_> = observed
+        .observations(groups, view.group_size())
+        .into_iter()
+        .filter(|g| !recovery.halted(g.index))
+        .collect();
     let plan = rollout::plan(&obs, &cfg.revision, desired.gate_open);
     if let RolloutAction::RestartGroup { group, pods } = &plan.action {
-        let pod_api: Api<Pod> = Api::namespaced(c.clone(), ns);
         for p in pods {
             children::delete(ctx, kind, &pod_api, p).await?;
         }

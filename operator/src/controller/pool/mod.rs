@@ -9,7 +9,10 @@
 //!    child;
 //! 3. **desired** (pure): [`PoolKind::desire`] gives the desired set as a value, [`Desired`]:
 //!    group count, config at its revision, the rollout gate, the kind's conditions and the events
-//!    its decisions raise;
+//!    its decisions raise; then (I/O, with `probe_reports`) the `/report` of the pool's unready
+//!    workers: a degradation one reports turns `Degraded` True, reason `WorkerDegraded`, with a
+//!    Warning event of that reason ([`status::worker_degraded`]; e.g. engine pools refused before
+//!    registration, seed 000);
 //! 4. **apply** (I/O): [`apply::converge`] writes the children and acts on the rollout plan;
 //! 5. **status** (pure): [`status::pool_status`]; then the status patch (only when it changed).
 //!
@@ -36,6 +39,7 @@ use super::refusal::Refusal;
 use super::revision::Resolved;
 use super::{BUSY, Context, Result, teardown};
 use crate::labels::Role;
+use crate::recovery;
 use crate::render::PoolView;
 use crate::rollout::{RolloutPlan, phase};
 use crate::status::Decided;
@@ -173,7 +177,36 @@ pub async fn reconcile<K: PoolKind>(handed: Arc<K>, ctx: Arc<Context>) -> Result
     };
 
     // Desired.
-    let desired = K::desire(&pool, &world, validated, &observed, Timestamp::now());
+    let mut desired = K::desire(&pool, &world, validated, &observed, Timestamp::now());
+    let view = pool.view();
+    let prev = pool.status();
+    let recovery = recovery::plan(
+        &observed.observations(desired.groups, view.group_size()),
+        prev.map(|s| s.group_restarts.as_slice())
+            .unwrap_or_default(),
+        &desired.resolved.config.revision,
+        view.max_group_restarts,
+    );
+    status::degrade_for_recovery(&mut desired.conditions, &recovery, view.max_group_restarts);
+    // What the pool's unready workers say about themselves (I/O; the merge is pure).
+    if ctx.probe_reports {
+        let port = desired.resolved.config.ports.health;
+        let faults = super::probe::unready_worker_faults(&observed.pods, port).await;
+        let previous = pool
+            .status()
+            .map(|s| s.conditions.as_slice())
+            .unwrap_or_default();
+        if let Some(d) = status::worker_degraded(&mut desired.conditions, &faults)
+            && crate::status::newly_true(previous, &d)
+        {
+            desired.notes.push(Note {
+                type_: EventType::Warning,
+                reason: "WorkerDegraded",
+                action: "Observe",
+                message: d.message,
+            });
+        }
+    }
     let parent = pool.object_ref(&());
     for n in &desired.notes {
         ctx.event(&parent, n.type_, n.reason, n.action, n.message.clone())
@@ -181,12 +214,21 @@ pub async fn reconcile<K: PoolKind>(handed: Arc<K>, ctx: Arc<Context>) -> Result
     }
 
     // Apply.
-    let view = pool.view();
-    let plan = apply::converge(&ctx, K::KIND, &parent, &view, &desired, &owner, &observed).await?;
+    let plan = apply::converge(
+        &ctx,
+        K::KIND,
+        &parent,
+        &view,
+        &desired,
+        &owner,
+        &observed,
+        &recovery,
+    )
+    .await?;
 
     // Status.
-    let prev = pool.status();
     let ready = observed.ready_groups(desired.groups, view.group_size());
+    let halted = recovery.halted_groups().len() as u32;
     let status = status::pool_status(&StatusFacts {
         previous: prev,
         generation: pool.meta().generation,
@@ -203,6 +245,7 @@ pub async fn reconcile<K: PoolKind>(handed: Arc<K>, ctx: Arc<Context>) -> Result
         pair: desired.pair.as_ref(),
         capacity: desired.capacity,
         extra: &desired.conditions,
+        group_restarts: &recovery.records,
     });
     if let Some(n) = rollout_complete(prev, &plan, desired.resolved.revision()) {
         ctx.event(&parent, n.type_, n.reason, n.action, n.message)
@@ -211,7 +254,8 @@ pub async fn reconcile<K: PoolKind>(handed: Arc<K>, ctx: Arc<Context>) -> Result
     ctx.metrics
         .set_state(K::KIND, &key, Some(K::state(&status)));
     children::patch_status_if_changed(&ctx, K::KIND, &api, &name, prev, &status).await?;
-    let busy = desired.busy || plan.phase != phase::IDLE || ready < desired.groups;
+    // A halted group stays down until the revision changes: nothing to poll for.
+    let busy = desired.busy || plan.phase != phase::IDLE || ready + halted < desired.groups;
     Ok(Action::requeue(if busy { BUSY } else { ctx.resync }))
 }
 

@@ -70,6 +70,7 @@ impl PoolChildren {
                             .unwrap_or_default(),
                         ready: children::pod_ready(p),
                         terminating: children::terminating(p),
+                        restarts: children::pod_restarts(p),
                     })
                     .collect(),
             })

@@ -10,7 +10,7 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::ResourceExt;
-use tandem_crds::{PoolStatus, RolloutStatus, ScalingStatus};
+use tandem_crds::{GroupRestartStatus, PoolStatus, RolloutStatus, ScalingStatus};
 
 use super::super::blocked::{Block, blocked_conditions};
 use super::PoolKind;
@@ -94,6 +94,8 @@ pub struct StatusFacts<'a> {
     /// The kind's other conditions (`Degraded`, `PolicyConflict`, `InsufficientCapacity`,
     /// `ReplicasIgnored`), as decided by the desired stage.
     pub extra: &'a [Decided],
+    /// `status.groupRestarts` ([`crate::recovery`]).
+    pub group_restarts: &'a [GroupRestartStatus],
 }
 
 /// `Ready` and `Progressing` from the facts (see the module docs).
@@ -215,6 +217,7 @@ pub fn pool_status(f: &StatusFacts<'_>) -> PoolStatus {
             target_revision: Some(f.revision.to_owned()),
         }),
         scaling: f.scaling.clone().or(prev.scaling),
+        group_restarts: f.group_restarts.to_vec(),
     }
 }
 
@@ -257,6 +260,63 @@ pub fn resolved_conditions(p: &crate::policy::MemoryPolicy) -> [Decided; 2] {
             policy_message(p),
         ),
     ]
+}
+
+/// `Degraded=True, ReplicaRestartBudgetExceeded` in `conditions` when `recovery` halted a group
+/// (a `Degraded=True` the kind decided for another reason is kept: it came first).
+pub fn degrade_for_recovery(
+    conditions: &mut [Decided],
+    recovery: &crate::recovery::RecoveryPlan,
+    budget: i32,
+) {
+    let halted = recovery.halted_groups();
+    if halted.is_empty() {
+        return;
+    }
+    let Some(slot) = conditions
+        .iter_mut()
+        .find(|c| c.type_ == ConditionType::Degraded && !c.is_true())
+    else {
+        return;
+    };
+    let list: Vec<String> = halted.iter().map(u32::to_string).collect();
+    *slot = Decided::yes(
+        ConditionType::Degraded,
+        Reason::ReplicaRestartBudgetExceeded,
+        format!(
+            "group(s) {} kept failing past maxGroupRestarts {budget} at this revision and are \
+             held at 0 pods (GPUs released); see the pods' logs and events, fix the cause, then \
+             change the spec or bump restart.id to try again",
+            list.join(", ")
+        ),
+    );
+}
+
+/// `Degraded=True, WorkerDegraded` from what the pool's unready workers report (the first fault
+/// names the cause; the count says how many more), replacing the `Degraded` condition in
+/// `conditions` when that one is False. `None` (nothing changed) without faults or when `Degraded`
+/// is already True for another reason (that reason wins).
+pub fn worker_degraded(
+    conditions: &mut [Decided],
+    faults: &[crate::controller::probe::WorkerFault],
+) -> Option<Decided> {
+    let first = faults.first()?;
+    let slot = conditions
+        .iter_mut()
+        .find(|d| d.type_ == ConditionType::Degraded && !d.is_true())?;
+    let more = match faults.len() - 1 {
+        0 => String::new(),
+        n => format!(" (and {n} more)"),
+    };
+    *slot = Decided::yes(
+        ConditionType::Degraded,
+        Reason::WorkerDegraded,
+        format!(
+            "worker {} is not Ready: {} {}: {}{more}",
+            first.pod, first.component, first.code, first.message
+        ),
+    );
+    Some(slot.clone())
 }
 
 /// The message of `PolicyConflict=False`: what was resolved.
@@ -304,6 +364,7 @@ mod tests {
             pair,
             capacity,
             extra: &[],
+            group_restarts: &[],
         }
     }
 
@@ -393,5 +454,45 @@ mod tests {
             "{d:?}"
         );
         assert_eq!(pool_status(&f).admitted_replicas, Some(2));
+    }
+
+    #[test]
+    fn an_unready_workers_degradation_turns_degraded_true_unless_already_true() {
+        use crate::controller::probe::WorkerFault;
+        let fault = |pod: &str| WorkerFault {
+            pod: pod.into(),
+            component: "pools".into(),
+            code: "PoolDomainMismatch".into(),
+            message: "the draft pool would be carved from mmap".into(),
+        };
+        let policy = Decided::no(ConditionType::PolicyConflict, Reason::PolicyResolved, "ok");
+        let healthy = || {
+            vec![
+                Decided::no(ConditionType::Degraded, Reason::AsExpected, "none"),
+                policy.clone(),
+            ]
+        };
+        let mut c = healthy();
+        assert_eq!(worker_degraded(&mut c, &[]), None, "no fault: unchanged");
+        assert_eq!(c, healthy());
+        let d = worker_degraded(&mut c, &[fault("d-g0-0"), fault("d-g1-0")]).unwrap();
+        assert_eq!(
+            (d.status, d.reason),
+            (crate::status::ConditionStatus::True, Reason::WorkerDegraded)
+        );
+        assert!(
+            d.message.contains("d-g0-0")
+                && d.message.contains("pools PoolDomainMismatch")
+                && d.message.ends_with("(and 1 more)"),
+            "{}",
+            d.message
+        );
+        assert_eq!(c[0], d);
+        assert_eq!(c[1], policy, "other conditions untouched");
+        // Degraded already True for another reason: that reason wins.
+        let render = Decided::yes(ConditionType::Degraded, Reason::RenderFailed, "x");
+        let mut c = vec![render.clone()];
+        assert_eq!(worker_degraded(&mut c, &[fault("p")]), None);
+        assert_eq!(c, [render]);
     }
 }
