@@ -86,6 +86,13 @@ fn a_full_volume_refuses_puts_keeps_serving_reads_and_leaves_nothing_half_writte
             other => panic!("a put past the volume was not refused: {other:?}"),
         }
     }
+    // The store says its volume is full (what the cache role reports as `VolumeFull`)...
+    let full = store.health().volume_full;
+    assert!(
+        full.as_deref()
+            .is_some_and(|m| m.contains("File too large")),
+        "{full:?}"
+    );
     // What still fits is stored; what was stored is read.
     assert_eq!(
         store.put(key(4, &id), &small(4)).unwrap(),
@@ -94,6 +101,8 @@ fn a_full_volume_refuses_puts_keeps_serving_reads_and_leaves_nothing_half_writte
     restore_file_size(old);
 
     let h = store.health();
+    // ...until a put is stored again.
+    assert_eq!(h.volume_full, None);
     assert_eq!(h.counters.puts_refused_disk_full, refused);
     assert_eq!(h.counters.puts, 4);
     assert_eq!(h.objects, 4);

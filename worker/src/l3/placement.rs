@@ -41,6 +41,47 @@ pub fn owner(page: PageKey, replicas: &[SocketAddr], rule: Placement) -> Option<
     }
 }
 
+/// The owner of `page` among weighted `replicas` (weighted rendezvous hashing, the logarithmic
+/// method: score `-w / ln(u)` with `u` the pair's hash mapped into (0, 1); Schindelhauer &
+/// Schomaker, "Weighted distributed hash tables", SPAA 2005). A replica's expected share of pages
+/// is its weight over the sum. Equal weights give exactly [`owner`]'s choice (the score is then
+/// monotonic in the hash); lowering one replica's weight moves pages only from it to the replica
+/// that ranks next for each page, never between the others. A weight ≤ 0 (or NaN) never owns;
+/// `None` when no replica has a positive weight.
+///
+/// The write ramp of a replica that rejoined empty uses it (kvcache-ai/Mooncake#3688: an empty
+/// instance drew every new write and timed out under the flood).
+pub fn weighted_owner(page: PageKey, replicas: &[(SocketAddr, f64)]) -> Option<SocketAddr> {
+    let page_hash = xxhash_rust::xxh3::xxh3_64(page.to_string().as_bytes());
+    replicas
+        .iter()
+        .filter(|(_, w)| *w > 0.0)
+        .map(|(addr, w)| {
+            // (0, 1]: 53 high bits of the hash, +1 so ln never sees 0.
+            let u = ((weight(page_hash, addr) >> 11) + 1) as f64 / (1u64 << 53) as f64;
+            // -ln(u) ∈ [0, ~36.7]; u = 1 gives an infinite score (owns whatever the weight).
+            let score = if u >= 1.0 { f64::INFINITY } else { -w / u.ln() };
+            (score, *addr)
+        })
+        .max_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
+        .map(|(_, addr)| addr)
+}
+
+/// The two replicas that rank highest for `page` under [`Placement::Rendezvous`] (any order of
+/// `replicas`, duplicates ignored): `(first, second)`. Whatever the weights passed to
+/// [`weighted_owner`] (one replica lowered), the weighted owner is one of these two, so a reader
+/// that misses on the weighted owner finds a page written under another weight on the other one.
+pub fn top_two(page: PageKey, replicas: &[SocketAddr]) -> (Option<SocketAddr>, Option<SocketAddr>) {
+    let page_hash = xxhash_rust::xxh3::xxh3_64(page.to_string().as_bytes());
+    let mut ranked: Vec<(u64, SocketAddr)> = replicas
+        .iter()
+        .map(|a| (weight(page_hash, a), *a))
+        .collect();
+    ranked.sort_unstable_by(|a, b| b.cmp(a));
+    ranked.dedup_by(|a, b| a.1 == b.1);
+    (ranked.first().map(|r| r.1), ranked.get(1).map(|r| r.1))
+}
+
 /// The rendezvous weight of one (page, replica) pair.
 fn weight(page_hash: u64, replica: &SocketAddr) -> u64 {
     let replica = replica.to_string();
@@ -124,6 +165,54 @@ mod tests {
                 assert_eq!(owner(p, &two, Placement::Rendezvous), b, "{p}");
             }
         }
+    }
+
+    #[test]
+    fn equal_weights_choose_the_rendezvous_owner() {
+        let set = replicas(3);
+        let weighted: Vec<_> = set.iter().map(|a| (*a, 1.0)).collect();
+        for p in pages().take(2000) {
+            assert_eq!(
+                weighted_owner(p, &weighted),
+                owner(p, &set, Placement::Rendezvous),
+                "{p}"
+            );
+        }
+        assert_eq!(weighted_owner(PageKey::from_trace_id(1), &[]), None);
+    }
+
+    #[test]
+    fn a_lowered_weight_sheds_its_pages_to_the_second_ranked_replica_only() {
+        let set = replicas(3);
+        let low = set[0];
+        for w in [0.05, 0.25, 0.5] {
+            let weighted: Vec<_> = set
+                .iter()
+                .map(|a| (*a, if *a == low { w } else { 1.0 }))
+                .collect();
+            let mut owned = 0;
+            for p in pages() {
+                let got = weighted_owner(p, &weighted).unwrap();
+                let (first, second) = top_two(p, &set);
+                assert!(Some(got) == first || Some(got) == second, "{p}");
+                if first != Some(low) {
+                    assert_eq!(Some(got), first, "{p} moved between full-weight replicas");
+                }
+                owned += usize::from(got == low);
+            }
+            // Expected share w / (w + 2).
+            let share = owned as f64 / pages().count() as f64;
+            let expected = w / (w + 2.0);
+            assert!(
+                (share - expected).abs() < 0.03,
+                "w={w}: {share} vs {expected}"
+            );
+        }
+        let zero: Vec<_> = set
+            .iter()
+            .map(|a| (*a, if *a == low { 0.0 } else { 1.0 }))
+            .collect();
+        assert!(pages().all(|p| weighted_owner(p, &zero) != Some(low)));
     }
 
     #[test]

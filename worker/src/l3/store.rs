@@ -238,6 +238,13 @@ pub struct L3Health {
     pub loadback: LoadbackProgress,
     /// Serving counters.
     pub counters: L3Counters,
+    /// The volume is full now: the latest put that wrote to disk was refused with
+    /// [`L3Error::DiskFull`] and no put has been stored since (issue 18 item 5; the cache role
+    /// reports it as a degradation, the operator as the CacheTier's `Degraded` condition). The
+    /// message names the file and the OS error of that refusal. Absent on the wire when `None`
+    /// (and in documents of replicas that predate it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume_full: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -255,6 +262,8 @@ struct State {
     writing: HashSet<ObjectKey>,
     counters: L3Counters,
     progress: LoadbackProgress,
+    /// See [`L3Health::volume_full`].
+    volume_full: Option<String>,
 }
 
 /// One store replica (see the module docs). Shared between serving threads behind an `Arc`.
@@ -343,6 +352,7 @@ impl L3Store {
                     orphans_removed: orphans,
                     ..LoadbackProgress::default()
                 },
+                volume_full: None,
             }),
             warm: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
@@ -474,6 +484,7 @@ impl L3Store {
             Ok(None) => return Ok(PutOutcome::Stored), // simulated crash: nothing published
             Err(L3Error::Io { path, source }) if volume_full(&source) => {
                 state.counters.puts_refused_disk_full += 1;
+                state.volume_full = Some(format!("{}: {source}", path.display()));
                 drop(state);
                 tracing::warn!(%key, path = %path.display(), error = %source,
                     "L3 volume full: put refused");
@@ -485,6 +496,7 @@ impl L3Store {
             }
         };
         state.counters.puts += 1;
+        state.volume_full = None;
         let victims = self.publish(&mut state, key, manifest.length, manifest.checksum, false);
         self.admit_memory(&mut state, key, Arc::from(data), false);
         drop(state);
@@ -668,6 +680,7 @@ impl L3Store {
             memory_bytes: state.memory_bytes,
             loadback,
             counters: state.counters,
+            volume_full: state.volume_full.clone(),
         }
     }
 
