@@ -22,7 +22,10 @@
 //! - [`workload`]: the deterministic occupied-pool workload used by the test and `tandem-bench
 //!   snapshot`.
 //!
-//! Where it plugs in (not wired yet): the prefill role builds one [`SnapshotRegion`] at start-up,
+//! On the serving path (issue 15): `roles::prefill::snapshot_sync` (the built-in prefill's buffer,
+//! receiver, finalize queue and KV pool) and `roles::decode::snapshot_push` (the decode's push of a
+//! finished turn); an engine beside the prefill is not wired yet. The original plan, for reference:
+//! the prefill role builds one [`SnapshotRegion`] at start-up,
 //! sized by `memory.snapshotBufferBytes` ([`crate::config::MemoryPolicy::snapshot_buffer_bytes`];
 //! 0 disables it) from its own allocator in the pool's domain, registers it once with its data-port
 //! receiver, and serves a `SnapshotService` (Reserve → [`SnapshotStore::prepare`], Commit →

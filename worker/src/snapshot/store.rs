@@ -231,6 +231,16 @@ impl SnapshotStore {
         &self.region
     }
 
+    /// Session of live snapshot `id` (a caller checks a `(session, id)` pair it was handed).
+    pub fn session(&self, id: SnapshotId) -> Option<u64> {
+        self.records.get(&id).map(|r| r.session)
+    }
+
+    /// Page keys of live snapshot `id`, in order.
+    pub fn keys(&self, id: SnapshotId) -> Option<&[PageKey]> {
+        self.records.get(&id).map(|r| r.keys.as_slice())
+    }
+
     /// Slots of `id` (for tests and diagnostics).
     pub fn slots(&self, id: SnapshotId) -> Option<&[SlotIndex]> {
         self.records.get(&id).map(|r| r.slots.as_slice())

@@ -1,0 +1,257 @@
+//! The decode side of snapshot sync (DESIGN contract 4; seed 002; issue 15): when a session's turn
+//! finishes, push its KV into the snapshot buffer of the prefill that will serve its next turn.
+//!
+//! A finished turn whose request named `session_kv_hashes` (the chained hashes of the pages that
+//! hold its prompt and generated tokens: the session's KV after this turn, worker/interfaces
+//! README §3) is synced in the background, after the response ended:
+//!
+//! 1. the router picks the prefill as for a request with those hashes
+//!    ([`super::peers::PeerSet::pick`]: the peer the session's prefix routes to);
+//! 2. `SnapshotPrepare` on it: slots in its dedicated buffer, or `snapshot-buf-full` (or, in the
+//!    negative control, `alloc-failed`) — counted, and the sync ends there (no silent fallback);
+//! 3. every `(page, layer)` chunk is written over TCP to the prefill's snapshot receiver at the
+//!    grant's offsets, tagged `(session, snapshot id)`: the receiver drops writes of any other
+//!    generation, so a late write of an aborted sync never lands in a newer one's slots;
+//! 4. `SnapshotSeal` once every write completed (the prefill finalizes into its KV pool and prefix
+//!    index now, or when its pool frees pages), else `SnapshotAbort`;
+//! 5. the peer is recorded in the routing table for those hashes, so the next turn goes there.
+//!
+//! Counters: `snapshot_sync_attempts`, `snapshot_sync_ok`, `snapshot_sync_failed_{buf_full, alloc,
+//! transfer, other}`.
+//!
+//! The bytes pushed for a page are that page's content as every tier holds it
+//! ([`PrefixCache::object_bytes`]: a function of the page key, what the L3 object of the page
+//! holds and what the simulated engine verifies); the built-in decode's own pages hold the
+//! request-keyed bytes of the built-in prefill, so it regenerates the page-keyed ones. The prefill
+//! verifies every finalized chunk.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+
+use super::peers::PeerSet;
+use crate::control::KvLayout;
+use crate::control::pb;
+use crate::health::counters::Counters;
+use crate::release::RoomKey;
+use crate::roles::prefill::prefix_cache::PrefixCache;
+use crate::tier::PageKey;
+use crate::transfer::tcp::{TcpConfig, TcpTransport};
+use crate::transfer::{RegionId, TransferHandle, TransferStatus, Transport, WriteBatch, WriteOp};
+
+/// Longest one sync may take from prepare to seal before it is aborted.
+pub const DEFAULT_SYNC_DEADLINE: Duration = Duration::from_secs(10);
+
+/// How one sync ended (what the counters count).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SyncOutcome {
+    /// Sealed: finalized, or waiting in the prefill's buffer for pool pages.
+    Ok {
+        /// The prefill's control address.
+        peer: String,
+        /// Whether the prefill finalized at once (false: `alloc-failed-on-finalize`, queued).
+        finalized: bool,
+    },
+    /// `snapshot-buf-full`.
+    BufFull(String),
+    /// `alloc-failed` (negative control only).
+    AllocFailed(String),
+    /// A write did not complete (the snapshot was aborted).
+    Transfer(String),
+    /// No peer, a disabled buffer, a refused or lost control call.
+    Other(String),
+}
+
+/// Pushes finished turns' KV to prefill peers.
+pub struct SnapshotPush {
+    peers: Arc<PeerSet>,
+    transport: Arc<TcpTransport>,
+    layout: KvLayout,
+    worker_id: String,
+    counters: Counters,
+    deadline: Duration,
+    session_base: u64,
+    next_session: AtomicU64,
+}
+
+impl SnapshotPush {
+    /// A pusher over `peers`, writing `layout`'s pages with its own TCP sender.
+    pub fn new(
+        peers: Arc<PeerSet>,
+        layout: KvLayout,
+        worker_id: &str,
+        incarnation: u64,
+        counters: Counters,
+    ) -> Arc<SnapshotPush> {
+        Arc::new(SnapshotPush {
+            peers,
+            transport: Arc::new(TcpTransport::new(TcpConfig::default())),
+            layout,
+            worker_id: worker_id.to_owned(),
+            counters,
+            deadline: DEFAULT_SYNC_DEADLINE,
+            // Session ids are room ids at the prefill's snapshot receiver: unique per decode
+            // process (worker id and incarnation), like room ids (issue 18).
+            session_base: super::node::incarnation_room_base(worker_id, incarnation),
+            next_session: AtomicU64::new(1),
+        })
+    }
+
+    /// Starts the sync of a finished turn whose KV is the pages `hashes`, in the background.
+    pub fn spawn(self: &Arc<Self>, hashes: Vec<u64>) {
+        if hashes.is_empty() {
+            return;
+        }
+        let me = self.clone();
+        tokio::spawn(async move {
+            let outcome = me.push(hashes).await;
+            tracing::debug!(?outcome, "snapshot sync");
+        });
+    }
+
+    /// One sync, counted.
+    pub async fn push(&self, hashes: Vec<u64>) -> SyncOutcome {
+        let c = &self.counters;
+        c.snapshot_sync_attempts.inc();
+        let outcome = self.run(&hashes).await;
+        match &outcome {
+            SyncOutcome::Ok { peer, .. } => {
+                c.snapshot_sync_ok.inc();
+                self.peers.routed(peer, &hashes);
+            }
+            SyncOutcome::BufFull(_) => {
+                c.snapshot_sync_failed_buf_full.inc();
+            }
+            SyncOutcome::AllocFailed(_) => {
+                c.snapshot_sync_failed_alloc.inc();
+            }
+            SyncOutcome::Transfer(_) => {
+                c.snapshot_sync_failed_transfer.inc();
+            }
+            SyncOutcome::Other(_) => {
+                c.snapshot_sync_failed_other.inc();
+            }
+        }
+        if !matches!(outcome, SyncOutcome::Ok { .. }) {
+            tracing::info!(?outcome, pages = hashes.len(), "snapshot sync failed");
+        }
+        outcome
+    }
+
+    async fn run(&self, hashes: &[u64]) -> SyncOutcome {
+        let Some(link) = self.peers.pick(&[], hashes) else {
+            return SyncOutcome::Other("no prefill peer".into());
+        };
+        let peer = link.addr().to_owned();
+        let mut client = link.client();
+        let session = self
+            .session_base
+            .wrapping_add(self.next_session.fetch_add(1, Ordering::Relaxed));
+        let prepare = pb::SnapshotPrepareRequest {
+            session,
+            page_keys: hashes.to_vec(),
+            layout: Some(self.layout.into()),
+            decode_worker: self.worker_id.clone(),
+        };
+        let grant =
+            match tokio::time::timeout(self.deadline, client.snapshot_prepare(prepare)).await {
+                Ok(Ok(r)) => r.into_inner(),
+                Ok(Err(status)) => return SyncOutcome::Other(format!("prepare: {status}")),
+                Err(_) => return SyncOutcome::Other("prepare timed out".into()),
+            };
+        drop(link);
+        match pb::SnapshotOutcome::try_from(grant.outcome) {
+            Ok(pb::SnapshotOutcome::Granted) => {}
+            Ok(pb::SnapshotOutcome::BufFull) => return SyncOutcome::BufFull(grant.message),
+            Ok(pb::SnapshotOutcome::AllocFailed) => return SyncOutcome::AllocFailed(grant.message),
+            _ => return SyncOutcome::Other(format!("prepare refused: {}", grant.message)),
+        }
+        let Some(snapshot) = grant.snapshot else {
+            return SyncOutcome::Other("grant without a snapshot".into());
+        };
+        let written = tokio::time::timeout(self.deadline, self.write(hashes, &grant, snapshot))
+            .await
+            .unwrap_or_else(|_| Err("writes timed out".into()));
+        if let Err(why) = written {
+            let _ = tokio::time::timeout(self.deadline, client.snapshot_abort(snapshot)).await;
+            return SyncOutcome::Transfer(why);
+        }
+        match tokio::time::timeout(self.deadline, client.snapshot_seal(snapshot)).await {
+            Ok(Ok(r)) => match pb::SnapshotOutcome::try_from(r.get_ref().outcome) {
+                Ok(pb::SnapshotOutcome::Finalized) => SyncOutcome::Ok {
+                    peer,
+                    finalized: true,
+                },
+                Ok(pb::SnapshotOutcome::PendingFinalize) => SyncOutcome::Ok {
+                    peer,
+                    finalized: false,
+                },
+                _ => SyncOutcome::Other(format!("seal refused: {}", r.get_ref().message)),
+            },
+            Ok(Err(status)) => SyncOutcome::Other(format!("seal: {status}")),
+            Err(_) => SyncOutcome::Other("seal timed out".into()),
+        }
+    }
+
+    /// Writes every chunk of `hashes` at the grant's offsets, one batch per page; `Ok` when every
+    /// write completed.
+    async fn write(
+        &self,
+        hashes: &[u64],
+        grant: &pb::SnapshotPrepareReply,
+        snapshot: pb::SnapshotRef,
+    ) -> Result<(), String> {
+        let layers = grant.layers as usize;
+        let chunk = grant.chunk_bytes as usize;
+        if layers != self.layout.layers as usize
+            || chunk as u64 != self.layout.chunk_bytes()
+            || grant.chunk_offsets.len() != hashes.len() * layers
+        {
+            return Err("grant does not match the snapshot's pages".into());
+        }
+        let key = RoomKey::new(snapshot.session, snapshot.generation);
+        let region = RegionId(grant.region_id);
+        let (tx, mut rx) = mpsc::unbounded_channel::<bool>();
+        let mut submitted = 0usize;
+        for (page, hash) in hashes.iter().enumerate() {
+            let bytes = PrefixCache::object_bytes(PageKey::from_trace_id(*hash), self.layout);
+            let ops = (0..layers)
+                .map(|layer| WriteOp {
+                    key,
+                    region,
+                    offset: grant.chunk_offsets[page * layers + layer],
+                    data: Bytes::copy_from_slice(&bytes[layer * chunk..(layer + 1) * chunk]),
+                })
+                .collect();
+            let tx = tx.clone();
+            let sink = Arc::new(move |_h: TransferHandle, status: &TransferStatus| {
+                let _ = tx.send(*status == TransferStatus::Completed);
+            });
+            let transport = self.transport.clone();
+            let addr = grant.data_addr.clone();
+            let sent = tokio::task::spawn_blocking(move || {
+                WriteBatch::new(ops, transport.limits())
+                    .and_then(|b| transport.submit(&addr, b, Some(sink)))
+                    .map(|_| ())
+            })
+            .await;
+            match sent {
+                Ok(Ok(())) => submitted += 1,
+                Ok(Err(e)) => return Err(e.to_string()),
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        drop(tx);
+        for _ in 0..submitted {
+            match rx.recv().await {
+                Some(true) => {}
+                Some(false) => return Err("a snapshot write failed".into()),
+                None => return Err("the transport dropped a completion".into()),
+            }
+        }
+        Ok(())
+    }
+}
