@@ -189,7 +189,13 @@ fn rows() -> Vec<(&'static str, Row)> {
         ),
         ("memory.draftPoolBytes", UnusedBuiltin),
         ("memory.indexerPoolBytes", UnusedBuiltin),
-        ("memory.snapshotBufferBytes", UnusedAlways),
+        (
+            "memory.snapshotBufferBytes",
+            Wired(
+                "snapshot_sync.rs",
+                "the_next_turn_hits_the_pages_the_snapshot_brought",
+            ),
+        ),
         (
             "memory.segmentBytes",
             Refused(|c| c.memory.segment_bytes += 1),

@@ -518,3 +518,26 @@ async fn fallback_to_l2_serves_the_pool_unregistered_and_says_so() {
         1
     );
 }
+
+#[test]
+fn scaled_target_rows_scale_the_draft_rows_so_the_draft_does_not_cap_the_page_count() {
+    // Target and draft pools sized for the same token capacity at their real rows (4 pages of
+    // 32 B per token and layer), as the operator sizes them.
+    let cfg = worker_config(
+        WorkerRole::Decode,
+        Shape {
+            pages: 4,
+            draft: true,
+            ..Shape::default()
+        },
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let mut api = api_config(dir.path(), &cfg);
+    assert_eq!(PoolSet::page_count(&cfg, &api).unwrap(), 4);
+    // `TANDEM_SIM_KV_BYTES_PER_TOKEN` halves the target's rows (16 B): the target holds 8 pages,
+    // and the draft's rows shrink by the same ratio, so it holds 8 as well (unscaled, it kept the
+    // shared count at 4 — the demo's decode engine held 6 pages, 3,072 tokens, and 149 of 200
+    // trace requests failed).
+    api.target_token_bytes = Some(16);
+    assert_eq!(PoolSet::page_count(&cfg, &api).unwrap(), 8);
+}

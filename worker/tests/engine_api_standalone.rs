@@ -171,6 +171,90 @@ async fn draft_pool_lives_in_the_sidecar_segment_and_mmap_is_refused_first() {
     assert_eq!(client.host_allocator_live(), 0);
 }
 
+/// Seed 000's preflight across the pools of one attach: with the draft pool carved from plain mmap
+/// (the negative control's allocator), the attach is refused before the target pool — which
+/// comes first and is fine — is allocated or registered; the sidecar sees no registration and its
+/// segment stays whole. The same pool set without the override commits both pools.
+#[test]
+fn a_draft_pool_on_mmap_is_refused_before_the_target_registers() {
+    use tandem_worker::engine_api::pools::PoolSet;
+    use tandem_worker::health::Health;
+    use tandem_worker::memory::Allocator;
+    use tandem_worker::memory::mmap::MmapBackend;
+    use tandem_worker::registration::metrics::RegistrationMetrics;
+    use tandem_worker::registration::{Registrar, RegistrarConfig};
+    use tandem_worker::store_client::StoreClient;
+
+    let sc = Sidecar::spawn();
+    let client = Arc::new(StandaloneClient::connect(&sc.socket, "preflight-it").unwrap());
+    let cfg = worker_config(
+        WorkerRole::Decode,
+        Shape {
+            pages: 4,
+            draft: true,
+            cache: Some(ClientMode::Standalone),
+            ..Shape::default()
+        },
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let api_cfg = api_config(dir.path(), &cfg);
+    client
+        .reserve(PoolSet::bytes_needed(&cfg, &api_cfg).unwrap() as usize)
+        .unwrap();
+    let metrics = RegistrationMetrics::default();
+    let pools = |draft: Option<Allocator>| {
+        let registrar = Arc::new(Registrar::new(
+            client.clone() as Arc<dyn StoreClient>,
+            Arc::new(Health::new()),
+            metrics.clone(),
+            RegistrarConfig::default(),
+        ));
+        let set = PoolSet::new(
+            &cfg,
+            &api_cfg,
+            client.clone() as Arc<dyn StoreClient>,
+            Some(registrar),
+        )
+        .unwrap();
+        match draft {
+            Some(a) => set.with_draft_allocator(a),
+            None => set,
+        }
+    };
+    let mmap = Allocator::new("default host allocator", MmapBackend::new());
+    let refused = pools(Some(mmap.clone()));
+    let e = refused
+        .attach(&[PoolRole::Target, PoolRole::Draft])
+        .unwrap_err();
+    assert_eq!(
+        (e.code, e.reason, e.field.as_str()),
+        (
+            Code::FailedPrecondition,
+            pb::ErrorReason::PoolDomainMismatch,
+            "pools.draft"
+        ),
+        "{e}"
+    );
+    assert!(e.theirs.contains("Mmap"), "{e:?}");
+    assert_eq!(
+        client.remote_stats().unwrap(),
+        (1, 0),
+        "nothing registered, not even the target"
+    );
+    assert_eq!(client.host_allocator_live(), 0, "no pool carved");
+    assert_eq!(mmap.stats().live_buffers, 0, "nothing mapped outside");
+    assert!(refused.attached().is_empty());
+    drop(refused);
+
+    let fixed = pools(None);
+    let att = fixed.attach(&[PoolRole::Target, PoolRole::Draft]).unwrap();
+    assert_eq!(att.len(), 2);
+    assert_eq!(client.remote_stats().unwrap(), (1, 2));
+    drop(att);
+    assert!(fixed.release().is_empty());
+    assert_eq!(client.remote_stats().unwrap(), (1, 0));
+}
+
 trait Live {
     fn host_allocator_live(&self) -> u64;
 }

@@ -10,10 +10,7 @@ use std::time::Duration;
 use serde_json::Value;
 use serve_support::*;
 use tandem_worker::config::*;
-use tandem_worker::memory::pool::PoolLayout;
 use tandem_worker::store_client::ClientMode;
-
-const L3_SERVICE: &str = "l3-store.serving.svc.cluster.local";
 
 fn prefill_with_tier(w: &World) -> WorkerConfig {
     let mut cfg = config(WorkerRole::Prefill, "r1", w.ports);
@@ -26,32 +23,6 @@ fn prefill_with_tier(w: &World) -> WorkerConfig {
         write_policy: WritePolicy::WriteThrough,
     });
     cfg
-}
-
-fn tier(w: &World, model: &WorkerConfig) -> CacheTierConfig {
-    CacheTierConfig {
-        api_version: CACHE_TIER_CONFIG_API_VERSION.into(),
-        namespace: "serving".into(),
-        tier: "l3".into(),
-        revision: "t1".into(),
-        model: model.model.clone(),
-        indexer: None,
-        page_tokens: 512,
-        layout: PoolLayout::LayerFirst,
-        max_tensor: DEFAULT_MAX_PARALLEL,
-        max_context: DEFAULT_MAX_PARALLEL,
-        memory_bytes: 64 << 20,
-        disk_bytes: 256 << 20,
-        persistent: true,
-        data_dir: DEFAULT_CACHE_DATA_DIR.into(),
-        ports: CachePorts {
-            l3: 7420,
-            health: w.ports.health,
-        },
-        eviction: CacheEviction::default(),
-        write_policy: WritePolicy::WriteThrough,
-        registration_failure: None,
-    }
 }
 
 fn request(hashes: &[u64]) -> Value {

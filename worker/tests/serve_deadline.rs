@@ -115,6 +115,33 @@ impl pb::transfer_server::Transfer for FakePrefill {
         Ok(Response::new(Box::pin(tokio_stream::empty())))
     }
 
+    async fn snapshot_prepare(
+        &self,
+        _req: Request<pb::SnapshotPrepareRequest>,
+    ) -> Result<Response<pb::SnapshotPrepareReply>, Status> {
+        Err(Status::unimplemented(
+            "the fake prefill has no snapshot buffer",
+        ))
+    }
+
+    async fn snapshot_seal(
+        &self,
+        _req: Request<pb::SnapshotRef>,
+    ) -> Result<Response<pb::SnapshotReply>, Status> {
+        Err(Status::unimplemented(
+            "the fake prefill has no snapshot buffer",
+        ))
+    }
+
+    async fn snapshot_abort(
+        &self,
+        _req: Request<pb::SnapshotRef>,
+    ) -> Result<Response<pb::SnapshotReply>, Status> {
+        Err(Status::unimplemented(
+            "the fake prefill has no snapshot buffer",
+        ))
+    }
+
     type SignalStream = Signals;
 
     /// Answers heartbeats (the link stays alive) and acks aborts (nothing was written).

@@ -17,9 +17,14 @@
 //!   there (the room aborts through the gate, the request is retried);
 //! - a decode engine killed while its KV is in flight: both sides release through the gate;
 //! - Standalone client mode: target and draft pools committed in the sidecar's segment (seed 000);
-//! - clients that hang up in prefill or while the engine decodes: every page comes back.
+//!   its negative control, the draft pool on plain mmap, fails closed before any registration;
+//! - clients that hang up in prefill or while the engine decodes: every page comes back;
+//! - prefix hits: the prefill's OpenRoom answer reaches the decode engine's response
+//!   (`tandem.prefix_hit_tokens`, `usage.prompt_tokens_details.cached_tokens`), and the decode's
+//!   `/report.engine` carries the engine's own summary;
+//! - a request's own `kv_deadline_ms` (seed 004's probe) ends its engine room at that deadline.
 //!
-//! Each test has its own `127.0.<net>.x` addresses (nets 101–107).
+//! Each test has its own `127.0.<net>.x` addresses (nets 101–110).
 
 mod serve_support;
 
@@ -562,14 +567,12 @@ async fn speculative_decode_reports_steps_and_a_fault_trips_the_guard_through_th
 /// decode engine's target AND draft pools are carved from the store-client sidecar's memfd segment
 /// and registered with it (COMMITTED, visible in `/metrics` and `/report`); the engine maps that
 /// segment and serves from it; SIGTERM tears the worker down cleanly.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn standalone_decode_pools_target_and_draft_live_in_the_sidecar_segment() {
-    use tandem_worker::config::{CONFIG_FILE, CacheConfig, WritePolicy};
+/// A speculative decode config with a Standalone CacheTier client: target and draft pools of 16 MiB
+/// each in the sidecar's segments.
+fn standalone_speculative_decode(w: &World) -> WorkerConfig {
+    use tandem_worker::config::{CacheConfig, WritePolicy};
     use tandem_worker::store_client::ClientMode;
-    let w = World::new(106);
-    w.publish(&[2]);
-    let (_p, _pe) = prefill_with_engine(&w, &[]).await;
-    let mut cfg = decode_config(&w);
+    let mut cfg = decode_config(w);
     cfg.speculative = Some(Speculative {
         draft_model: model(),
         draft_tokens: 4,
@@ -584,17 +587,109 @@ async fn standalone_decode_pools_target_and_draft_live_in_the_sidecar_segment() 
         page_tokens: 512,
         write_policy: WritePolicy::WriteThrough,
     });
-    // The decode pod's sidecar (same $TANDEM_ROOT, so the same /dev/shm socket).
-    let (_sidecar, _socket) = w.start_role(
-        9,
+    cfg
+}
+
+/// The store-client sidecar of the pod on `host` (same `$TANDEM_ROOT`, so the same `/dev/shm`
+/// socket), memfd segments; health on `ports.health + 1`.
+fn spawn_sidecar(w: &World, host: u8, cfg: &WorkerConfig) -> Proc {
+    w.start_role(
+        host,
         "store-client",
-        CONFIG_FILE,
-        &serde_json::to_vec(&cfg).unwrap(),
+        tandem_worker::config::CONFIG_FILE,
+        &serde_json::to_vec(cfg).unwrap(),
         &[],
         &["--backend", "memfd"],
+    )
+    .0
+}
+
+/// Seed 000's negative control through real processes: the decode worker of that pool carves its
+/// draft pool from plain mmap (`TANDEM_NC_DRAFT_POOL_ON_MMAP`, feature `negative-controls`). It
+/// fails closed before any registration and says why, staying up: `/readyz` 503 with the typed
+/// reason, `/report` `degraded` and `engine.refused`, `/metrics` the refusal; the sidecar never
+/// received a `Register` request and holds nothing (the reserved segment went with the worker's
+/// connection). SIGTERM then stops it with exit 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_decode_with_its_draft_on_mmap_fails_closed_before_any_registration() {
+    use tandem_worker::engine_api::pools::NC_DRAFT_ON_MMAP_ENV;
+    let w = World::new(110);
+    let cfg = standalone_speculative_decode(&w);
+    let _sidecar = spawn_sidecar(&w, 9, &cfg);
+    let mut d = w.spawn(9, &cfg, &[(NC_DRAFT_ON_MMAP_ENV, cfg.pool.as_str())]);
+    let dh = w.addr(9, w.ports.health);
+    let (code, why) = readyz(dh).await;
+    assert_eq!(code, 503, "{why}");
+    assert!(
+        why.contains("engine pools refused: PoolDomainMismatch (pools.draft)"),
+        "{why}"
     );
+    let r = report(dh).await;
+    assert_eq!(r["ready"], false, "{r}");
+    assert_eq!(r["degraded"][0]["component"], "pools", "{r}");
+    assert_eq!(r["degraded"][0]["code"], "PoolDomainMismatch", "{r}");
+    let refused = &r["engine"]["refused"];
+    assert_eq!(refused["pool"], "draft", "{r}");
+    assert_eq!(refused["code"], "FailedPrecondition", "{r}");
+    assert!(
+        refused["theirs"].as_str().unwrap_or("").contains("Mmap"),
+        "{r}"
+    );
+    assert_eq!(r["engine"]["pools"], serde_json::json!([]), "{r}");
+    let m = metrics(dh).await;
+    assert!(
+        m.contains(
+            r#"tandem_engine_pool_refusals_total{pool="draft",reason="PoolDomainMismatch"} 1"#
+        ),
+        "{m}"
+    );
+    assert!(!m.contains("tandem_engine_pool_registered"), "{m}");
+    // The sidecar notices the worker's closed connection within its 100 ms poll.
+    let sc = w.addr(9, w.ports.health + 1);
+    until(Duration::from_secs(5), || async {
+        get_json(sc, "/report").await.1["store_client"]["connections_open"] == 0
+    })
+    .await;
+    let sidecar = get_json(sc, "/report").await.1;
+    let s = &sidecar["store_client"];
+    assert_eq!(
+        s["register_requests"], 0,
+        "no Register request reached the sidecar: {sidecar}"
+    );
+    assert_eq!(
+        (&s["registrations"], &s["segments"], &s["connections_open"]),
+        (&Value::from(0), &Value::from(0), &Value::from(0)),
+        "{sidecar}"
+    );
+    assert_eq!(
+        s["segments_created"], 1,
+        "the reservation came and went: {sidecar}"
+    );
+    assert!(
+        d.0.try_wait().unwrap().is_none(),
+        "the refused worker stays up"
+    );
+    d.signal(libc::SIGTERM);
+    let st = d.wait_exit(Duration::from_secs(20)).expect("decode exits");
+    assert!(st.success(), "{st:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_decode_pools_target_and_draft_live_in_the_sidecar_segment() {
+    let w = World::new(106);
+    w.publish(&[2]);
+    let (_p, _pe) = prefill_with_engine(&w, &[]).await;
+    let cfg = standalone_speculative_decode(&w);
+    let _sidecar = spawn_sidecar(&w, 9, &cfg);
     let mut d = w.spawn(9, &cfg, &[]);
     let (dh, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
+    let sidecar = get_json(w.addr(9, w.ports.health + 1), "/report").await.1;
+    let s = &sidecar["store_client"];
+    assert_eq!(
+        (&s["segments"], &s["registrations"], &s["connections_open"]),
+        (&Value::from(1), &Value::from(2), &Value::from(1)),
+        "one segment, target and draft registered in it: {sidecar}"
+    );
     let m = metrics(dh).await;
     for pool in ["target", "draft"] {
         assert!(
@@ -727,4 +822,101 @@ async fn hold_requests(front: std::net::SocketAddr, n: usize) -> Vec<tokio::net:
         out.push(send_and_hold(front, &completion(PROMPT, 3, false)).await);
     }
     out
+}
+
+/// One request with a prefix identity (three 512-token blocks) through the front door.
+async fn with_prefix(front: std::net::SocketAddr, hashes: &[u64]) -> Value {
+    let body = serde_json::json!({"prompt": "x", "max_tokens": 2, "input_tokens": 1536,
+        "kv_block_hashes": hashes});
+    let (code, frames) = http(front, "POST", "/v1/completions", Some(body)).await;
+    let v: Value = serde_json::from_str(&text(&frames)).unwrap_or(Value::Null);
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["tandem"]["corrupt_chunks"], 0, "{v}");
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_hits_reach_the_response_when_both_pools_run_the_engine() {
+    let w = World::new(108);
+    w.publish(&[2]);
+    let (_p, _pe) = prefill_with_engine(&w, &[]).await;
+    let _d = w.spawn(9, &decode_config(&w), &[]);
+    let _de = spawn_engine(&w, 9, &[], &[]);
+    let (dh, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
+    until(Duration::from_secs(30), || async {
+        readyz(dh).await.0 == 200
+    })
+    .await;
+
+    // Cold: nothing cached. Again: the prefill's OpenRoom finds the whole prompt in L2 (its engine
+    // loads it instead of computing it), and the decode engine's response says so.
+    let cold = with_prefix(front, &[301, 302, 303]).await;
+    assert_eq!(cold["tandem"]["prefix_hit_tokens"]["l2"], 0, "{cold}");
+    assert_eq!(cold["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let warm = with_prefix(front, &[301, 302, 303]).await;
+    let h = &warm["tandem"]["prefix_hit_tokens"];
+    assert_eq!(
+        (h["l1"].as_u64(), h["l2"].as_u64(), h["l3"].as_u64()),
+        (Some(0), Some(1536), Some(0)),
+        "{warm}"
+    );
+    assert_eq!(warm["usage"]["prompt_tokens"], 1536, "{warm}");
+    assert_eq!(
+        warm["usage"]["prompt_tokens_details"]["cached_tokens"], 1536,
+        "{warm}"
+    );
+    let shared = with_prefix(front, &[301, 302, 999]).await;
+    assert_eq!(
+        shared["tandem"]["prefix_hit_tokens"]["l2"], 1024,
+        "two shared pages: {shared}"
+    );
+
+    // The decode's /report.engine carries the engine's own summary and the pools' registration.
+    let r = report(dh).await;
+    let e = &r["engine"];
+    assert_eq!(e["registration"]["quarantined"], 0, "{r}");
+    let es = &e["engine_summary"];
+    assert_eq!(es["role"], "decode", "{r}");
+    assert_eq!(es["completed"], 3, "{r}");
+    assert_eq!(es["corrupt_chunks"], 0, "{r}");
+    assert_eq!(
+        es["pages"], 9,
+        "three pages per request, every one verified: {r}"
+    );
+    assert_eq!(es["decode"]["early_reuse"], 0, "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requests_own_kv_deadline_holds_on_the_engine_path() {
+    let w = World::new(109);
+    w.publish(&[2]);
+    // The prefill engine takes ~2.4 s per 1200-token room.
+    let (_p, _pe) = prefill_with_engine(&w, &["--prefill-us-per-token", "2000"]).await;
+    let _d = w.spawn(9, &decode_config(&w), &[]);
+    let _de = spawn_engine(&w, 9, &[], &[]);
+    let (dh, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
+    until(Duration::from_secs(30), || async {
+        readyz(dh).await.0 == 200
+    })
+    .await;
+    // Seed 004's probe: a KV deadline shorter than the prefill. The engine's room fails at it
+    // (503 kv_deadline_exceeded, long before the prefill would be done) and its pages go to the
+    // release gate.
+    let mut body = completion(PROMPT, 2, false);
+    body["kv_deadline_ms"] = 200.into();
+    let sent = Instant::now();
+    let (code, frames) = http(front, "POST", "/v1/completions", Some(body)).await;
+    let took = sent.elapsed();
+    let v: Value = serde_json::from_str(&text(&frames)).unwrap_or(Value::Null);
+    assert_eq!(code, 503, "{v}");
+    assert!(v.to_string().contains("kv_deadline_exceeded"), "{v}");
+    assert!(took < Duration::from_millis(2000), "ended after {took:?}");
+    until(Duration::from_secs(15), || async {
+        let e = &report(dh).await["engine"];
+        e["rooms_failed"] == 1 && e["rooms_open"] == 0
+    })
+    .await;
+    // The worker's own deadline still lets a request without one through.
+    let (code, v) = complete(front, 2).await;
+    assert_eq!(code, 200, "{v}");
 }

@@ -10,9 +10,10 @@
 //!   `tandem_engine_load_*` and `/report.engine.tiers` say the same;
 //! - negative controls (feature `negative-controls`): a worker whose loads send their events without
 //!   copying makes the engine's loaded-bytes check fail; an engine that reads before the events
-//!   counts reads before ready.
+//!   counts reads before ready; an engine that computes its hits again instead of loading them
+//!   (`--regenerate-hits`) loads no page.
 //!
-//! Each test has its own `127.0.<net>.x` addresses (nets 111–113).
+//! Each test has its own `127.0.<net>.x` addresses (nets 111–114).
 
 mod serve_support;
 
@@ -23,10 +24,8 @@ use serde_json::Value;
 use serve_support::*;
 use tandem_worker::config::*;
 use tandem_worker::memory::AllocatorDomain;
-use tandem_worker::memory::pool::PoolLayout;
 use tandem_worker::store_client::ClientMode;
 
-const L3_SERVICE: &str = "l3-store.serving.svc.cluster.local";
 /// The engine socket directory as the pod mounts it (resolved under each process's `$TANDEM_ROOT`).
 const SOCKET_DIR: &str = "/run/tandem/engine";
 /// Layers of the KV layout the serving tests' `TANDEM_SIM_KV_BYTES_PER_TOKEN=512` implies.
@@ -50,32 +49,6 @@ fn prefill(w: &World, l3: bool) -> WorkerConfig {
         write_policy: WritePolicy::WriteThrough,
     });
     c
-}
-
-fn tier(w: &World, model: &WorkerConfig) -> CacheTierConfig {
-    CacheTierConfig {
-        api_version: CACHE_TIER_CONFIG_API_VERSION.into(),
-        namespace: "serving".into(),
-        tier: "l3".into(),
-        revision: "t1".into(),
-        model: model.model.clone(),
-        indexer: None,
-        page_tokens: 512,
-        layout: PoolLayout::LayerFirst,
-        max_tensor: DEFAULT_MAX_PARALLEL,
-        max_context: DEFAULT_MAX_PARALLEL,
-        memory_bytes: 64 << 20,
-        disk_bytes: 256 << 20,
-        persistent: true,
-        data_dir: DEFAULT_CACHE_DATA_DIR.into(),
-        ports: CachePorts {
-            l3: 7420,
-            health: w.ports.health,
-        },
-        eviction: CacheEviction::default(),
-        write_policy: WritePolicy::WriteThrough,
-        registration_failure: None,
-    }
 }
 
 /// `tandem-worker sim-engine --serve` as the engine container of the prefill pod on `host`.
@@ -322,4 +295,33 @@ async fn negative_control_an_engine_that_skips_the_layer_wait_reads_before_ready
     assert_eq!(hits(&w, &[301, 302, 303]).await, (1536, 0));
     let (_, s) = stop_engine(engine);
     assert_eq!(s["read_before_ready"], LAYERS, "{s}");
+}
+
+/// Negative control of the loaded-bytes check (the stack-level one is e2e/tests/stack_negative.rs):
+/// an engine that serves its hits by computing them again gets the same hits and correct KV, but
+/// loads nothing — the engine's `loaded_pages` and the worker's `pages_loaded` stay 0, so a check
+/// that loaded bytes were verified fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_an_engine_that_regenerates_hits_loads_no_byte() {
+    let w = World::new(114);
+    w.publish(&[2]);
+    let pcfg = prefill(&w, false);
+    let _p = w.spawn(2, &pcfg, &[]);
+    let engine = spawn_engine(&w, 2, &["--regenerate-hits"]);
+    wait_ready(&w, 2).await;
+    let _d = w.spawn(9, &config(WorkerRole::Decode, "r1", w.ports), &[]);
+    wait_ready(&w, 9).await;
+    assert_eq!(hits(&w, &[401, 402, 403]).await, (0, 0));
+    assert_eq!(hits(&w, &[401, 402, 403]).await, (1536, 0), "the hits");
+    let pr = report(&w, 2).await;
+    let t = &pr["engine"]["tiers"];
+    assert_eq!(t["pages_loaded"]["l2"], 0, "{t}");
+    assert_eq!(t["loads"], 0, "{t}");
+    let (_, s) = stop_engine(engine);
+    assert_eq!(s["loaded_pages"], 0, "{s}");
+    assert!(s["lookups"].as_u64().unwrap_or(0) >= 2, "{s}");
+    assert_eq!(
+        s["stored_pages"], 6,
+        "the hit pages were computed and stored again: {s}"
+    );
 }

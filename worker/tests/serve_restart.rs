@@ -112,6 +112,11 @@ async fn a_prefill_restarted_on_its_address_under_traffic_is_handshaken_again() 
         .await
         .unwrap();
     assert_eq!(code, 200, "{body}");
+    // The decode names the incarnation it handshook with, the prefill's own.
+    let peer = w.addr(2, w.ports.control).to_string();
+    let old = report(p_health).await["incarnation"].clone();
+    assert!(old.as_u64().is_some_and(|n| n != 0), "{old}");
+    assert_eq!(report(health).await["peer_incarnations"][&peer], old);
 
     // Traffic: four long prompts in flight when the prefill dies.
     let in_flight: Vec<_> = (0..4)
@@ -183,11 +188,13 @@ async fn a_prefill_restarted_on_its_address_under_traffic_is_handshaken_again() 
     })
     .await;
     let r = report(health).await;
-    assert_eq!(
-        r["peers"],
-        serde_json::json!([w.addr(2, w.ports.control).to_string()]),
-        "{r}"
+    assert_eq!(r["peers"], serde_json::json!([peer]), "{r}");
+    let new = report(p_health).await["incarnation"].clone();
+    assert!(
+        new.as_u64().is_some_and(|n| n != 0) && new != old,
+        "{old} {new}"
     );
+    assert_eq!(r["peer_incarnations"][&peer], new, "{r}");
     for _ in 0..5 {
         let (code, body) = try_http(front, completion(700, 3, false), kv_deadline)
             .await

@@ -59,6 +59,39 @@ macro_rules! with_report_counters {
             spec_guard_aborts,
             /// Attempts retried on another prefill peer after a spec-guard abort.
             spec_guard_retries,
+            /// Snapshot syncs a decode started at the end of a turn (DESIGN contract 4, issue
+            /// 15): one per finished turn with page keys, whatever the outcome.
+            snapshot_sync_attempts,
+            /// Snapshot syncs whose KV the prefill took: transferred, sealed, and finalized into its
+            /// KV pool and prefix index or queued for finalize (decode).
+            snapshot_sync_ok,
+            /// Snapshot syncs refused with `snapshot-buf-full` (decode).
+            snapshot_sync_failed_buf_full,
+            /// Snapshot syncs refused with `alloc-failed`: the receive space was asked of the busy
+            /// prefill KV pool (the NEGATIVE CONTROL of seed 002's old design only; decode).
+            snapshot_sync_failed_alloc,
+            /// Snapshot syncs whose writes did not all complete (aborted; decode).
+            snapshot_sync_failed_transfer,
+            /// Snapshot syncs that failed otherwise: no prefill peer, the peer's buffer disabled, a
+            /// control call refused or lost (decode).
+            snapshot_sync_failed_other,
+            /// Snapshots granted slots in this prefill's snapshot buffer (prefill).
+            snapshot_reserved,
+            /// Snapshots finalized into this prefill's KV pool and prefix index (prefill).
+            snapshot_finalized,
+            /// `alloc-failed-on-finalize` answers: the KV pool was full at finalize and the snapshot
+            /// waited in its slots (each a retry, not a loss; prefill).
+            snapshot_alloc_failed_on_finalize,
+            /// Stale snapshots evicted (least recently used first) to make room (prefill).
+            snapshot_evicted,
+            /// Snapshots aborted by their decode (prefill).
+            snapshot_aborted,
+            /// Prompt tokens of later turns served from pages a snapshot put in the prefix index
+            /// (prefill; included in `prefix_hit_tokens_l2`).
+            snapshot_hit_tokens,
+            /// Rooms whose prompt hit at least one page a snapshot put in the prefix index
+            /// (prefill).
+            snapshot_hit_requests,
         }
     };
 }
@@ -122,6 +155,13 @@ pub struct DegradedReason {
     pub message: String,
 }
 
+/// [`DegradedReason::component`] of a cache replica's store volume (issue 18 item 5).
+pub const DEGRADED_COMPONENT_L3_VOLUME: &str = "l3/volume";
+/// [`DegradedReason::code`] of a cache replica whose store volume is full: the latest put that
+/// wrote to disk was refused (`ENOSPC`, `EDQUOT` or `EFBIG`) and none was stored since; reads keep
+/// serving. The operator reports it as the CacheTier's `Degraded=True, StoreVolumeFull`.
+pub const DEGRADED_VOLUME_FULL: &str = "VolumeFull";
+
 /// Where a serving process is in its life, as `/report` names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -166,9 +206,9 @@ pub struct WorkerReport {
     /// Cache replicas: bytes held.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bytes: Option<u64>,
-    /// Prefill workers: the engine seat as the worker reports it (`{"kind": "builtin"}`, or the
-    /// engine API's attach, pools, rooms, registration, `tiers` and the simulated engine's
-    /// `engine_summary`; README §4), kept as sent.
+    /// Prefill and decode workers: the engine seat as the worker reports it (`{"kind": "builtin"}`,
+    /// or the engine API's attach, pools, rooms, registration, a prefill's `tiers` and the
+    /// simulated engine's `engine_summary`; README §4), kept as sent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub engine: Option<serde_json::Value>,
 }
@@ -194,7 +234,7 @@ mod tests {
         let mut names = COUNTER_NAMES.to_vec();
         names.sort_unstable();
         assert_eq!(keys, names);
-        assert_eq!(COUNTER_NAMES.len(), 20);
+        assert_eq!(COUNTER_NAMES.len(), 33);
         assert_eq!(COUNTER_NAMES[0], "requests_ok");
     }
 

@@ -563,6 +563,18 @@ impl DecodeSide {
         ))
     }
 
+    /// Whether the gate runs as the negative control `GateMode::UnsafeBypass` (seed 004 before its
+    /// fix: a failed room's pages are reused at once, its writers are not told, and the transport
+    /// keeps the room open, so a late write lands as a posted RDMA write would). Always false
+    /// without the `negative-controls` feature.
+    fn bypassed(&self) -> bool {
+        #[cfg(feature = "negative-controls")]
+        if self.settings.gate == GateMode::UnsafeBypass {
+            return true;
+        }
+        false
+    }
+
     /// Fails a room through the gate (any cause): notifies its writers, asks for a transport proof
     /// and arms the ack deadline. Returns the gate's verdict, `None` for an unknown room.
     pub fn fail(&self, key: RoomKey, cause: FailureCause) -> Option<GateVerdict> {
@@ -593,7 +605,7 @@ impl DecodeSide {
             return Some(verdict);
         }
         self.counters.failed.fetch_add(1, Ordering::Relaxed);
-        if !notify.is_empty() {
+        if !notify.is_empty() && !self.bypassed() {
             self.source.abort(key, &notify, cause);
         }
         if verdict == GateVerdict::Hold {
@@ -639,7 +651,13 @@ impl DecodeSide {
                 }
                 .fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(%key, ?proof, pages = pages.len(), "room pages released");
-                self.source.released(key);
+                #[cfg(feature = "negative-controls")]
+                let forget = proof != ReleaseProof::Bypassed;
+                #[cfg(not(feature = "negative-controls"))]
+                let forget = true;
+                if forget {
+                    self.source.released(key);
+                }
                 if room.is_some_and(|r| r.attach == st.current_attach) {
                     self.releases.emit(pb::SafeToReuse {
                         room: Some(key.into()),

@@ -94,7 +94,11 @@ pub struct EngineApiConfig {
     /// First room id this worker hands out (distinct per decode worker so that prefill tables of
     /// shared peers never see two decode workers' rooms collide).
     pub room_base: u64,
-    /// Negative control: free a failed room's pages at once instead of waiting for the gate's proof.
+    /// Negative control: free a failed room's pages at once instead of waiting for the gate's
+    /// proof, as the decode did before seed 004's fix — its prefill writers are not told (no
+    /// ABORT) and the transport keeps the room open, so their late writes land in the reused pages.
+    /// A serving decode worker sets it from `$TANDEM_NEGATIVE_GATE_BYPASS=1`
+    /// ([`crate::roles::gate_bypass_from_env`]).
     #[cfg(feature = "negative-controls")]
     pub unsafe_release_on_abort: bool,
 }

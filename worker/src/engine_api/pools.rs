@@ -12,6 +12,12 @@
 //! smallest `configured bytes / page bytes` over the configured pools. An attach allocates the pools it
 //! asks for once, as one transaction: a failure of a later pool rolls back the earlier ones. A later
 //! attach (the engine restarted) gets the same pools.
+//!
+//! Before any pool is allocated or registered, the attach checks that every pool it asks for comes
+//! from the store client's own allocator (seed 000's preflight, across pools): a pool that would be
+//! carved elsewhere is refused with `POOL_DOMAIN_MISMATCH` while nothing has reached the store
+//! client. The negative control of that check (feature `negative-controls`, environment variable
+//! [`NC_DRAFT_ON_MMAP_ENV`]) puts the draft pool on a plain mmap allocator, the bug of seed 000.
 
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -20,7 +26,7 @@ use tonic::Code;
 
 use crate::config::WorkerConfig;
 use crate::memory::pool::{KvGeometry, KvPool, PoolRole, PoolSpec};
-use crate::memory::{AllocatorDomain, host_page_size};
+use crate::memory::{Allocator, AllocatorDomain, host_page_size};
 use crate::registration::{AttachOutcome, Phase, Registrar};
 use crate::store_client::StoreClient;
 use crate::store_client::embedded::EmbeddedClient;
@@ -67,6 +73,18 @@ pub enum PoolSetError {
     #[error("creating the pools' shared-memory segment failed: {0}")]
     Segment(String),
 }
+
+/// Negative control of seed 000 (feature `negative-controls` only; a release build does not read
+/// it): `TANDEM_NC_DRAFT_POOL_ON_MMAP=<pool>` makes the worker of pool `<pool>` (its config's
+/// `pool`) carve the draft pool from a plain mmap allocator instead of the store client's, as
+/// SGLang's draft host pool did before the fix. The attach's preflight must refuse it before
+/// anything is registered. Naming the pool lets one process runner's global pod environment hit a
+/// single pool of a stack.
+pub const NC_DRAFT_ON_MMAP_ENV: &str = "TANDEM_NC_DRAFT_POOL_ON_MMAP";
+
+/// How long a Standalone worker waits for its store-client sidecar's socket at start (the native
+/// sidecar starts first, but the kubelet moves on once its process runs, before it listens).
+pub const SIDECAR_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// Registration state of one pool.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,6 +151,10 @@ pub struct PoolSet {
     store: Arc<dyn StoreClient>,
     registrar: Option<Arc<Registrar>>,
     attached: Mutex<Option<Vec<AttachedPool>>>,
+    /// Negative control ([`NC_DRAFT_ON_MMAP_ENV`]): the draft pool's allocator instead of the
+    /// store client's.
+    #[cfg(feature = "negative-controls")]
+    draft_override: Option<Allocator>,
 }
 
 /// The pools `cfg` sizes, in delivery order (target, then draft and indexer when their
@@ -147,23 +169,36 @@ pub fn roles_configured(cfg: &WorkerConfig) -> Vec<PoolRole> {
 
 /// The model whose geometry sizes `role`'s pool: [`pool_model`], with the target's rows scaled to
 /// [`EngineApiConfig::target_token_bytes`] when set (a one-byte-element MLA row of that many bytes,
-/// same name and layers).
+/// same name and layers) and the draft's rows scaled by the same ratio (at least
+/// [`crate::engine::content::TAG_BYTES`], a multiple of 8): the draft pool's configured bytes are
+/// sized for the target's real token capacity, so unscaled draft rows would cap the shared page
+/// count at that capacity (6 pages for the demo's llama-3-70b + llama-3-8b decode pool) while the
+/// scaled target holds hundreds.
 fn sized_model(
     cfg: &WorkerConfig,
     role: PoolRole,
     target_token_bytes: Option<u64>,
 ) -> Option<crate::model::ModelIdentity> {
     let model = pool_model(cfg, role)?;
+    let mla = |bytes: u64, model: crate::model::ModelIdentity| crate::model::ModelIdentity {
+        attention: crate::model::Attention::Mla {
+            kv_lora_rank: u32::try_from(bytes).unwrap_or(u32::MAX),
+            rope_dim: 0,
+        },
+        dtype_bytes: 1,
+        row_extra_bytes: 0,
+        ..model
+    };
     match (role, target_token_bytes) {
-        (PoolRole::Target, Some(bytes)) => Some(crate::model::ModelIdentity {
-            attention: crate::model::Attention::Mla {
-                kv_lora_rank: u32::try_from(bytes).unwrap_or(u32::MAX),
-                rope_dim: 0,
-            },
-            dtype_bytes: 1,
-            row_extra_bytes: 0,
-            ..model
-        }),
+        (PoolRole::Target, Some(bytes)) => Some(mla(bytes, model)),
+        (PoolRole::Draft, Some(bytes)) => {
+            let real = cfg.model.bytes_per_token_layer().max(1);
+            let scaled = (model.bytes_per_token_layer().saturating_mul(bytes))
+                .div_ceil(real)
+                .next_multiple_of(8)
+                .max(crate::engine::content::TAG_BYTES as u64);
+            Some(mla(scaled, model))
+        }
         _ => Some(model),
     }
 }
@@ -250,7 +285,77 @@ impl PoolSet {
             store,
             registrar,
             attached: Mutex::new(None),
+            #[cfg(feature = "negative-controls")]
+            draft_override: None,
         })
+    }
+
+    /// Negative control of seed 000 (feature `negative-controls`): the draft pool is carved from
+    /// `allocator` (a plain mmap allocator in the tests) instead of the store client's.
+    #[cfg(feature = "negative-controls")]
+    pub fn with_draft_allocator(mut self, allocator: Allocator) -> Self {
+        self.draft_override = Some(allocator);
+        self
+    }
+
+    /// Applies [`NC_DRAFT_ON_MMAP_ENV`] when it names this worker's pool (feature
+    /// `negative-controls`; without it, `self` unchanged).
+    fn with_negative_controls_from_env(self) -> Self {
+        #[cfg(feature = "negative-controls")]
+        if std::env::var(NC_DRAFT_ON_MMAP_ENV).is_ok_and(|v| v.trim() == self.cfg.pool) {
+            tracing::warn!(
+                pool = %self.cfg.pool,
+                "negative control: the draft pool is carved from plain mmap (seed 000's bug)"
+            );
+            return self.with_draft_allocator(Allocator::new(
+                "default host allocator (negative control)",
+                crate::memory::mmap::MmapBackend::new(),
+            ));
+        }
+        self
+    }
+
+    /// The allocator `role`'s pool is carved from: the store client's.
+    fn allocator_for(&self, role: PoolRole) -> &Allocator {
+        #[cfg(feature = "negative-controls")]
+        if role == PoolRole::Draft
+            && let Some(a) = &self.draft_override
+        {
+            return a;
+        }
+        let _ = role;
+        self.store.host_allocator()
+    }
+
+    /// Seed 000's preflight across the pools of one attach, before any of them is allocated or
+    /// registered: each must come from the store client's own allocator (its segments are the only
+    /// memory it can register, and the only memory an engine process can map).
+    ///
+    /// # Errors
+    /// FAILED_PRECONDITION / `POOL_DOMAIN_MISMATCH` naming the first pool (`pools.<role>`) whose
+    /// allocator is another one, with both allocators' descriptions as the two sides.
+    fn preflight(&self, roles: &[PoolRole]) -> Result<(), ApiError> {
+        let store = self.store.host_allocator();
+        for &role in roles {
+            let a = self.allocator_for(role);
+            if a.id() != store.id() {
+                return Err(ApiError::new(
+                    Code::FailedPrecondition,
+                    pb::ErrorReason::PoolDomainMismatch,
+                    format!(
+                        "the {role} pool would be carved from {}, outside the {} store client's \
+                         segments ({}): it could not be registered nor mapped by the engine; \
+                         nothing was allocated or registered (seed 000)",
+                        a.describe(),
+                        self.store.mode(),
+                        store.describe()
+                    ),
+                )
+                .field(format!("pools.{role}"))
+                .sides(store.describe(), a.describe()));
+            }
+        }
+        Ok(())
     }
 
     /// Pools for a worker without a CacheTier: one worker-owned memfd segment of
@@ -300,16 +405,26 @@ impl PoolSet {
             }
             Some(ClientMode::Standalone) => {
                 let worker = std::env::var("POD_NAME").unwrap_or_else(|_| cfg.pool.clone());
-                let client = crate::store_client::standalone::StandaloneClient::connect(
-                    sidecar_socket,
-                    &worker,
-                )
-                .map_err(|e| {
-                    PoolSetError::Segment(format!(
-                        "store-client sidecar at {}: {e}",
-                        sidecar_socket.display()
-                    ))
-                })?;
+                // The sidecar starts first but may not listen yet: wait for it, bounded.
+                let deadline = std::time::Instant::now() + SIDECAR_WAIT;
+                let client = loop {
+                    match crate::store_client::standalone::StandaloneClient::connect(
+                        sidecar_socket,
+                        &worker,
+                    ) {
+                        Ok(c) => break c,
+                        Err(_) if std::time::Instant::now() < deadline => {
+                            std::thread::sleep(std::time::Duration::from_millis(50));
+                        }
+                        Err(e) => {
+                            return Err(PoolSetError::Segment(format!(
+                                "store-client sidecar at {} (waited {} s): {e}",
+                                sidecar_socket.display(),
+                                SIDECAR_WAIT.as_secs()
+                            )));
+                        }
+                    }
+                };
                 client
                     .reserve(bytes)
                     .map_err(|e| PoolSetError::Segment(e.to_string()))?;
@@ -325,7 +440,7 @@ impl PoolSet {
                 ..crate::registration::RegistrarConfig::default()
             },
         ));
-        Self::new(cfg, api, store, Some(registrar))
+        Ok(Self::new(cfg, api, store, Some(registrar))?.with_negative_controls_from_env())
     }
 
     fn lock(&self) -> MutexGuard<'_, Option<Vec<AttachedPool>>> {
@@ -385,6 +500,7 @@ impl PoolSet {
             }
             return Ok(existing.clone());
         }
+        self.preflight(roles)?;
         let mut done: Vec<AttachedPool> = Vec::new();
         for &role in roles {
             match self.allocate(role) {
@@ -413,7 +529,7 @@ impl PoolSet {
 
     fn allocate(&self, role: PoolRole) -> Result<AttachedPool, ApiError> {
         let spec = self.spec(role)?;
-        let allocator = self.store.host_allocator();
+        let allocator = self.allocator_for(role);
         let (pool, registration) = match &self.registrar {
             None => {
                 let pool = KvPool::new(spec, allocator).map_err(|e| alloc_failed(role, &e))?;

@@ -16,6 +16,8 @@ use crate::config::{CacheTierConfig, LoadConfig, resolve_path};
 use crate::health::counters::mirror;
 use crate::health::http::{ServeState, router, spawn_http};
 
+use tandem_interfaces::report::{DEGRADED_COMPONENT_L3_VOLUME, DEGRADED_VOLUME_FULL};
+
 use super::RoleError;
 
 /// `tandem-worker cache` arguments.
@@ -146,6 +148,19 @@ async fn serve_health(
         mirror(&st.counters.l3_pages_loaded_back, h.loadback.published);
         mirror(&st.counters.l3_pages_written, h.counters.puts);
         mirror(&st.counters.corrupt_pages_read, h.counters.corrupt_on_read);
+        // Issue 18 item 5: a full volume is a degradation while it lasts (a stored put clears
+        // it), so the operator can say so in the CacheTier's status.
+        match &h.volume_full {
+            Some(why) => st.health.degrade(
+                DEGRADED_COMPONENT_L3_VOLUME,
+                DEGRADED_VOLUME_FULL,
+                format!(
+                    "{} put(s) refused, volume full ({why}); reads keep serving",
+                    h.counters.puts_refused_disk_full
+                ),
+            ),
+            None => st.health.recover(DEGRADED_COMPONENT_L3_VOLUME),
+        }
     });
     state.set_ready(Ok(()));
     let (local, task) = spawn_http(addr, router(state.clone()))

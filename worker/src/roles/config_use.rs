@@ -68,10 +68,16 @@ pub fn unused(cfg: &WorkerConfig) -> Vec<Unused> {
         BUILTIN_NO_POOLS,
     );
     note(
-        m.snapshot_buffer_bytes > 0,
+        m.snapshot_buffer_bytes > 0 && decode,
         "memory.snapshotBufferBytes",
-        "the snapshot receive buffer is not on the serving path yet (issue 15): no decode pushes \
-         a session's KV to a prefill",
+        "the snapshot receive buffer is a prefill's: a decode pushes into its prefill peers' \
+         buffers",
+    );
+    note(
+        m.snapshot_buffer_bytes > 0 && !decode && !builtin,
+        "memory.snapshotBufferBytes",
+        "snapshot sync with an engine beside the worker is not wired yet (issue 15): the engine \
+         owns the pages a snapshot would finalize into; SnapshotPrepare answers DISABLED",
     );
     note(
         builtin && cfg.indexer.is_some(),

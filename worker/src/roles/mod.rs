@@ -12,6 +12,7 @@
 //! - [`cache`]: one CacheTier store replica (contract 7);
 //! - [`config_use`]: the config fields a role does not act on (logged, in `/report.config`);
 //! - [`store_client`]: the standalone store client that owns the shared-memory segments;
+//! - [`refusal`]: a serving role whose engine pools were refused stays up, not Ready, saying why;
 //! - shared by the roles: [`sim`] (the simulation knobs and the KV layout they imply), [`resolve`]
 //!   (Service names through `$TANDEM_HOSTS_FILE` or DNS), [`signals`] (SIGTERM/SIGINT as a future).
 //!   The health port and the `/report` counters are [`crate::health`].
@@ -23,6 +24,7 @@ pub mod cache;
 pub mod config_use;
 pub mod decode;
 pub mod prefill;
+pub mod refusal;
 pub mod resolve;
 pub mod signals;
 pub mod sim;
@@ -89,9 +91,17 @@ pub enum ServeError {
     /// The config cannot be served by this role.
     #[error("config: {0}")]
     Config(String),
+    /// The snapshot buffer or its receiver could not start (DESIGN contract 4).
+    #[error("snapshot sync: {0}")]
+    Snapshot(String),
     /// The decode transfer side could not start.
     #[error(transparent)]
     Decode(#[from] decode::node::DecodeError),
+    /// The engine seat's pools were refused or rolled back (DESIGN contracts 1–2, seed 000): the
+    /// typed refusal, which the role reports while it holds the pod not Ready
+    /// ([`refusal::hold`]) instead of exiting.
+    #[error("engine pools: {0}")]
+    Pools(crate::engine_api::error::ApiError),
 }
 
 /// `$POD_IP` when set and valid, else `0.0.0.0` (worker/interfaces/README.md §2).
@@ -109,6 +119,25 @@ pub fn ordinal_from_env() -> u32 {
         .as_deref()
         .and_then(ordinal_of)
         .unwrap_or(0)
+}
+
+/// The environment switch of the stack-level release-gate negative control (seed 004).
+pub const GATE_BYPASS_ENV: &str = "TANDEM_NEGATIVE_GATE_BYPASS";
+
+/// Negative control (feature `negative-controls`; without it always false): whether
+/// `$TANDEM_NEGATIVE_GATE_BYPASS` is `1`. A decode worker with an engine then runs its release gate
+/// as before seed 004's fix ([`crate::engine_api::EngineApiConfig::unsafe_release_on_abort`]): a
+/// failed room's pages go back to the engine at once, no prefill is told, and the room's writes
+/// keep landing. e2e/tests/stack_negative.rs sets it on a live DecodePool.
+pub fn gate_bypass_from_env() -> bool {
+    #[cfg(feature = "negative-controls")]
+    if std::env::var(GATE_BYPASS_ENV).as_deref() == Ok("1") {
+        tracing::warn!(
+            "negative control: the release gate is bypassed (failed rooms' pages are reused at once)"
+        );
+        return true;
+    }
+    false
 }
 
 /// The numeric suffix after the last `-` of a StatefulSet pod name.

@@ -6,6 +6,9 @@
 //! - `TANDEM_SIM_KV_BYTES_PER_TOKEN`: KV bytes per token per rank (all layers) the engine writes and
 //!   transfers; default: the real geometry, `model.bytes_per_token_layer × layers / tensor`.
 //! - `TANDEM_SIM_TPOT_MS`: decode time per output token, default 2 ms.
+//! - `TANDEM_SIM_PREFILL_POOL_PAGES`: pages of the built-in prefill's KV pool that its rooms hold
+//!   while they compute (snapshot sync's occupancy, issue 15; read by
+//!   `roles::prefill::snapshot_sync`); unset, rooms hold none.
 //! - `TANDEM_SIM_PREFILL_US_PER_TOKEN`: prefill compute time per prompt token not served from a
 //!   cache tier, default 20 µs.
 //! - `TANDEM_SIM_SPEC_FAULT` (**test-only** fault injection, read only in builds with the

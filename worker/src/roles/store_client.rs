@@ -2,12 +2,22 @@
 //! segments of its workers (DESIGN §2 `clientMode: Standalone`; server in
 //! [`crate::store_client::server`]). SIGTERM or SIGINT stops it and destroys every segment, so
 //! nothing of ours is left in /dev/shm (DESIGN contract 9).
+//!
+//! Its health port (`ports.health + 1`) says what it holds: `/report` adds `store_client`
+//! ([`ServerStats`]: `connections_open`, `segments`, `segment_bytes`, `registrations`,
+//! `register_requests`, `segments_created`) and `/metrics` the same as
+//! `tandem_store_client_{connections_open,segments,segment_bytes,registrations}` (gauges) and
+//! `tandem_store_client_{register_requests,segments_created}` (totals).
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
 use crate::memory::segment::SegmentBackend;
-use crate::store_client::server::{ServerConfig, StoreClientServer};
+use crate::store_client::server::{ServerConfig, ServerStats, StoreClientServer};
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 
 use std::net::SocketAddr;
 
@@ -83,7 +93,22 @@ pub fn run(args: Args) -> Result<(), RoleError> {
     });
     let (mut term, mut int) =
         signals.map_err(|e| RoleError::Failed(format!("signal handlers: {e}")))?;
-    let state = ServeState::new("store-client", &cfg.pool, &cfg.revision, "starting");
+    let stats = server.stats();
+    let gauges = StoreClientGauges::default();
+    let state =
+        ServeState::with_metrics("store-client", &cfg.pool, &cfg.revision, "starting", |r| {
+            gauges.register(r)
+        });
+    let (st, g) = (stats.clone(), gauges.clone());
+    state.on_refresh(move |_| g.mirror(&st.snapshot()));
+    state.set_extra(move || {
+        let mut m = serde_json::Map::new();
+        m.insert(
+            "store_client".into(),
+            serde_json::to_value(stats.snapshot()).unwrap_or_default(),
+        );
+        m
+    });
     let (local, http) = runtime
         .block_on(spawn_http(health, router(state.clone())))
         .map_err(|e| RoleError::Failed(format!("binding the health port: {e}")))?;
@@ -109,4 +134,64 @@ pub fn run(args: Args) -> Result<(), RoleError> {
     let _ = waiter.join();
     tracing::info!(?report, "store client stopped; segments destroyed");
     Ok(())
+}
+
+/// The store client's `/metrics` (mirrors of [`ServerStats`] at every scrape).
+#[derive(Debug, Clone, Default)]
+struct StoreClientGauges {
+    connections_open: Gauge,
+    segments: Gauge,
+    segment_bytes: Gauge,
+    registrations: Gauge,
+    register_requests: Counter,
+    segments_created: Counter,
+}
+
+impl StoreClientGauges {
+    fn register(&self, r: &mut Registry) {
+        for (name, help, g) in [
+            (
+                "tandem_store_client_connections_open",
+                "Worker connections open",
+                &self.connections_open,
+            ),
+            (
+                "tandem_store_client_segments",
+                "Shared-memory segments alive",
+                &self.segments,
+            ),
+            (
+                "tandem_store_client_segment_bytes",
+                "Bytes of the segments alive",
+                &self.segment_bytes,
+            ),
+            (
+                "tandem_store_client_registrations",
+                "Buffer registrations alive",
+                &self.registrations,
+            ),
+        ] {
+            r.register(name, help, g.clone());
+        }
+        r.register(
+            "tandem_store_client_register_requests",
+            "Register requests received (accepted or refused)",
+            self.register_requests.clone(),
+        );
+        r.register(
+            "tandem_store_client_segments_created",
+            "Segments created",
+            self.segments_created.clone(),
+        );
+    }
+
+    fn mirror(&self, s: &ServerStats) {
+        let i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        self.connections_open.set(i(s.connections_open));
+        self.segments.set(i(s.segments));
+        self.segment_bytes.set(i(s.segment_bytes));
+        self.registrations.set(i(s.registrations));
+        crate::health::counters::mirror(&self.register_requests, s.register_requests);
+        crate::health::counters::mirror(&self.segments_created, s.segments_created);
+    }
 }

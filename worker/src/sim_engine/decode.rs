@@ -14,7 +14,10 @@
 //!    prefill (its simulated or built-in engine); a page holding another request's, layer's or
 //!    token's bytes is counted corrupt. With a draft pool, the engine computes the draft KV of the
 //!    prompt into the same page indices ([`DRAFT_LAYERS`] layers) and verifies it again before it
-//!    Finishes (a page someone else wrote meanwhile is caught).
+//!    Finishes (a page someone else wrote meanwhile is caught). The target pages are verified again
+//!    then too (each step reads them): chunks corrupt then beyond those counted on arrival (a late
+//!    write of another room into a page reused too early) are added to the corrupt count, not to
+//!    the chunks verified.
 //! 4. **Generate** `max_tokens` tokens: the first at once, then one verification step per
 //!    `TANDEM_SIM_TPOT_MS` (its plan is the built-in engine's,
 //!    [`crate::roles::decode::engine::decode_plan`], skewed by `TANDEM_SIM_SPEC_FAULT` in test
@@ -23,6 +26,10 @@
 //!    already aborted the room). Token ids are `request_id + position` (mod 2^32); every step's
 //!    tokens go to `Decode.EmitTokens`; an attempt answered `cancelled` is Aborted.
 //! 5. **Finish**, then the attempt's end (`DecodeEnd.done`).
+//!
+//! After each attempt the running [`Summary`] is published beside the socket
+//! ([`super::tiers::publish_summary`]), where the worker's `/report` shows it as
+//! `engine.engine_summary` (pages verified, corrupt chunks, early reuses).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -96,6 +103,10 @@ struct Ctx {
     /// Counts since the loop started, merged into the caller's summary when the loop ends or is
     /// dropped ([`Merge`]).
     acc: Mutex<Summary>,
+    /// The caller's summary when the loop started (what [`Ctx::publish`] adds the counts to).
+    base: Summary,
+    /// The worker's socket directory (where the summary is published).
+    socket_dir: std::path::PathBuf,
 }
 
 /// Merges the loop's counts into the caller's summary when the loop's future ends or is dropped
@@ -108,26 +119,19 @@ struct Merge<'a> {
 impl Drop for Merge<'_> {
     fn drop(&mut self) {
         let acc = std::mem::take(&mut *lock(&self.ctx.acc));
-        let t = &mut *self.total;
-        t.rooms += acc.rooms;
-        t.completed += acc.completed;
-        t.failed += acc.failed;
-        t.pages += acc.pages;
-        t.chunks += acc.chunks;
-        t.corrupt_chunks += acc.corrupt_chunks;
-        t.spec_steps += acc.spec_steps;
-        t.spec_trips += acc.spec_trips;
-        t.rooms_dropped += acc.rooms_dropped;
-        t.releases += acc.releases;
-        let (mine, theirs) = (
-            t.decode.get_or_insert_with(DecodeStats::default),
-            acc.decode.unwrap_or_default(),
-        );
-        mine.work += theirs.work;
-        mine.tokens += theirs.tokens;
-        mine.early_reuse += theirs.early_reuse;
-        mine.cancelled += theirs.cancelled;
-        mine.engine_errors += theirs.engine_errors;
+        self.total.absorb(&acc);
+    }
+}
+
+impl Ctx {
+    /// Publishes the running summary (the caller's at the loop's start plus the loop's counts so
+    /// far) beside the socket, where the worker's `/report` reads it as `engine.engine_summary`.
+    fn publish(&self) {
+        // The lock also keeps two attempts' tasks from writing the file at once.
+        let acc = lock(&self.acc);
+        let mut s = self.base.clone();
+        s.absorb(&acc);
+        super::tiers::publish_summary(&self.socket_dir, &s);
     }
 }
 
@@ -172,6 +176,8 @@ pub async fn serve_loop(
         knobs,
         call: Duration::from_millis(args.call_timeout_ms),
         acc: Mutex::new(Summary::default()),
+        base: total.clone(),
+        socket_dir: args.socket_dir.clone(),
     });
     total.decode.get_or_insert_with(DecodeStats::default);
     let _merge = Merge {
@@ -196,6 +202,7 @@ pub async fn serve_loop(
                     if let Some(last) = last {
                         ctx.emit(last).await;
                     }
+                    ctx.publish();
                 });
             }
             r = releases.next() => {
@@ -555,6 +562,15 @@ async fn serve_one(ctx: &Ctx, id: u64, w: pb::DecodeWork) -> (Done, Option<pb::E
     let (dc, dbad) = verify(&ctx.att, PoolRole::Draft, w.request_id, &pages);
     d.chunks += dc;
     d.corrupt += dbad;
+    // Every step read the target KV too: it must still be what this request received. A write of
+    // another room landing in a page reused too early (seed 004: the release gate bypassed) is
+    // caught here even when it landed after the check on arrival. Counted: the corrupt chunks
+    // beyond those already counted on arrival (a chunk bad then is still bad); the chunks
+    // themselves were counted verified once, on arrival.
+    let tbad = verify(&ctx.att, PoolRole::Target, w.request_id, &pages)
+        .1
+        .saturating_sub(corrupt);
+    d.corrupt += tbad;
     let mut c = ctx.client.clone();
     let fin = ctx.client.req(pb::FinishRequest {
         attach_id: id,
@@ -584,7 +600,7 @@ async fn serve_one(ctx: &Ctx, id: u64, w: pb::DecodeWork) -> (Done, Option<pb::E
         d,
         Some(pb::EmitTokensRequest {
             chunks_verified: dc,
-            corrupt_chunks: dbad,
+            corrupt_chunks: dbad + tbad,
             end: end(pb::decode_end::Outcome::Done(pb::DecodeDone {
                 accept_length,
                 accept_rate,

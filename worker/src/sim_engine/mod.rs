@@ -6,7 +6,9 @@
 //! - **prefill**: takes each PrefillWork, allocates source pages itself (as an engine's allocator
 //!   does), writes the room's KV — bytes that are a deterministic function of (request, layer, token),
 //!   [`crate::engine::content`] — in two layer halves with a PagesReady each, and reuses a page only
-//!   after its SourceFree;
+//!   after its SourceFree ([`source_pages`]). Up to `--max-running-rooms` rooms are computed at once,
+//!   each on its own task at the same cost per token, as an engine batches the requests it runs;
+//!   work beyond that, or beyond the free pages, waits in arrival order;
 //! - **decode**: reserves pages per request, waits for the KV, verifies every row of every page of
 //!   every pool it reads (a page holding another request's, layer's or token's bytes is counted
 //!   corrupt, never guessed), reports accept counts per verification step, finishes, and reuses pages
@@ -30,11 +32,14 @@
 
 pub mod decode;
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+use tokio::task::JoinSet;
 use tokio_stream::StreamExt;
 
 use crate::config::WorkerConfig;
@@ -47,7 +52,15 @@ use crate::engine_api::pb;
 use crate::memory::pool::{PoolLayout, PoolRole};
 use crate::release::RoomKey;
 
+pub mod source_pages;
 pub mod tiers;
+
+use source_pages::SourcePages;
+
+/// Rooms the simulated prefill engine computes at once by default (`--max-running-rooms`): the
+/// demo's router holds at most 8 requests in flight per decode pool, so 8 rooms keep a prefill from
+/// queueing them one behind the other as a batching engine would not.
+pub const DEFAULT_MAX_RUNNING_ROOMS: u32 = 8;
 
 /// Command-line arguments of `tandem-worker sim-engine`.
 #[derive(Debug, Clone, clap::Args)]
@@ -100,6 +113,11 @@ pub struct Args {
     /// Longest wait between two attach attempts in serve mode, milliseconds.
     #[arg(long, default_value_t = 2_000)]
     pub attach_backoff_max_ms: u64,
+    /// Prefill: rooms computed at once (as an engine batches the requests it runs; each room still
+    /// costs `--prefill-us-per-token` per computed token). Rooms beyond it, or beyond the free
+    /// source pages, wait in arrival order. 1 = one room at a time.
+    #[arg(long, default_value_t = DEFAULT_MAX_RUNNING_ROOMS)]
+    pub max_running_rooms: u32,
     /// Negative control: flip one byte of the first target chunk written, after its PagesReady
     /// content was computed (the decode side must count it corrupt). Only in builds with the
     /// `negative-controls` feature.
@@ -109,8 +127,14 @@ pub struct Args {
     /// Negative control: read every loaded layer right after the Load call instead of after its
     /// `LayerLoaded` (counted as read-before-ready). Only with the `negative-controls` feature.
     #[cfg(feature = "negative-controls")]
-    #[arg(long, hide = true)]
+    #[arg(long, hide = true, conflicts_with = "regenerate_hits")]
     pub skip_load_wait: bool,
+    /// Negative control: serve a Lookup's hits by computing their pages again instead of loading
+    /// the stored bytes (the KV is the same; no byte comes from L2 or L3, so the loaded-bytes
+    /// checks must fail). Only with the `negative-controls` feature.
+    #[cfg(feature = "negative-controls")]
+    #[arg(long, hide = true)]
+    pub regenerate_hits: bool,
 }
 
 impl Args {
@@ -133,15 +157,19 @@ impl Args {
         Duration::from_micros(self.prefill_us_per_token.or(env).unwrap_or(default))
     }
 
-    fn skip_load_wait(&self) -> bool {
+    /// How the prefill uses a Lookup's hits: [`tiers::HitUse::LoadAndWait`] unless a negative
+    /// control says otherwise.
+    fn hit_use(&self) -> tiers::HitUse {
         #[cfg(feature = "negative-controls")]
         {
-            self.skip_load_wait
+            if self.regenerate_hits {
+                return tiers::HitUse::Regenerate;
+            }
+            if self.skip_load_wait {
+                return tiers::HitUse::LoadSkipWait;
+            }
         }
-        #[cfg(not(feature = "negative-controls"))]
-        {
-            false
-        }
+        tiers::HitUse::LoadAndWait
     }
 
     fn corrupt_once(&self) -> bool {
@@ -219,6 +247,44 @@ pub struct Summary {
     /// Prefill: computed pages stored into the tiers.
     #[serde(default)]
     pub stored_pages: u64,
+    /// Prefill: most rooms computed at once (bounded by `--max-running-rooms`).
+    #[serde(default)]
+    pub peak_running_rooms: u32,
+}
+
+impl Summary {
+    /// Adds the counts of `d` (one room's, or one loop's) to these; `role`, `attach_id`, `pools`
+    /// and `attaches` stay, and `peak_running_rooms` is the larger of the two.
+    pub fn absorb(&mut self, d: &Summary) {
+        self.rooms += d.rooms;
+        self.completed += d.completed;
+        self.failed += d.failed;
+        self.pages += d.pages;
+        self.chunks += d.chunks;
+        self.corrupt_chunks += d.corrupt_chunks;
+        self.pages_ready_calls += d.pages_ready_calls;
+        self.releases += d.releases;
+        self.spec_steps += d.spec_steps;
+        self.spec_trips += d.spec_trips;
+        self.rooms_dropped += d.rooms_dropped;
+        self.lookups += d.lookups;
+        self.loaded_pages += d.loaded_pages;
+        self.loaded_chunks += d.loaded_chunks;
+        self.loaded_corrupt_chunks += d.loaded_corrupt_chunks;
+        self.load_waits += d.load_waits;
+        self.read_before_ready += d.read_before_ready;
+        self.load_failures += d.load_failures;
+        self.stored_pages += d.stored_pages;
+        self.peak_running_rooms = self.peak_running_rooms.max(d.peak_running_rooms);
+        if let Some(theirs) = &d.decode {
+            let mine = self.decode.get_or_insert_with(decode::DecodeStats::default);
+            mine.work += theirs.work;
+            mine.tokens += theirs.tokens;
+            mine.early_reuse += theirs.early_reuse;
+            mine.cancelled += theirs.cancelled;
+            mine.engine_errors += theirs.engine_errors;
+        }
+    }
 }
 
 /// Why a run failed.
@@ -389,7 +455,10 @@ async fn run_inner(args: Args) -> Result<Summary, SimError> {
     };
     match attached.reply.role.as_str() {
         "decode" => decode_loop(&args, &mut client, &attached, &mut summary).await?,
-        "prefill" => prefill_loop(&args, &mut client, &attached, &mut summary).await?,
+        "prefill" => {
+            let attached = Arc::new(attached);
+            prefill_loop(&args, &mut client, &attached, &mut summary).await?;
+        }
         other => return Err(SimError::Setup(format!("unknown worker role {other:?}"))),
     }
     if summary.corrupt_chunks > 0
@@ -704,7 +773,7 @@ fn verify_room(att: &Attached, request: u64, tokens: u32, pages: &[u32], s: &mut
 async fn prefill_loop(
     args: &Args,
     client: &mut EngineClient,
-    att: &Attached,
+    att: &Arc<Attached>,
     s: &mut Summary,
 ) -> Result<(), SimError> {
     let id = att.id();
@@ -742,14 +811,20 @@ async fn prefill_loop(
         .await
         .map_err(ClientError::from)?
         .into_inner();
-    let mut free: BTreeSet<u32> = (0..g.pages).collect();
+    // Only this loop touches the book: pages are taken, returned and handed out here, never in a
+    // room's task ([`source_pages`]).
+    let mut book = SourcePages::new(g.pages);
     let mut queue: VecDeque<pb::PrefillWork> = VecDeque::new();
+    let mut running: JoinSet<RoomDone> = JoinSet::new();
+    let max_running = args.max_running_rooms.max(1) as usize;
     let started = Instant::now();
-    let mut corrupt = args.corrupt_once();
+    let corrupt = Arc::new(AtomicBool::new(args.corrupt_once()));
     let per_token = args.per_token();
-    while args.serve || s.rooms < args.requests || free.len() < g.pages as usize {
-        // Serve queued work whose pages are available.
-        if let Some(w) = queue.front() {
+    while args.serve || s.rooms < args.requests || !running.is_empty() || !book.all_free() {
+        // Start queued work, in arrival order, while a room may run and its pages are free.
+        while running.len() < max_running
+            && let Some(w) = queue.front()
+        {
             let need = w.tokens.div_ceil(g.page_tokens).max(1) as usize;
             if need > g.pages as usize {
                 return Err(SimError::Setup(format!(
@@ -757,36 +832,45 @@ async fn prefill_loop(
                     w.tokens
                 )));
             }
-            if free.len() >= need {
-                let w = queue.pop_front().unwrap_or_default();
-                let pages: Vec<u32> = free.iter().copied().take(need).collect();
-                for p in &pages {
-                    free.remove(p);
-                }
-                match compute_and_send(
-                    client,
-                    att,
-                    &w,
-                    &pages,
-                    s,
-                    &mut corrupt,
-                    per_token,
-                    args.skip_load_wait(),
-                )
-                .await
-                {
-                    Ok(()) => {}
+            let Some(pages) = book.take(need) else { break };
+            let w = queue.pop_front().unwrap_or_default();
+            let room = Room {
+                client: client.clone(),
+                att: att.clone(),
+                work: w,
+                pages,
+                corrupt: corrupt.clone(),
+                per_token,
+                hit_use: args.hit_use(),
+            };
+            running.spawn(room.run());
+            s.peak_running_rooms = s.peak_running_rooms.max(running.len() as u32);
+        }
+        let in_flight = s.rooms + (running.len() + queue.len()) as u32;
+        tokio::select! {
+            w = work.next(), if args.serve || in_flight < args.requests => {
+                let w = w.ok_or_else(|| SimError::Setup("work stream ended".into()))?.map_err(ClientError::from)?;
+                queue.push_back(w);
+            }
+            f = freed.next() => {
+                let f = f.ok_or_else(|| SimError::Setup("SourceFree stream ended".into()))?.map_err(ClientError::from)?;
+                s.releases += 1;
+                book.source_free(&f.pages);
+            }
+            Some(done) = running.join_next(), if !running.is_empty() => {
+                let done = done.map_err(|e| SimError::Setup(format!("a room's task failed: {e}")))?;
+                s.absorb(&done.counts);
+                match done.result {
+                    Ok(()) => book.room_ended(&done.pages, false),
                     Err(Refused {
                         any_accepted,
                         error,
                     }) if args.serve => {
                         // The room failed meanwhile (deadline, abort): drop it and go on. Pages
                         // the worker took come back in a SourceFree; the others are free now.
-                        tracing::warn!(room = ?w.room, %error, "the worker refused a PagesReady");
+                        tracing::warn!(room = ?done.room, %error, "the worker refused a PagesReady");
                         s.rooms_dropped += 1;
-                        if !any_accepted {
-                            free.extend(pages);
-                        }
+                        book.room_ended(&done.pages, !any_accepted);
                     }
                     Err(Refused { error, .. }) => return Err(error.into()),
                 }
@@ -794,18 +878,6 @@ async fn prefill_loop(
                 if args.serve {
                     tiers::publish_summary(&args.socket_dir, s);
                 }
-                continue;
-            }
-        }
-        tokio::select! {
-            w = work.next(), if args.serve || s.rooms + (queue.len() as u32) < args.requests => {
-                let w = w.ok_or_else(|| SimError::Setup("work stream ended".into()))?.map_err(ClientError::from)?;
-                queue.push_back(w);
-            }
-            f = freed.next() => {
-                let f = f.ok_or_else(|| SimError::Setup("SourceFree stream ended".into()))?.map_err(ClientError::from)?;
-                s.releases += 1;
-                free.extend(f.pages);
             }
         }
         if !args.serve && started.elapsed() > stream_deadline {
@@ -813,6 +885,49 @@ async fn prefill_loop(
         }
     }
     Ok(())
+}
+
+/// One room to compute on its own task: its work, the source pages the loop took for it, and what
+/// computing it needs.
+struct Room {
+    client: EngineClient,
+    att: Arc<Attached>,
+    work: pb::PrefillWork,
+    pages: Vec<u32>,
+    corrupt: Arc<AtomicBool>,
+    per_token: Duration,
+    hit_use: tiers::HitUse,
+}
+
+/// What a room's task did: its counts, and whether the worker refused it.
+struct RoomDone {
+    room: Option<pb::RoomRef>,
+    pages: Vec<u32>,
+    counts: Summary,
+    result: Result<(), Refused>,
+}
+
+impl Room {
+    async fn run(mut self) -> RoomDone {
+        let mut counts = Summary::default();
+        let result = compute_and_send(
+            &mut self.client,
+            &self.att,
+            &self.work,
+            &self.pages,
+            &mut counts,
+            &self.corrupt,
+            self.per_token,
+            self.hit_use,
+        )
+        .await;
+        RoomDone {
+            room: self.work.room,
+            pages: self.pages,
+            counts,
+            result,
+        }
+    }
 }
 
 /// A PagesReady the worker refused; `any_accepted` when an earlier PagesReady of the room was
@@ -829,9 +944,9 @@ async fn compute_and_send(
     w: &pb::PrefillWork,
     pages: &[u32],
     s: &mut Summary,
-    corrupt: &mut bool,
+    corrupt: &AtomicBool,
     per_token: Duration,
-    skip_load_wait: bool,
+    hit_use: tiers::HitUse,
 ) -> Result<(), Refused> {
     let id = att.id();
     let mut any_accepted = false;
@@ -841,22 +956,14 @@ async fn compute_and_send(
     };
     // The tier calls: loaded pages cost no compute ([`tiers`]).
     let bound = Duration::from_millis(w.deadline_ms.max(1_000));
-    let loaded = tiers::load_and_store(
-        client,
-        att,
-        &w.prefix_hashes,
-        pages,
-        bound,
-        skip_load_wait,
-        s,
-    )
-    .await
-    .unwrap_or_else(|e| {
-        // The tiers failed this room: compute every page (the KV is the same, only slower).
-        s.load_failures += 1;
-        tracing::warn!(room = ?w.room, error = %e, "tier calls failed; computing every page");
-        0
-    });
+    let loaded = tiers::load_and_store(client, att, &w.prefix_hashes, pages, bound, hit_use, s)
+        .await
+        .unwrap_or_else(|e| {
+            // The tiers failed this room: compute every page (the KV is the same, only slower).
+            s.load_failures += 1;
+            tracing::warn!(room = ?w.room, error = %e, "tier calls failed; computing every page");
+            0
+        });
     let page_tokens = att
         .pool(PoolRole::Target)
         .map_or(1, |p| p.geometry().page_tokens);
@@ -883,10 +990,12 @@ async fn compute_and_send(
                     let spec = chunk_spec(pool, w.request_id, w.tokens, k as u32, layer);
                     let mut buf = vec![0u8; spec.bytes()];
                     fill_chunk(&mut buf, &spec);
-                    if *corrupt && pool.role == PoolRole::Target && buf.len() > 20 {
+                    if pool.role == PoolRole::Target
+                        && buf.len() > 20
+                        && corrupt.swap(false, Ordering::SeqCst)
+                    {
                         // Negative control (--corrupt-one-byte): one wrong byte in one chunk.
                         buf[20] ^= 0x40;
-                        *corrupt = false;
                         tracing::warn!(
                             request = w.request_id,
                             page,

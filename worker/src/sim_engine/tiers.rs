@@ -13,8 +13,12 @@
 //! The decode side verifies rows keyed by the request ([`super::chunk_spec`]), so after this the
 //! engine writes the room's rows into every page as before; a loaded page costs no compute time.
 //!
-//! Negative control (feature `negative-controls`, `--skip-load-wait`): every loaded layer is read
-//! right after the Load call, before its event — each such read counts as read-before-ready.
+//! Negative controls (feature `negative-controls`; [`HitUse`]): `--skip-load-wait` reads every
+//! loaded layer right after the Load call, before its event — each such read counts as
+//! read-before-ready, and a layer not copied yet holds stale bytes (a corrupt loaded chunk);
+//! `--regenerate-hits` computes the hit pages again instead of loading them — the KV is right, but
+//! no page is loaded, so every loaded-bytes count (`loaded_pages` here, the worker's
+//! `/report.engine.tiers` `pages_loaded*`) stays 0 however many hits the Lookup answered.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -76,6 +80,41 @@ fn verify_layer(pool: &MappedPool, hashes: &[Vec<u8>], pages: &[u32], layer: u32
     }
 }
 
+/// How a prefill engine uses the hits of its Lookup (DESIGN contract 5).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum HitUse {
+    /// Load the hit pages and read each layer only after its `LayerLoaded` (the contract).
+    #[default]
+    LoadAndWait,
+    /// Negative control `--skip-load-wait`: load, but read every layer right after the Load call.
+    #[cfg(feature = "negative-controls")]
+    LoadSkipWait,
+    /// Negative control `--regenerate-hits`: do not load; compute and Store the hit pages like
+    /// the missed ones.
+    #[cfg(feature = "negative-controls")]
+    Regenerate,
+}
+
+impl HitUse {
+    /// Whether loaded layers are read before their events (never without the feature).
+    fn skips_wait(self) -> bool {
+        #[cfg(feature = "negative-controls")]
+        if self == Self::LoadSkipWait {
+            return true;
+        }
+        false
+    }
+
+    /// Whether hits are computed again instead of loaded (never without the feature).
+    fn regenerates(self) -> bool {
+        #[cfg(feature = "negative-controls")]
+        if self == Self::Regenerate {
+            return true;
+        }
+        false
+    }
+}
+
 /// Lookup, Load (waiting per layer, verifying) and Store for one room whose source pages are
 /// `pages` (in token order); returns the leading pages that were loaded (their compute is saved).
 ///
@@ -88,9 +127,10 @@ pub async fn load_and_store(
     hashes: &[Vec<u8>],
     pages: &[u32],
     bound: Duration,
-    skip_wait: bool,
+    hit_use: HitUse,
     s: &mut Summary,
 ) -> Result<usize, ClientError> {
+    let skip_wait = hit_use.skips_wait();
     let id = att.id();
     let Some(target) = att.pool(PoolRole::Target) else {
         return Ok(0);
@@ -106,7 +146,15 @@ pub async fn load_and_store(
     });
     let hits = client.tiers.lookup(r).await?.into_inner().hits;
     s.lookups += 1;
-    let hit: usize = hits.iter().map(|h| h.pages as usize).sum::<usize>().min(m);
+    let mut hit: usize = hits.iter().map(|h| h.pages as usize).sum::<usize>().min(m);
+    if hit_use.regenerates() && hit > 0 {
+        // Negative control: the hits are computed again below instead of loaded.
+        tracing::warn!(
+            hit,
+            "negative control: regenerating hit pages instead of loading them"
+        );
+        hit = 0;
+    }
     let mut loaded = 0;
     if hit > 0 {
         let r = client.req_within(
@@ -122,8 +170,9 @@ pub async fn load_and_store(
         let layers = target.geometry().layers;
         let mut ready: BTreeSet<u32> = BTreeSet::new();
         if skip_wait {
-            // Negative control: read every layer now, whatever the events say.
-            for layer in 0..layers {
+            // Negative control: read every layer now, whatever the events say — last layer first,
+            // the one the load copies last.
+            for layer in (0..layers).rev() {
                 s.read_before_ready += 1;
                 verify_layer(target, &hashes[..hit], &pages[..hit], layer, s);
             }

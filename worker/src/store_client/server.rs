@@ -106,6 +106,50 @@ struct Shared {
     state: Mutex<State>,
     next_id: AtomicU64,
     stop: Arc<AtomicBool>,
+    /// Connections open now.
+    connections_open: AtomicU64,
+    /// `Register` requests received so far (accepted or refused).
+    register_requests: AtomicU64,
+    /// Segments created so far.
+    segments_created: AtomicU64,
+}
+
+/// What the store client holds now and did so far (the sidecar's `/report` `store_client` and its
+/// `/metrics`): the seed-000 leak check of a pod counts from these.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ServerStats {
+    /// Worker connections open now.
+    pub connections_open: u64,
+    /// Segments alive now (all workers).
+    pub segments: u64,
+    /// Bytes of the segments alive now.
+    pub segment_bytes: u64,
+    /// Registrations alive now (all workers).
+    pub registrations: u64,
+    /// `Register` requests received since start, accepted or refused: 0 means no worker ever asked
+    /// to register a buffer.
+    pub register_requests: u64,
+    /// Segments created since start.
+    pub segments_created: u64,
+}
+
+/// A handle on a server's [`ServerStats`], valid while and after it serves (cheap to clone).
+#[derive(Debug, Clone)]
+pub struct StatsHandle(Arc<Shared>);
+
+impl StatsHandle {
+    /// The figures now.
+    pub fn snapshot(&self) -> ServerStats {
+        let state = self.0.state();
+        ServerStats {
+            connections_open: self.0.connections_open.load(Ordering::Relaxed),
+            segments: state.segments.len() as u64,
+            segment_bytes: state.used_bytes as u64,
+            registrations: state.registrations.len() as u64,
+            register_requests: self.0.register_requests.load(Ordering::Relaxed),
+            segments_created: self.0.segments_created.load(Ordering::Relaxed),
+        }
+    }
 }
 
 impl Shared {
@@ -179,6 +223,9 @@ impl StoreClientServer {
                 state: Mutex::new(State::default()),
                 next_id: AtomicU64::new(1),
                 stop: Arc::new(AtomicBool::new(false)),
+                connections_open: AtomicU64::new(0),
+                register_requests: AtomicU64::new(0),
+                segments_created: AtomicU64::new(0),
             }),
         })
     }
@@ -186,6 +233,11 @@ impl StoreClientServer {
     /// The flag that stops [`StoreClientServer::serve`] (set it from a signal handler task).
     pub fn stop_flag(&self) -> Arc<AtomicBool> {
         self.shared.stop.clone()
+    }
+
+    /// A handle on the server's figures ([`ServerStats`]).
+    pub fn stats(&self) -> StatsHandle {
+        StatsHandle(self.shared.clone())
     }
 
     /// The socket path.
@@ -253,6 +305,7 @@ impl StoreClientServer {
 
 /// Serves one worker until it disconnects or the server stops; returns the segments released.
 fn serve_connection(shared: &Shared, conn_id: u64, conn: OwnedFd) -> usize {
+    shared.connections_open.fetch_add(1, Ordering::Relaxed);
     let mut worker = String::from("?");
     loop {
         if shared.stop.load(Ordering::Acquire) {
@@ -319,6 +372,8 @@ fn serve_connection(shared: &Shared, conn_id: u64, conn: OwnedFd) -> usize {
             }
         }
     }
+    drop(state);
+    shared.connections_open.fetch_sub(1, Ordering::Relaxed);
     tracing::info!(worker = %worker, released, "store-client connection closed; its segments released");
     released
 }
@@ -351,6 +406,7 @@ fn handle(shared: &Shared, conn: u64, request: Request) -> (Response, Option<u64
             let name = format!("{}-{id}", shared.config.name_prefix);
             match Segment::create(id, &name, bytes, shared.config.backend) {
                 Ok(segment) => {
+                    shared.segments_created.fetch_add(1, Ordering::Relaxed);
                     let info = segment.info().clone();
                     state.used_bytes += segment.len();
                     state.segments.insert(id, OwnedSegment { conn, segment });
@@ -369,6 +425,7 @@ fn handle(shared: &Shared, conn: u64, request: Request) -> (Response, Option<u64
             offset,
             len,
         } => {
+            shared.register_requests.fetch_add(1, Ordering::Relaxed);
             let Some(owned) = state.segments.get(&segment).filter(|s| s.conn == conn) else {
                 return (
                     Response::Error(RemoteError::UnknownSegment { segment }),

@@ -15,11 +15,14 @@ use hyper_util::rt::TokioIo;
 use serde_json::Value;
 use tandem_worker::config::*;
 use tandem_worker::memory::AllocatorDomain;
+use tandem_worker::memory::pool::PoolLayout;
 use tandem_worker::model::{Attention, ModelIdentity};
 use tandem_worker::registration::FailurePolicy;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_tandem-worker");
 pub const SERVICE: &str = "p-peers.serving.svc.cluster.local";
+/// The CacheTier Service of the tests with an L3 tier.
+pub const L3_SERVICE: &str = "l3-store.serving.svc.cluster.local";
 
 pub struct Proc(pub Child);
 
@@ -134,6 +137,34 @@ pub fn config(role: WorkerRole, revision: &str, p: PortSet) -> WorkerConfig {
             health: p.health,
             front_door: (role == WorkerRole::Decode).then_some(p.front),
         },
+    }
+}
+
+/// The CacheTier config (`/etc/tandem/tier.json`) of a replica serving `model`'s prefill: port
+/// 7420, 64 MiB memory, 256 MiB disk, persistent, write-through.
+pub fn tier(w: &World, model: &WorkerConfig) -> CacheTierConfig {
+    CacheTierConfig {
+        api_version: CACHE_TIER_CONFIG_API_VERSION.into(),
+        namespace: "serving".into(),
+        tier: "l3".into(),
+        revision: "t1".into(),
+        model: model.model.clone(),
+        indexer: None,
+        page_tokens: 512,
+        layout: PoolLayout::LayerFirst,
+        max_tensor: DEFAULT_MAX_PARALLEL,
+        max_context: DEFAULT_MAX_PARALLEL,
+        memory_bytes: 64 << 20,
+        disk_bytes: 256 << 20,
+        persistent: true,
+        data_dir: DEFAULT_CACHE_DATA_DIR.into(),
+        ports: CachePorts {
+            l3: 7420,
+            health: w.ports.health,
+        },
+        eviction: CacheEviction::default(),
+        write_policy: WritePolicy::WriteThrough,
+        registration_failure: None,
     }
 }
 

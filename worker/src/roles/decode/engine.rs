@@ -423,6 +423,9 @@ pub struct DecodeEngine {
     /// The rooms of the engine beside the worker, when the config names one (DESIGN §3.1): the
     /// front door then hands every request to that engine ([`super::via_engine`]).
     pub(super) engine_rooms: Option<Arc<super::node::engine_rooms::EngineRooms>>,
+    /// Snapshot sync of finished turns (DESIGN contract 4, issue 15); `None` when off
+    /// (`TANDEM_DECODE_SNAPSHOT_SYNC=off`).
+    pub(super) snapshots: Option<Arc<super::snapshot_push::SnapshotPush>>,
 }
 
 fn splitmix(state: &mut u64) -> u64 {
@@ -560,6 +563,16 @@ impl DecodeEngine {
             .map(|f| f.mode);
         let seed = request_id ^ (u64::from(attempt) << 48);
         decode_plan(tokens, self.draft_tokens, seed, fault)
+    }
+
+    /// A turn finished: sync the session's KV (`session_kv_hashes`) to the prefill of its next
+    /// turn, in the background (no-op without hashes or with sync off).
+    pub fn sync_session(&self, session_kv_hashes: &[u64]) {
+        if let Some(s) = &self.snapshots
+            && !session_kv_hashes.is_empty()
+        {
+            s.spawn(session_kv_hashes.to_vec());
+        }
     }
 
     /// Whether the spec guard judges requests (speculative decoding and `specGuard` configured).

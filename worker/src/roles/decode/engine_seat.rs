@@ -262,10 +262,13 @@ impl DecodeSeat {
     /// `/report`'s `engine`: the seat's common fields (`kind`, `attached`, `attach_id`, `attaches`,
     /// `pools`) plus `work`, `rooms_reserved`, `rooms_completed`, `rooms_failed`, `releases`
     /// `{concluded, acks, transport, bypassed}`, `acks`, `quarantined`, `spec_trips`, `tokens`,
-    /// `chunks_verified`, `corrupt_chunks`, `cancelled_reports`, `requests_waiting`, `rooms_open`
-    /// and `pages` `{free, held, release_pending, quarantined, total}`.
+    /// `chunks_verified`, `corrupt_chunks`, `cancelled_reports`, `requests_waiting`, `rooms_open`,
+    /// `pages` `{free, held, release_pending, quarantined, total}`, `registration` (`commits`,
+    /// `rollbacks`, `fallbacks`, `quarantined`) and `engine_summary` (a simulated engine's own
+    /// running summary beside the socket, else null).
     pub fn report(&self) -> Value {
-        report_of(self.seat.kind, &self.seat.api, &self.rooms)
+        let s = &self.seat;
+        report_of(s.kind, &s.api, &self.rooms, &s.registration, &s.socket_dir)
     }
 
     /// Teardown (DESIGN contract 9), after the requests drained: the live attach ends (its rooms
@@ -280,6 +283,8 @@ pub fn report_of(
     kind: crate::config::EngineKind,
     api: &Arc<crate::engine_api::service::EngineApi>,
     rooms: &EngineRooms,
+    registration: &crate::registration::metrics::RegistrationMetrics,
+    socket_dir: &std::path::Path,
 ) -> Value {
     {
         let mut out = seat::report(Some((&kind, api)), None);
@@ -315,6 +320,8 @@ pub fn report_of(
                 "free": free, "held": pages.held, "release_pending": pages.release_pending,
                 "quarantined": pages.quarantined, "total": total,
             },
+            "registration": seat::registration_report(registration),
+            "engine_summary": seat::engine_summary(socket_dir),
         });
         if let (Some(o), Value::Object(d)) = (out.as_object_mut(), decode) {
             o.extend(d);

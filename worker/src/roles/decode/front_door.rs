@@ -107,6 +107,12 @@ pub struct CompletionRequest {
     /// known fraction of first attempts to induce aborts while KV writes are in flight.
     #[serde(default)]
     pub kv_deadline_ms: Option<u64>,
+    /// The session's KV after this turn (Tandem extension; DESIGN contract 4, issue 15): one
+    /// chained hash per 512-token page of the prompt *and* the generated tokens. When present
+    /// and snapshot sync is on, the decode pushes those pages to the prefill that will serve the
+    /// session's next turn once this turn finished ([`super::snapshot_push`]).
+    #[serde(default)]
+    pub session_kv_hashes: Vec<u64>,
 }
 
 impl CompletionRequest {
@@ -322,11 +328,16 @@ impl Reply {
         })
     }
 
+    /// OpenAI's `usage`, with `prompt_tokens_details.cached_tokens`: the prompt tokens the prefill
+    /// did not compute (its prefix hits in L1, L2 and L3, as `tandem.prefix_hit_tokens` splits
+    /// them).
     fn usage(&self) -> Value {
+        let h = &self.prefilled.hits;
         json!({
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": u64::from(self.prompt_tokens) + u64::from(self.completion_tokens),
+            "prompt_tokens_details": {"cached_tokens": h.l1 + h.l2 + h.l3},
         })
     }
 
@@ -442,6 +453,7 @@ async fn completions(
             max_tokens,
             stream: req.stream,
             hashes: req.kv_block_hashes.clone(),
+            kv_deadline: req.kv_deadline_ms.map(Duration::from_millis),
         };
         return super::via_engine::completion(engine, rooms, ask, admission).await;
     }
@@ -490,7 +502,11 @@ async fn completions(
         };
         if req.stream {
             admission.enter(Stage::Stream);
-            return stream(engine, reply, decoding, request_id, admission, lease).into_response();
+            let session = req.session_kv_hashes.clone();
+            return stream(
+                engine, reply, decoding, request_id, admission, lease, session,
+            )
+            .into_response();
         }
         admission.enter(Stage::Decode);
         let generated = tokio::time::timeout_at(
@@ -506,6 +522,7 @@ async fn completions(
         match generated {
             Ok(text) => {
                 lease.finish();
+                engine.sync_session(&req.session_kv_hashes);
                 admission.succeeded();
                 return axum::Json(reply.last(&text, &decoding)).into_response();
             }
@@ -534,6 +551,7 @@ fn stream(
     request_id: u64,
     admission: Admission,
     lease: KvLease,
+    session_kv_hashes: Vec<u64>,
 ) -> Sse<ReceiverStream<Result<Event, Infallible>>> {
     let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(16);
     tokio::spawn(async move {
@@ -594,6 +612,9 @@ fn stream(
         }
         // The last token is generated (or the client left): the KV may go.
         lease.finish();
+        if ok {
+            engine.sync_session(&session_kv_hashes);
+        }
         ok = ok
             && tx.send(send(reply.last("", &decoding))).await.is_ok()
             && tx.send(Ok(Event::default().data("[DONE]"))).await.is_ok();

@@ -29,6 +29,7 @@ pub mod front_door;
 pub mod node;
 pub mod peers;
 pub mod routing;
+pub mod snapshot_push;
 pub mod via_engine;
 
 use std::net::{IpAddr, SocketAddr};
@@ -62,7 +63,9 @@ pub struct Args {
 }
 
 /// Runs the pool's decode server until SIGTERM/SIGINT, then drains and exits 0. Prints
-/// `listening on ADDR` (the front door) once serving.
+/// `listening on ADDR` (the front door) once serving. When the engine seat's pools are refused
+/// ([`ServeError::Pools`]) it serves nothing and holds the refusal on the health port
+/// ([`super::refusal::hold`]) until SIGTERM.
 ///
 /// # Errors
 /// [`RoleError::Failed`] when the config or a knob is invalid, the runtime or the signal handlers
@@ -78,9 +81,14 @@ pub fn run(args: Args) -> Result<(), RoleError> {
         if let Ok(v) = std::env::var("TANDEM_DECODE_GATE_PROOF") {
             opts.gate_proof = GateProof::parse(&v).map_err(RoleError::Failed)?;
         }
-        let server = DecodeServer::start(&cfg, knobs, opts)
-            .await
-            .map_err(|e| RoleError::Failed(e.to_string()))?;
+        let server = match DecodeServer::start(&cfg, knobs, opts).await {
+            Ok(s) => s,
+            // Fail closed, visibly: not Ready, the typed refusal in /readyz, /report, /metrics.
+            Err(ServeError::Pools(e)) => {
+                return super::refusal::hold(&cfg, "decode", &e, stop).await;
+            }
+            Err(e) => return Err(RoleError::Failed(e.to_string())),
+        };
         println!("listening on {}", server.front_addr);
         let signal = stop.await;
         tracing::info!(signal, "stopping decode");
@@ -123,6 +131,10 @@ pub struct DecodeOptions {
     /// (5 min: above the KV deadline plus the longest simulated decode of `MAX_TOKENS_LIMIT` at
     /// 1 ms per token).
     pub request_deadline: Duration,
+    /// Snapshot sync of finished turns (DESIGN contract 4, issue 15): `TANDEM_DECODE_SNAPSHOT_SYNC`
+    /// `on` (default) or `off`. On, a turn that names `session_kv_hashes` is pushed to the prefill
+    /// of its next turn ([`snapshot_push`]).
+    pub snapshot_sync: bool,
 }
 
 /// The release gate's proof rule for an aborted room's pages (DESIGN contract 3, seed 004).
@@ -195,6 +207,8 @@ impl DecodeOptions {
             request_deadline: Duration::from_millis(
                 num("TANDEM_DECODE_REQUEST_DEADLINE_MS").unwrap_or(300_000),
             ),
+            snapshot_sync: std::env::var("TANDEM_DECODE_SNAPSHOT_SYNC")
+                .map_or(true, |v| v.trim() != "off"),
         }
     }
 }
@@ -376,6 +390,15 @@ impl DecodeServer {
             request_deadline: opts.request_deadline,
             deadline_tally: Arc::default(),
             engine_rooms: seat.as_ref().map(|s| s.rooms.clone()),
+            snapshots: opts.snapshot_sync.then(|| {
+                snapshot_push::SnapshotPush::new(
+                    peers.clone(),
+                    layout,
+                    &opts.worker_id,
+                    node.incarnation(),
+                    state.counters.clone(),
+                )
+            }),
         });
         let n = node.clone();
         state.on_refresh(move |s| {
@@ -390,7 +413,8 @@ impl DecodeServer {
         let seat_report: Arc<dyn Fn() -> serde_json::Value + Send + Sync> = match &seat {
             Some(s) => {
                 let (api, rooms, kind) = (s.seat.api.clone(), s.rooms.clone(), s.seat.kind);
-                Arc::new(move || engine_seat::report_of(kind, &api, &rooms))
+                let (reg, dir) = (s.seat.registration.clone(), s.seat.socket_dir.clone());
+                Arc::new(move || engine_seat::report_of(kind, &api, &rooms, &reg, &dir))
             }
             None => Arc::new(|| crate::roles::prefill::seat::report(None, None)),
         };
@@ -428,6 +452,10 @@ impl DecodeServer {
             m.insert("requests_deadline_exceeded".into(), expired.into());
             m.insert("peers".into(), serde_json::json!(p.addrs()));
             m.insert("incarnation".into(), serde_json::json!(n.incarnation()));
+            m.insert(
+                "peer_incarnations".into(),
+                serde_json::json!(p.incarnations()),
+            );
             m.insert("peer_restarts".into(), serde_json::json!(n.peer_restarts()));
             m.insert("refused_peers".into(), serde_json::json!(p.refused()));
             let by_reason: serde_json::Map<String, serde_json::Value> = AnomalyReason::ALL

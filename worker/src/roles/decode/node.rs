@@ -330,6 +330,11 @@ impl PrefillLink {
     pub fn incarnation(&self) -> u64 {
         self.state.incarnation
     }
+
+    /// A handle on the peer's `Transfer` client (snapshot sync's control calls).
+    pub fn client(&self) -> TransferClient<Channel> {
+        self.client.clone()
+    }
 }
 
 /// Page counts of the decode region.

@@ -261,4 +261,15 @@ impl PeerSet {
             .map(|l| l.addr().to_owned())
             .collect()
     }
+
+    /// The incarnation each live link's peer said hello with (issue 18; 0: unversioned), by
+    /// address: after a peer restarts on its address, the new process's incarnation appears here
+    /// once the link is handshaken again.
+    pub fn incarnations(&self) -> BTreeMap<String, u64> {
+        lock(&self.links)
+            .values()
+            .filter(|l| l.alive())
+            .map(|l| (l.addr().to_owned(), l.incarnation()))
+            .collect()
+    }
 }

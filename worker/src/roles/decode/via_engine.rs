@@ -57,6 +57,9 @@ pub struct Ask {
     pub stream: bool,
     /// Prefix identity (`kv_block_hashes`).
     pub hashes: Vec<u64>,
+    /// The request's own KV deadline (`kv_deadline_ms`), capped at the worker's as on the built-in
+    /// path.
+    pub kv_deadline: Option<Duration>,
 }
 
 /// Forgets an attempt when dropped (the request ended, or its future was dropped).
@@ -79,6 +82,8 @@ struct Attempt {
     peer: String,
     corrupt: u64,
     tokens_seen: bool,
+    /// The prefix hits the prefill peer's OpenRoom answered (known before the KV completes).
+    hits: cpb::PrefixHits,
 }
 
 /// What one wait on the engine brought.
@@ -115,6 +120,7 @@ impl Attempt {
                 EngineEvent::Reserved(key) => {
                     tracing::debug!(%key, peer = %self.peer, "the engine reserved the request's pages");
                 }
+                EngineEvent::Opened(hits) => self.hits = hits,
                 EngineEvent::EngineLost(why) => {
                     return Step::Fail(RequestError::NotReady(format!(
                         "the decode engine went away: {why}"
@@ -190,6 +196,13 @@ pub(super) async fn completion(
     );
     let mut peer_retry = false;
     let kv_bytes = pages * rooms.page_bytes();
+    // The KV deadline of every attempt: the worker's (with its per-token part), or the request's
+    // when shorter — the rule of the built-in path (`DecodeEngine::prefill`).
+    let ours = engine.kv_deadline
+        + engine
+            .kv_deadline_per_token
+            .saturating_mul(ask.prompt_tokens.max(1));
+    let kv_deadline = ask.kv_deadline.map_or(ours, |d| d.min(ours));
     for attempt in 0u32.. {
         admission.enter(Stage::Prefill);
         let shunned: Vec<String> = tried.iter().chain(&avoid).cloned().collect();
@@ -221,7 +234,7 @@ pub(super) async fn completion(
             attempt,
             prompt_tokens: ask.prompt_tokens.max(1),
             max_tokens: ask.max_tokens,
-            kv_deadline_ms: engine.kv_deadline.as_millis() as u64,
+            kv_deadline_ms: kv_deadline.as_millis().max(1) as u64,
             prefix_hashes: ask.hashes.clone(),
             draft_tokens: engine.draft_tokens.unwrap_or(0),
         };
@@ -243,9 +256,10 @@ pub(super) async fn completion(
             peer: peer.clone(),
             corrupt: 0,
             tokens_seen: false,
+            hits: cpb::PrefixHits::default(),
         };
         // Until the first tokens: the KV (reserve, transfer, verification).
-        let (first, end) = match at.next(engine.kv_deadline).await {
+        let (first, end) = match at.next(kv_deadline).await {
             Step::Report(tokens, end) => (tokens, end),
             Step::Fail(e) => {
                 admission.ended_with(&e);
@@ -253,7 +267,7 @@ pub(super) async fn completion(
             }
         };
         let prefilled = Prefilled {
-            hits: cpb::PrefixHits::default(),
+            hits: at.hits,
             kv_bytes,
             corrupt_chunks: at.corrupt,
             peer: peer.clone(),
@@ -267,7 +281,7 @@ pub(super) async fn completion(
                 tracing::warn!(request_id = ask.request_id, %peer, ?reason, message = %f.message, "the engine's room failed");
                 match reason {
                     api::FailureReason::KvTimeout => {
-                        let e = RequestError::Timeout(engine.kv_deadline);
+                        let e = RequestError::Timeout(kv_deadline);
                         admission.ended_with(&e);
                         return request_error_after(&e, &guard);
                     }
@@ -334,7 +348,7 @@ pub(super) async fn completion(
         let mut text: String = first.iter().map(|t| token_word(*t)).collect();
         let mut end = end;
         while end.is_none() {
-            match at.next(engine.kv_deadline).await {
+            match at.next(kv_deadline).await {
                 Step::Report(tokens, e) => {
                     text.extend(tokens.iter().map(|t| token_word(*t)));
                     end = e;

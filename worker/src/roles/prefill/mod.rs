@@ -32,9 +32,11 @@
 //!   with per-layer events, stores; contracts 5 and 7);
 //! - here: the CLI ([`Args`], [`run`]) and the server that wires them ([`PrefillServer`]).
 
+pub mod l3_report;
 pub mod node;
 pub mod prefix_cache;
 pub mod seat;
+pub mod snapshot_sync;
 pub mod tiers;
 
 use std::net::{IpAddr, SocketAddr};
@@ -49,6 +51,7 @@ use crate::config::WorkerConfig;
 use crate::health::counters::mirror;
 use crate::health::http::{ServeState, router, spawn_http};
 use crate::l3::manifest::ShardCoords;
+use crate::l3::replicas::BookConfig;
 use crate::transfer::Transport;
 use crate::transfer::tcp::{TcpConfig, TcpTransport};
 use node::{PrefillConfig, PrefillNode, PrefillService};
@@ -66,7 +69,9 @@ pub struct Args {
 }
 
 /// Runs the pool's prefill server until SIGTERM/SIGINT, then drains and exits 0. Prints
-/// `listening on ADDR` (the gRPC control address) once serving.
+/// `listening on ADDR` (the gRPC control address) once serving. When the engine seat's pools are
+/// refused it serves nothing and holds the refusal on the health port
+/// ([`super::refusal::hold`]) until SIGTERM.
 ///
 /// # Errors
 /// [`RoleError::Failed`] when the config or a knob is invalid, the runtime or the signal handlers
@@ -78,9 +83,14 @@ pub fn run(args: Args) -> Result<(), RoleError> {
     super::runtime()?.block_on(async move {
         let stop = signals::terminated()
             .map_err(|e| RoleError::Failed(format!("signal handlers: {e}")))?;
-        let server = PrefillServer::start(&cfg, knobs, PrefillOptions::from_env())
-            .await
-            .map_err(|e| RoleError::Failed(e.to_string()))?;
+        let server = match PrefillServer::start(&cfg, knobs, PrefillOptions::from_env()).await {
+            Ok(s) => s,
+            // Fail closed, visibly: not Ready, the typed refusal in /readyz, /report, /metrics.
+            Err(super::ServeError::Pools(e)) => {
+                return super::refusal::hold(&cfg, "prefill", &e, stop).await;
+            }
+            Err(e) => return Err(RoleError::Failed(e.to_string())),
+        };
         println!("listening on {}", server.control_addr);
         let signal = stop.await;
         tracing::info!(signal, "stopping prefill");
@@ -104,6 +114,39 @@ pub struct PrefillOptions {
     /// Most pages loaded back at start (`TANDEM_L3_LOADBACK_PAGES`; default: the L2 capacity;
     /// 0 disables loadback).
     pub loadback_pages: Option<usize>,
+    /// The L3 replica book's knobs: `TANDEM_L3_WRITE_RAMP_S` (write ramp of a replica that
+    /// attached empty, seconds, at least 1; default 60) and `TANDEM_L3_RATE_WINDOW_S` (window of
+    /// the per-replica write rates, seconds, at least 1; default 60). Builds with the
+    /// `negative-controls` feature also read `TANDEM_L3_WRITE_RAMP_OFF_FOR_TEST=1` (no ramp).
+    pub l3_book: BookConfig,
+}
+
+/// Seconds from `var`, at least 1; `default` when unset or unparsable.
+fn env_secs(var: &str, default: Duration) -> Duration {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite())
+        .map_or(default, |s| Duration::from_secs_f64(s.max(1.0)))
+}
+
+fn l3_book_from_env() -> BookConfig {
+    let d = BookConfig::default();
+    #[cfg(feature = "negative-controls")]
+    let ramp_enabled = !matches!(
+        std::env::var("TANDEM_L3_WRITE_RAMP_OFF_FOR_TEST")
+            .as_deref()
+            .map(str::trim),
+        Ok("1")
+    );
+    #[cfg(not(feature = "negative-controls"))]
+    let ramp_enabled = true;
+    BookConfig {
+        ramp: env_secs("TANDEM_L3_WRITE_RAMP_S", d.ramp),
+        rate_window: env_secs("TANDEM_L3_RATE_WINDOW_S", d.rate_window),
+        ramp_enabled,
+        ..d
+    }
 }
 
 impl PrefillOptions {
@@ -117,6 +160,7 @@ impl PrefillOptions {
             loadback_pages: std::env::var("TANDEM_L3_LOADBACK_PAGES")
                 .ok()
                 .and_then(|v| v.trim().parse().ok()),
+            l3_book: l3_book_from_env(),
         }
     }
 }
@@ -151,10 +195,14 @@ impl PrefillServer {
         opts: PrefillOptions,
     ) -> Result<Self, ServeError> {
         let engine_metrics = seat::EngineMetrics::default();
+        let l3_metrics = l3_report::L3Metrics::default();
         let state =
             ServeState::with_metrics("prefill", &cfg.pool, &cfg.revision, "starting", |r| {
                 if cfg.engine.is_some() {
                     engine_metrics.register(r);
+                }
+                if cfg.cache.is_some() {
+                    l3_metrics.register(r);
                 }
             });
         let (layout, target_token_bytes) = match &cfg.engine {
@@ -175,6 +223,9 @@ impl PrefillServer {
             },
             transport.clone(),
         );
+        // Issue 18: this process's incarnation (what its hello and heartbeats carry), so a reader
+        // can match it with the decode's `peer_incarnations` after a restart on the same address.
+        state.set_section("incarnation", serde_json::json!(node.incarnation()));
         let mut service = PrefillService::new(node.clone());
         service.revision = cfg.revision.clone();
         let page_bytes = layout.page_bytes().max(1);
@@ -211,14 +262,26 @@ impl PrefillServer {
             None => st.health.recover("l3"),
         });
         let with_tier = l3.is_some();
-        let cache = Arc::new(PrefixCache::new(
-            l2_pages,
-            l3,
-            Resolver::from_env(),
-            knobs.prefill_per_token,
-            state.counters.clone(),
-            sink,
-        ));
+        let cache = Arc::new(
+            PrefixCache::new(
+                l2_pages,
+                l3,
+                Resolver::from_env(),
+                knobs.prefill_per_token,
+                state.counters.clone(),
+                sink,
+            )
+            .with_replica_book(opts.l3_book.clone(), l3_metrics),
+        );
+        if with_tier {
+            // Weak: the cache's health sink already holds the state.
+            let c = Arc::downgrade(&cache);
+            state.on_refresh(move |st| {
+                if let Some(c) = c.upgrade() {
+                    st.set_section("l3", c.l3_report());
+                }
+            });
+        }
         // With a tier, no room is admitted before the hot prefixes are back in L2; with a refused
         // transport, none at all.
         service
@@ -257,6 +320,40 @@ impl PrefillServer {
         // L2 holds page bytes and which loads back from L3 itself).
         if seat.is_none() {
             service.planner = Some(cache.clone());
+        }
+        // Snapshot sync (DESIGN contract 4, issue 15): the built-in engine's KV pool and the
+        // snapshot buffer with its receiver on the data port. With an engine beside the worker the
+        // engine owns the pages; the engine path is not wired yet (SnapshotPrepare answers
+        // DISABLED, `config.unused` says so).
+        let snapshots = if seat.is_none() && cfg.memory.snapshot_buffer_bytes > 0 {
+            let sync = snapshot_sync::start_builtin(
+                cfg,
+                &opts,
+                layout,
+                cache.clone(),
+                state.counters.clone(),
+            )
+            .map_err(ServeError::Snapshot)?;
+            service.pages = sync.0;
+            service.snapshots = Some(sync.1.clone());
+            let s = sync.1;
+            state.on_refresh(move |st| {
+                mirror(&st.counters.snapshot_evicted, s.evicted());
+            });
+            service.snapshots.clone()
+        } else {
+            None
+        };
+        if seat.is_none() {
+            let snap = snapshots.clone();
+            state.set_extra(move || {
+                let mut m = serde_json::Map::new();
+                m.insert("engine".into(), seat::report(None, None));
+                if let Some(s) = &snap {
+                    m.insert("snapshot".into(), s.report());
+                }
+                m
+            });
         }
         let n = node.clone();
         state.on_refresh(move |s| {
@@ -372,6 +469,9 @@ impl PrefillServer {
             tracing::error!("writes still in flight at the drain deadline");
         }
         self.transport.shutdown();
+        if let Some(s) = &self.service.snapshots {
+            s.shutdown();
+        }
         let (cache, layout) = (self.cache.clone(), self.layout);
         let tiers = self.seat.as_ref().and_then(|s| s.tiers.clone());
         let flush_deadline = Instant::now() + Duration::from_secs(10);

@@ -519,6 +519,11 @@ pub struct PrefillService {
     pub planner: Option<Arc<dyn RoomPlanner>>,
     /// Cleared at drain (SIGTERM): new rooms are refused with `UNAVAILABLE`, running ones finish.
     pub admitting: Arc<AtomicBool>,
+    /// The prefill KV pool the built-in engine's rooms hold pages of while they compute (issue
+    /// 15); `None`: rooms hold no pool pages.
+    pub pages: Option<Arc<super::snapshot_sync::PrefillPages>>,
+    /// The snapshot service (DESIGN contract 4); `None`: `SnapshotPrepare` answers `DISABLED`.
+    pub snapshots: Option<Arc<super::snapshot_sync::SnapshotSync>>,
 }
 
 impl PrefillService {
@@ -530,6 +535,8 @@ impl PrefillService {
             revision: String::new(),
             planner: None,
             admitting: Arc::new(AtomicBool::new(true)),
+            pages: None,
+            snapshots: None,
         }
     }
 
@@ -682,11 +689,31 @@ impl Transfer for PrefillService {
         if self.drive_engine {
             let node = self.node.clone();
             let planner = self.planner.clone();
+            let pool = self.pages.clone();
+            let hold_until = tokio::time::Instant::now()
+                + Duration::from_millis(if r.deadline_ms > 0 {
+                    r.deadline_ms
+                } else {
+                    30_000
+                });
             tokio::spawn(async move {
                 let delays = plan.per_page.clone();
-                if node.run_engine(key, pages, delays).await
-                    && let Some(planner) = planner
-                {
+                // The room's pages of the prefill KV pool, held while it computes and sends.
+                let held = match &pool {
+                    Some(p) => {
+                        let got = p.acquire(pages as usize, hold_until).await;
+                        if got.is_none() {
+                            tracing::warn!(%key, "prefill KV pool stayed full; computing without pool pages");
+                        }
+                        got
+                    }
+                    None => None,
+                };
+                let sent = node.run_engine(key, pages, delays).await;
+                if let (Some(p), Some(held)) = (&pool, held) {
+                    p.release(&held);
+                }
+                if sent && let Some(planner) = planner {
                     let _ = tokio::task::spawn_blocking(move || {
                         planner.computed(&spec, layout, &plan);
                     })
@@ -825,5 +852,60 @@ impl Transfer for PrefillService {
             tracing::info!(decode = %worker, "signal stream closed");
         });
         Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+    }
+
+    async fn snapshot_prepare(
+        &self,
+        req: Request<pb::SnapshotPrepareRequest>,
+    ) -> Result<Response<pb::SnapshotPrepareReply>, Status> {
+        let r = req.into_inner();
+        let Some(sync) = self.snapshots.clone() else {
+            return Ok(Response::new(pb::SnapshotPrepareReply {
+                outcome: pb::SnapshotOutcome::Disabled as i32,
+                message: "this prefill has no snapshot buffer (memory.snapshotBufferBytes 0)"
+                    .into(),
+                ..Default::default()
+            }));
+        };
+        if !self.admitting.load(Ordering::SeqCst) {
+            return Err(Status::unavailable("prefill is not admitting"));
+        }
+        if r.page_keys.is_empty() {
+            return Err(Status::invalid_argument("snapshot without page keys"));
+        }
+        tokio::task::spawn_blocking(move || sync.prepare(&r))
+            .await
+            .map(Response::new)
+            .map_err(|e| Status::internal(e.to_string()))
+    }
+
+    async fn snapshot_seal(
+        &self,
+        req: Request<pb::SnapshotRef>,
+    ) -> Result<Response<pb::SnapshotReply>, Status> {
+        let r = req.into_inner();
+        let sync = self
+            .snapshots
+            .clone()
+            .ok_or_else(|| Status::failed_precondition("no snapshot buffer"))?;
+        tokio::task::spawn_blocking(move || sync.seal(r))
+            .await
+            .map(Response::new)
+            .map_err(|e| Status::internal(e.to_string()))
+    }
+
+    async fn snapshot_abort(
+        &self,
+        req: Request<pb::SnapshotRef>,
+    ) -> Result<Response<pb::SnapshotReply>, Status> {
+        let r = req.into_inner();
+        let sync = self
+            .snapshots
+            .clone()
+            .ok_or_else(|| Status::failed_precondition("no snapshot buffer"))?;
+        tokio::task::spawn_blocking(move || sync.abort(r))
+            .await
+            .map(Response::new)
+            .map_err(|e| Status::internal(e.to_string()))
     }
 }

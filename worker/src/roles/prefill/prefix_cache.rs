@@ -16,6 +16,12 @@
 //! bytes and which reaches L3 through this cache's replica access ([`PrefixCache::l3_get`],
 //! [`PrefixCache::l3_put`], [`PrefixCache::l3_leading_pages`], [`PrefixCache::l3_hot`]).
 //!
+//! Replicas are re-resolved on every call and kept in a [`ReplicaBook`] (issue 18 item 4): a
+//! replica that attaches empty gets a share of writes that ramps up instead of the whole refill
+//! (kvcache-ai/Mooncake#3688), reads that miss on a page's owner try the page's second-ranked
+//! replica, a refused address backs off (bounded), and the time to reattach after an outage is
+//! logged and reported ([`super::l3_report`]).
+//!
 //! Only pages the store acknowledged count as L3 hits (a failed or pending put is not a hit;
 //! DESIGN contract 7). A replica that cannot be reached is a miss and a degraded reason, never an
 //! error of the request.
@@ -26,6 +32,7 @@ use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::l3_report::{self, L3Metrics};
 use super::node::{ComputePlan, RoomPlanner};
 use crate::config::WritePolicy;
 use crate::control::KvLayout;
@@ -34,7 +41,8 @@ use crate::engine::{ChunkSpec, fill_chunk};
 use crate::health::counters::Counters;
 use crate::l3::client::L3Client;
 use crate::l3::manifest::{ObjectKey, ShardCoords};
-use crate::l3::placement::{self, Placement};
+use crate::l3::placement;
+use crate::l3::replicas::{BookConfig, ReplicaBook};
 use crate::memory::pool::PoolRole;
 use crate::roles::resolve::Resolver;
 use crate::tier::hit_accounting::page_token_len;
@@ -43,6 +51,9 @@ use crate::tier::{PageKey, PrefixIndex, Residency, Tier};
 
 /// The L3 protocol port of store replicas (worker/interfaces/README.md §2).
 pub const L3_PORT: u16 = crate::config::DEFAULT_L3_PORT;
+
+/// Connect (and per-call I/O) timeout of a replica connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -67,9 +78,14 @@ pub struct PrefixCache {
     l3: Option<L3Target>,
     resolver: Resolver,
     clients: Mutex<HashMap<SocketAddr, Arc<L3Client>>>,
+    book: Mutex<ReplicaBook>,
+    metrics: L3Metrics,
     prefill_per_token: Duration,
     counters: Counters,
     health: Arc<dyn Fn(Option<String>) + Send + Sync>,
+    /// Keys a finalized snapshot added to L2 (issue 15; bounded like L2): hits on them count in
+    /// `snapshot_hit_tokens`.
+    from_snapshot: Mutex<lru::LruCache<PageKey, ()>>,
 }
 
 impl PrefixCache {
@@ -90,10 +106,34 @@ impl PrefixCache {
             l3,
             resolver,
             clients: Mutex::new(HashMap::new()),
+            book: Mutex::new(ReplicaBook::new(BookConfig::default())),
+            metrics: L3Metrics::default(),
             prefill_per_token,
             counters,
             health,
+            from_snapshot: Mutex::new(lru::LruCache::new(cap.unwrap_or(NonZeroUsize::MIN))),
         }
+    }
+
+    /// Runs `f` on the prefix index (L2 of the built-in engine; snapshot finalize inserts here).
+    pub fn with_index<R>(&self, f: impl FnOnce(&mut PrefixIndex) -> R) -> R {
+        f(&mut lock(&self.index))
+    }
+
+    /// Remembers `keys` as added to L2 by a snapshot sync (not computed here).
+    pub fn mark_from_snapshot(&self, keys: &[PageKey]) {
+        let mut set = lock(&self.from_snapshot);
+        for k in keys {
+            set.put(*k, ());
+        }
+    }
+
+    /// With the replica book's knobs `book` (write ramp, rate window, backoff) and the `/metrics`
+    /// gauges it updates (registered by the caller).
+    pub fn with_replica_book(mut self, book: BookConfig, metrics: L3Metrics) -> Self {
+        self.book = Mutex::new(ReplicaBook::new(book));
+        self.metrics = metrics;
+        self
     }
 
     /// Page keys of a request, or none when its blocks are not pages of this layout.
@@ -119,9 +159,10 @@ impl PrefixCache {
         }
     }
 
-    /// The replica that owns `page` ([`placement::owner`]: rendezvous hashing, so a change of the
-    /// replica set moves only the pages of the replica that changed).
-    fn client_for(&self, target: &L3Target, page: PageKey) -> Option<Arc<L3Client>> {
+    /// The resolved replica set (re-resolved on every call, so a replica that moved is followed
+    /// at the next call: kvcache-ai/Mooncake#2185, #3740), recorded in the book; connections to
+    /// addresses no longer listed are closed.
+    fn resolve(&self, target: &L3Target) -> Option<Vec<SocketAddr>> {
         let addrs = match self.resolver.lookup_blocking(&target.service, target.port) {
             Ok(a) if !a.is_empty() => a,
             Ok(_) => {
@@ -133,18 +174,75 @@ impl PrefixCache {
                 return None;
             }
         };
-        let addr = placement::owner(page, &addrs, Placement::Rendezvous)?;
+        lock(&self.book).observe_set(&addrs, Instant::now());
+        lock(&self.clients).retain(|a, _| addrs.contains(a));
+        Some(addrs)
+    }
+
+    /// The replicas to try for `page`, best first. A write goes to the weighted owner
+    /// ([`placement::weighted_owner`]: rendezvous hashing, a replica that attached empty weighted
+    /// by its ramp) among the replicas not backing off; a read tries that one, then the other of
+    /// the page's two highest-ranked replicas ([`placement::top_two`]), where a page written
+    /// under another weight (during a ramp, or while its owner was away) lies.
+    fn route(&self, target: &L3Target, page: PageKey, read: bool) -> Vec<SocketAddr> {
+        let Some(addrs) = self.resolve(target) else {
+            return Vec::new();
+        };
+        let placeable = lock(&self.book).placeable(&addrs, Instant::now());
+        let Some(first) = placement::weighted_owner(page, &placeable) else {
+            (self.health)(Some(format!(
+                "every replica of {} refused a connection; backing off",
+                target.service
+            )));
+            return Vec::new();
+        };
+        let mut route = vec![first];
+        if read {
+            let up: Vec<SocketAddr> = placeable.iter().map(|(a, _)| *a).collect();
+            let (a, b) = placement::top_two(page, &up);
+            if let Some(other) = [a, b].into_iter().flatten().find(|c| *c != first) {
+                route.push(other);
+            }
+        }
+        route
+    }
+
+    /// The open connection to `addr`, or a new one whose health call answered. A new connection
+    /// is an attachment in the book: it ends an open outage (logged and reported with its
+    /// length) and starts the write ramp when the replica is empty. A refused connection backs
+    /// the address off.
+    fn client(&self, addr: SocketAddr) -> Option<Arc<L3Client>> {
         if let Some(c) = lock(&self.clients).get(&addr) {
             return Some(c.clone());
         }
-        match L3Client::connect(addr, Duration::from_millis(500)) {
-            Ok(c) => {
+        let attached = L3Client::connect(addr, CONNECT_TIMEOUT).and_then(|c| {
+            let h = c.health()?;
+            Ok((c, h))
+        });
+        let now = Instant::now();
+        match attached {
+            Ok((c, h)) => {
+                let empty = h.objects == 0 && h.loadback.total == 0;
+                let (event, ramp) = {
+                    let mut book = lock(&self.book);
+                    let event = book.attached(addr, empty, now);
+                    // Below 1 exactly while it ramps, whatever the replica count (≥ 2).
+                    (event, book.weight(&addr, now, 2) < 1.0)
+                };
+                if let Some(r) = event {
+                    tracing::info!(%addr, outage_s = r.outage_s, since_listed_s = r.since_listed_s,
+                        "L3 replica reattached");
+                }
+                if ramp {
+                    tracing::info!(%addr, "L3 replica attached empty: its share of writes ramps up");
+                }
                 let c = Arc::new(c);
                 lock(&self.clients).insert(addr, c.clone());
                 (self.health)(None);
                 Some(c)
             }
             Err(e) => {
+                lock(&self.book).connect_failed(addr, now);
                 (self.health)(Some(format!("L3 replica {addr}: {e}")));
                 None
             }
@@ -155,21 +253,24 @@ impl PrefixCache {
         lock(&self.clients).retain(|_, c| !Arc::ptr_eq(c, client));
     }
 
-    /// Runs `call` on the replica owning `page`; a failed call drops that connection and is
-    /// retried once on a fresh one (a restarted replica leaves a dead connection behind).
-    fn with_replica<T>(
+    /// Runs `call` on `addr`; a failed call drops that connection and is retried once on a fresh
+    /// one (a restarted replica leaves a dead connection behind).
+    fn call_on<T>(
         &self,
-        target: &L3Target,
-        page: PageKey,
+        addr: SocketAddr,
         what: &str,
         call: impl Fn(&L3Client) -> Result<T, crate::l3::client::L3ClientError>,
     ) -> Option<T> {
         for attempt in 0..2 {
-            let client = self.client_for(target, page)?;
+            let client = self.client(addr)?;
             match call(&client) {
                 Ok(v) => return Some(v),
                 Err(e) => {
                     self.drop_client(&client);
+                    // The connection is gone (not a refusal the server explained).
+                    if !matches!(e, crate::l3::client::L3ClientError::Server(_)) {
+                        lock(&self.book).call_failed(addr, Instant::now());
+                    }
                     if attempt == 1 {
                         (self.health)(Some(format!("L3 {what}: {e}")));
                     }
@@ -179,12 +280,56 @@ impl PrefixCache {
         None
     }
 
+    /// A read of `page` along its [`route`](Self::route): the first answer that `hit` accepts,
+    /// else the last answer (a miss), else `None` when no replica answered.
+    fn read<T>(
+        &self,
+        target: &L3Target,
+        page: PageKey,
+        what: &str,
+        call: impl Fn(&L3Client) -> Result<T, crate::l3::client::L3ClientError>,
+        hit: impl Fn(&T) -> bool,
+    ) -> Option<T> {
+        let mut last = None;
+        for addr in self.route(target, page, true) {
+            match self.call_on(addr, what, &call) {
+                Some(v) if hit(&v) => return Some(v),
+                Some(v) => last = Some(v),
+                None => {}
+            }
+        }
+        last
+    }
+
+    /// Puts `bytes` as `page`'s object on its weighted owner; true when acknowledged (stored, or
+    /// already present), recorded in the book's per-replica rates.
+    fn write(&self, target: &L3Target, page: PageKey, object: &ObjectKey, bytes: &[u8]) -> bool {
+        let Some(addr) = self.route(target, page, false).first().copied() else {
+            return false;
+        };
+        match self.call_on(addr, "put", |c| c.put(object, bytes)) {
+            Some(stored) => {
+                lock(&self.book).put_done(addr, bytes.len() as u64, stored, Instant::now());
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The `l3` section of `/report` ([`l3_report::section`]) and the `/metrics` gauges, now.
+    pub fn l3_report(&self) -> serde_json::Value {
+        let now = Instant::now();
+        let book = lock(&self.book);
+        self.metrics.update(&book, now);
+        l3_report::section(&book, now)
+    }
+
     /// Leading pages of `keys` present in L3.
     fn l3_leading(&self, target: &L3Target, keys: &[PageKey]) -> usize {
         let mut n = 0;
         for key in keys {
             let object = self.object(target, *key);
-            match self.with_replica(target, *key, "lookup", |c| c.lookup(&[object])) {
+            match self.read(target, *key, "lookup", |c| c.lookup(&[object]), |n| *n > 0) {
                 Some(1) => n += 1,
                 _ => break,
             }
@@ -220,10 +365,7 @@ impl PrefixCache {
                 self.object(target, *page),
                 Self::object_bytes(*page, layout),
             );
-            if self
-                .with_replica(target, *page, "put", |c| c.put(&object, &bytes))
-                .is_none()
-            {
+            if !self.write(target, *page, &object, &bytes) {
                 return;
             }
             self.counters.l3_pages_written.inc();
@@ -232,7 +374,7 @@ impl PrefixCache {
 }
 
 /// L3 access for the engine API's tier backend ([`super::tiers::HostTiers`]): the same replica
-/// resolution, placement, reconnect-once and degraded reasons as the built-in path.
+/// resolution, placement, write ramp, reconnect-once and degraded reasons as the built-in path.
 impl PrefixCache {
     /// The L3 target, when a tier is configured.
     pub fn l3_target(&self) -> Option<&L3Target> {
@@ -255,7 +397,7 @@ impl PrefixCache {
     pub fn l3_get(&self, page: PageKey) -> Result<Option<Vec<u8>>, String> {
         let target = self.l3.as_ref().ok_or("no L3 tier is configured")?;
         let object = self.object(target, page);
-        self.with_replica(target, page, "get", |c| c.get(&object))
+        self.read(target, page, "get", |c| c.get(&object), Option::is_some)
             .ok_or_else(|| format!("no L3 replica answered a get of page {page}"))
     }
 
@@ -264,9 +406,7 @@ impl PrefixCache {
     pub fn l3_put(&self, page: PageKey, bytes: &[u8]) -> bool {
         let Some(target) = &self.l3 else { return false };
         let object = self.object(target, page);
-        let ok = self
-            .with_replica(target, page, "put", |c| c.put(&object, bytes))
-            .is_some();
+        let ok = self.write(target, page, &object, bytes);
         if ok {
             self.counters.l3_pages_written.inc();
         }
@@ -288,7 +428,7 @@ impl PrefixCache {
         };
         let mut hot = Vec::new();
         for addr in addrs {
-            match L3Client::connect(addr, Duration::from_millis(500))
+            match L3Client::connect(addr, CONNECT_TIMEOUT)
                 .and_then(|c| c.hot(target.shard, PoolRole::Target, limit))
             {
                 Ok(keys) => hot.extend(keys.into_iter().map(|o| o.page)),
@@ -317,7 +457,7 @@ impl PrefixCache {
         };
         let mut hot = Vec::new();
         for addr in addrs {
-            match L3Client::connect(addr, Duration::from_millis(500))
+            match L3Client::connect(addr, CONNECT_TIMEOUT)
                 .and_then(|c| c.hot(target.shard, PoolRole::Target, limit))
             {
                 Ok(keys) => hot.extend(keys),
@@ -331,7 +471,13 @@ impl PrefixCache {
                 break;
             }
             let expected = Self::object_bytes(object.page, layout);
-            match self.with_replica(target, object.page, "get", |c| c.get(object)) {
+            match self.read(
+                target,
+                object.page,
+                "get",
+                |c| c.get(object),
+                Option::is_some,
+            ) {
                 Some(Some(bytes)) if bytes == expected => {
                     lock(&self.index).insert(Tier::L2Host, &[object.page], Residency::Present);
                     self.counters.l3_pages_loaded_back.inc();
@@ -384,6 +530,17 @@ impl RoomPlanner for PrefixCache {
             l3: tokens(l2..l2 + l3),
         };
         let c = &self.counters;
+        let from_snapshot: u64 = {
+            let set = lock(&self.from_snapshot);
+            (0..l2)
+                .filter(|p| set.contains(&keys[*p]))
+                .map(|p| page_token_len(input, page_tokens, p))
+                .sum()
+        };
+        if from_snapshot > 0 {
+            c.snapshot_hit_tokens.inc_by(from_snapshot);
+            c.snapshot_hit_requests.inc();
+        }
         c.prefix_lookup_tokens.inc_by(input);
         c.prefix_hit_tokens_l2.inc_by(hits.l2);
         c.prefix_hit_tokens_l3.inc_by(hits.l3);

@@ -272,6 +272,8 @@ pub struct Seat {
     /// The tier backend (L2 bytes, L3) the engine's Lookup/Load/Store reach (a prefill's; a
     /// decode serves no tier calls).
     pub tiers: Option<Arc<HostTiers>>,
+    /// The registration transactions of the seat's pools ([`registration_report`]).
+    pub registration: RegistrationMetrics,
     server: RunningServer,
 }
 
@@ -332,7 +334,7 @@ pub fn report(seat: Option<(&EngineKind, &Arc<EngineApi>)>, tiers: Option<&HostT
 pub enum SeatRole<'a> {
     /// A prefill worker: PrefillWork from the node's rooms, PagesReady moved by its transport, the
     /// tier calls served by a [`HostTiers`] over the [`TierSeat`].
-    Prefill(&'a Arc<PrefillNode>, TierSeat),
+    Prefill(&'a Arc<PrefillNode>, Box<TierSeat>),
     /// A decode worker: Reserve opens rooms through this transport (and it receives EmitTokens).
     /// The role follows the attach in its own readiness and `/report`.
     Decode(Arc<dyn KvSource>),
@@ -340,7 +342,7 @@ pub enum SeatRole<'a> {
 
 /// The registration transactions of the seat's pools, summed over pool roles: `commits`,
 /// `rollbacks`, `fallbacks` and `quarantined` (a registration whose undo failed: a leak).
-fn registration_report(m: &RegistrationMetrics) -> Value {
+pub fn registration_report(m: &RegistrationMetrics) -> Value {
     let sum = |f: &Family<RoleLabel, Counter>| -> u64 {
         ["target", "draft", "indexer"]
             .iter()
@@ -363,7 +365,7 @@ fn registration_report(m: &RegistrationMetrics) -> Value {
 /// The simulated engine's own running summary ([`crate::engine_api::SIM_SUMMARY_FILE`] in the
 /// socket directory: rooms, loaded pages verified, loaded chunks corrupt, load waits, reads before
 /// ready), or null (a real engine, or none published yet).
-fn engine_summary(dir: &std::path::Path) -> Value {
+pub fn engine_summary(dir: &std::path::Path) -> Value {
     std::fs::read(dir.join(crate::engine_api::SIM_SUMMARY_FILE))
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
@@ -401,7 +403,7 @@ impl Seat {
         Self::start_role(
             cfg,
             seat,
-            SeatRole::Prefill(node, tier),
+            SeatRole::Prefill(node, Box::new(tier)),
             state,
             rank,
             metrics,
@@ -430,7 +432,14 @@ impl Seat {
         api_cfg.ranks = cfg.parallelism.ranks_of(rank);
         match &role {
             SeatRole::Prefill(..) => api_cfg.prefill_rank = rank,
-            SeatRole::Decode(_) => api_cfg.decode_rank = rank,
+            SeatRole::Decode(_) => {
+                api_cfg.decode_rank = rank;
+                // Negative control only (feature `negative-controls`, `$TANDEM_NEGATIVE_GATE_BYPASS`).
+                #[cfg(feature = "negative-controls")]
+                {
+                    api_cfg.unsafe_release_on_abort = crate::roles::gate_bypass_from_env();
+                }
+            }
         }
         let health = Arc::new(Health::new());
         let sidecar = resolve_path(std::path::Path::new(SIDECAR_SOCKET));
@@ -444,7 +453,7 @@ impl Seat {
         .map_err(|e| ServeError::Config(format!("engine pools: {e}")))?;
         let attached = pools
             .attach(&roles_configured(cfg))
-            .map_err(|e| ServeError::Config(format!("engine pools: {e}")))?;
+            .map_err(ServeError::Pools)?;
         for p in &attached {
             let (reg, reason) = registration_state(&p.registration);
             metrics
@@ -587,6 +596,7 @@ impl Seat {
             socket_dir,
             api,
             tiers,
+            registration: metrics.registration.clone(),
             server,
         })
     }

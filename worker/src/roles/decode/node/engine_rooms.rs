@@ -48,6 +48,10 @@ pub const ENGINE_REGION: RegionId = RegionId(1);
 pub enum EngineEvent {
     /// The engine reserved the attempt's pages; the room is opening on the prefill peer.
     Reserved(RoomKey),
+    /// The prefill peer opened the room: the prefix hits its open-time lookup found (the tokens of
+    /// the prompt it loads from L2 and L3 instead of computing them; the response's
+    /// `prefix_hit_tokens`). Always sent before the room's KV can complete.
+    Opened(cpb::PrefixHits),
     /// An EmitTokens of the attempt (tokens, verification, maybe its end).
     Report(api::EmitTokensRequest),
     /// The engine detached or died: the attempt cannot end otherwise (its room, if any, failed
@@ -67,6 +71,11 @@ struct Pending {
 struct EngineRoom {
     peer: String,
     complete: bool,
+    /// The peer answered OpenRoom (its hits went to the attempt).
+    opened: bool,
+    /// The last chunk landed before the OpenRoom answer: the completion waits for it, so that the
+    /// attempt learns the hits before its KV is complete.
+    complete_on_open: bool,
 }
 
 /// Counters of the engine path (monotonic).
@@ -296,24 +305,14 @@ impl EngineRooms {
             Some(Body::Chunk(c)) => {
                 side.on_chunk(key);
                 if c.last {
-                    if let Some(r) = lock(&self.rooms).get_mut(&key) {
+                    let now = lock(&self.rooms).get_mut(&key).is_some_and(|r| {
                         r.complete = true;
-                    }
-                    // Every write concluded: the receiver closes the room (nothing lands in its
-                    // pages while the engine reads them), then the KV is complete.
-                    let node = self.node.clone();
-                    self.runtime.spawn_blocking(move || {
-                        match node
-                            .receiver
-                            .fence(key, Instant::now() + Duration::from_secs(1))
-                        {
-                            Ok(_) => side.on_complete(key),
-                            Err(e) => {
-                                tracing::warn!(%key, error = %e, "fence at completion failed");
-                                side.on_failed(key, FailureCause::TransferFailed);
-                            }
-                        }
+                        r.complete_on_open = !r.opened;
+                        r.opened
                     });
+                    if now {
+                        complete(&self.node, &self.runtime, side, key);
+                    }
                     self.stats.rooms_complete.fetch_add(1, Ordering::Relaxed);
                 }
             }
@@ -351,6 +350,44 @@ impl EngineRooms {
     }
 }
 
+/// Every write of `key` concluded: the receiver closes the room (nothing lands in its pages while
+/// the engine reads them), then the KV is complete.
+fn complete(
+    node: &Arc<DecodeNode>,
+    runtime: &tokio::runtime::Handle,
+    side: Arc<DecodeSide>,
+    key: RoomKey,
+) {
+    let node = node.clone();
+    runtime.spawn_blocking(move || {
+        match node
+            .receiver
+            .fence(key, Instant::now() + Duration::from_secs(1))
+        {
+            Ok(_) => side.on_complete(key),
+            Err(e) => {
+                tracing::warn!(%key, error = %e, "fence at completion failed");
+                side.on_failed(key, FailureCause::TransferFailed);
+            }
+        }
+    });
+}
+
+impl EngineRooms {
+    /// The peer answered the OpenRoom of `key`: the attempt gets the hits, then a completion that
+    /// waited for the answer runs.
+    fn opened(&self, key: RoomKey, hits: cpb::PrefixHits, tx: &mpsc::UnboundedSender<EngineEvent>) {
+        let _ = tx.send(EngineEvent::Opened(hits));
+        let waiting = lock(&self.rooms).get_mut(&key).is_some_and(|r| {
+            r.opened = true;
+            std::mem::take(&mut r.complete_on_open)
+        });
+        if waiting && let Some(side) = self.side() {
+            complete(&self.node, &self.runtime, side, key);
+        }
+    }
+}
+
 impl KvSource for EngineRooms {
     fn writers(&self, request_id: u64) -> Vec<PrefillRank> {
         lock(&self.pending)
@@ -382,6 +419,8 @@ impl KvSource for EngineRooms {
             EngineRoom {
                 peer: link.addr().to_owned(),
                 complete: false,
+                opened: false,
+                complete_on_open: false,
             },
         );
         self.node.receiver.open_room(room.key);
@@ -405,11 +444,21 @@ impl KvSource for EngineRooms {
         let mut client = link.client.clone();
         let api = self.api.get().cloned();
         let key = room.key;
+        let me = self.node.engine_rooms.get().cloned();
         self.runtime.spawn(async move {
-            if let Err(status) = client.open_room(open).await {
-                tracing::warn!(%key, %status, "OpenRoom of an engine room failed");
-                if let Some(side) = api.and_then(|a| a.upgrade()).and_then(|a| a.decode_side()) {
-                    side.on_failed(key, FailureCause::TransferFailed);
+            match client.open_room(open).await {
+                Ok(reply) => {
+                    let hits = reply.into_inner().hits.unwrap_or_default();
+                    if let Some(me) = me.and_then(|w| w.upgrade()) {
+                        me.opened(key, hits, &tx);
+                    }
+                }
+                Err(status) => {
+                    tracing::warn!(%key, %status, "OpenRoom of an engine room failed");
+                    if let Some(side) = api.and_then(|a| a.upgrade()).and_then(|a| a.decode_side())
+                    {
+                        side.on_failed(key, FailureCause::TransferFailed);
+                    }
                 }
             }
         });
