@@ -118,6 +118,11 @@ struct WorkloadArgs {
     /// The abort probe's KV deadline, in ms (≥ 1).
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     abort_deadline_ms: u64,
+    /// Snapshot sync (issue 15): `on` names each request's session KV (its next turn in the
+    /// trace: the first later request extending its hash chain), so the decode pushes it to the
+    /// next turn's prefill; `off` never does.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    snapshot_sync: String,
 }
 
 impl WorkloadArgs {
@@ -131,6 +136,7 @@ impl WorkloadArgs {
                 every: self.abort_every,
                 kv_deadline_ms: self.abort_deadline_ms,
             }),
+            snapshot_sync: self.snapshot_sync == "on",
             ..ReplayConfig::default()
         }
     }
@@ -195,8 +201,8 @@ struct DemoArgs {
     /// Deadline of each wait (operator, Ready, scale, restart, teardown), seconds.
     #[arg(long, default_value_t = 300)]
     wait_timeout_s: u64,
-    /// Run the PrefillPool on the worker's built-in engine instead of the Simulated engine
-    /// container on the engine API.
+    /// Run the PrefillPool and the DecodePool on the worker's built-in engine instead of the
+    /// Simulated engine container on the engine API.
     #[arg(long)]
     builtin_engine: bool,
 }

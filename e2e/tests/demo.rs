@@ -11,6 +11,11 @@
 //! next to the repository, else `/work/shared/data/…` (the workplace's path); without it the
 //! demo's built-in generated workload is used (printed), unless `TANDEM_REQUIRE_DATA=1`: then the
 //! test fails.
+//!
+//! The suite runs the worker's built-in engine (`--builtin-engine`): on the engine path (the
+//! default demo, both pools on the Simulated engine, debug binaries) a quiet run on 2026-12-03
+//! lost 2 of 200 requests past their KV deadline with every other check passing; the engine path
+//! stays live in the stack, stack_negative and seed000 suites until the debug sim engines keep up.
 //! Skips when the control plane is not built, unless `TANDEM_E2E_REQUIRE_CLUSTER` is set.
 
 use std::path::{Path, PathBuf};
@@ -55,11 +60,6 @@ fn demo_replays_a_trace_slice_through_scale_and_rolling_restart() {
         "0.5",
     ])
     .args(["--concurrency-limit", "8", "--retry-budget", "6"])
-    // The built-in engine: the simulated engine process serves one room at a time and, in a debug
-    // build, writes and verifies every page byte by byte; on this trace slice at twice its speed
-    // rooms queued past their deadlines (TTFT p50 4.4 s, 1 of 200 lost in a CI rehearsal). The
-    // engine path runs live in `stack.rs` (both pools on the Simulated engine) and in the default
-    // `tandem-e2e demo`.
     .arg("--builtin-engine")
     .arg("--state-dir")
     .arg(tmp.path().join("cluster"))

@@ -23,6 +23,13 @@
 //!    EngineUnsupported`, a Warning event, and no StatefulSet. `kubectl get` shows both kinds in
 //!    the `ENGINE` column.
 //!
+//! 3. Bounded group recovery (issue 17, `maxGroupRestarts`): a PrefillPool whose engine exits at
+//!    once (`args: [--crash]`) with `maxGroupRestarts: 1` — the runner restarts the container in
+//!    place as a kubelet does, the operator restarts the two-pod group whole once (event
+//!    `GroupRestarted`, `status.groupRestarts`), and at the next failure halts it: the group's
+//!    StatefulSet at 0 pods, no pod left, `Degraded=True, ReplicaRestartBudgetExceeded` and its
+//!    event.
+//!
 //! Skips with a printed reason when the control-plane binaries are not built, unless
 //! `TANDEM_E2E_REQUIRE_CLUSTER` is set. Needs the `tandem-operator` debug binary
 //! (`cargo build -p tandem-operator`).
@@ -47,6 +54,7 @@ use tandem_e2e::runner::{PodDefaults, ProcessRunner, RunnerConfig};
 const NS: &str = "default";
 const SIMULATED: &str = "engine-sim";
 const REFUSED: &str = "engine-vllm";
+const CRASHING: &str = "engine-crash";
 /// The image the pool names; the runner maps its last path component to [`SCRIPT`].
 const SCRIPT_IMAGE: &str = "example.org/e2e/tandem-worker-sh:1";
 
@@ -67,8 +75,9 @@ prefill|decode)
   (await from-engine; put worker-saw "$(cat "$d/from-engine")"; echo ok > "$www/readyz") &
   cd "$www" && exec python3 -m http.server 8080 --bind "$POD_IP" ;;
 sim-engine)
-  put engine.spawned "$spawned"
   shift
+  case " $* " in *" --crash "*) echo "crash requested" >&2; exit 1 ;; esac
+  put engine.spawned "$spawned"
   put engine.argv "$(printf '%s\n' "$@")"
   cfg=""; prev=""
   for a in "$@"; do [ "$prev" = "--config" ] && cfg="$a"; prev="$a"; done
@@ -295,6 +304,70 @@ async fn scenario(client: &Client, t: &Tools<'_>, runner_dir: &Path) -> Result<(
     }
     println!(
         "[{:>5.1}s] {REFUSED} refused (EngineUnsupported), nothing created",
+        t0.elapsed().as_secs_f64()
+    );
+
+    // 3. A crash-looping group: restarted whole once, then halted with its GPUs released.
+    t.apply(
+        &pool_yaml(CRASHING, "{kind: Simulated, args: [--crash]}")
+            .replace("  replicas: 1\n", "  replicas: 1\n  maxGroupRestarts: 1\n"),
+    )?;
+    let jsonpath = |path: &str| {
+        t.kubectl(&[
+            "get",
+            "prefillpool",
+            CRASHING,
+            "-o",
+            &format!("jsonpath={path}"),
+        ])
+        .map(|s| s.trim().to_owned())
+    };
+    poll(Duration::from_secs(180), || async {
+        let r = jsonpath("{.status.conditions[?(@.type==\"Degraded\")].reason}").ok()?;
+        (r == "ReplicaRestartBudgetExceeded").then_some(())
+    })
+    .await
+    .ok_or_else(|| {
+        format!(
+            "the crash-looping pool was not halted within 180 s (groupRestarts {:?})",
+            jsonpath("{.status.groupRestarts}")
+        )
+    })?;
+    let restarts = jsonpath("{.status.groupRestarts[0].restarts}")?;
+    let halted = jsonpath("{.status.groupRestarts[0].halted}")?;
+    if restarts != "1" || halted != "true" {
+        return Err(format!(
+            "status.groupRestarts[0]: restarts {restarts}, halted {halted}; want 1 whole-group restart, then halted"
+        ));
+    }
+    for reason in ["GroupRestarted", "ReplicaRestartBudgetExceeded"] {
+        let events = t.kubectl(&[
+            "get",
+            "events",
+            "--field-selector",
+            &format!("reason={reason},involvedObject.name={CRASHING}"),
+            "-o",
+            "name",
+        ])?;
+        if events.trim().is_empty() {
+            return Err(format!("no {reason} event on the crash-looping pool"));
+        }
+    }
+    let sts = format!("{CRASHING}-g0");
+    poll(Duration::from_secs(60), || async {
+        let set = sets.get_opt(&sts).await.ok()??;
+        let left = pods
+            .list(&ListParams::default().labels(&format!("serving.tandem.dev/pool={CRASHING}")))
+            .await
+            .ok()?
+            .items
+            .len();
+        (set.spec.replicas == Some(0) && left == 0).then_some(())
+    })
+    .await
+    .ok_or("the halted group's StatefulSet did not settle at 0 replicas with no pod left")?;
+    println!(
+        "[{:>5.1}s] {CRASHING}: one whole-group restart, then halted (ReplicaRestartBudgetExceeded, 0 pods)",
         t0.elapsed().as_secs_f64()
     );
     Ok(())

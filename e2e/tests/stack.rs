@@ -47,7 +47,7 @@ use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::watcher;
 use kube::{Api, CustomResourceExt};
 use serde_json::Value;
-use support::{Harness, HarnessConfig, poll};
+use support::{Harness, HarnessConfig, install, operator_pods, poll, ready, wait_condition};
 use tandem_crds::labels::{GROUP, POOL, REVISION, ROLE, ROLE_DECODE, ROLE_PREFILL};
 use tandem_crds::{CacheTier, DecodePool, PrefillPool};
 
@@ -64,6 +64,9 @@ async fn install_scale_restart_teardown() {
         name: "install_scale_restart_teardown",
         port_offset: 5000,
         runner_gpus: NODE_GPUS,
+        first_node_index: 50,
+        worker_bin: None,
+        pod_env: &[],
     })
     .await
     else {
@@ -515,69 +518,6 @@ async fn abandoned_requests(h: &Harness) -> Result<(), String> {
         ));
     }
     Ok(())
-}
-
-async fn install(h: &Harness) -> Result<(), String> {
-    h.helm(&[
-        "install",
-        "tandem",
-        "charts/tandem",
-        "-n",
-        "tandem-system",
-        "--create-namespace",
-        "--wait",
-        "--timeout",
-        "180s",
-    ])?;
-    poll(Duration::from_secs(60), || async {
-        let pods = operator_pods(h).await.ok()?;
-        (!pods.is_empty()).then_some(())
-    })
-    .await
-    .ok_or_else(|| "no operator pod Ready after helm install".to_owned())
-}
-
-async fn operator_pods(h: &Harness) -> Result<BTreeSet<String>, String> {
-    let api: Api<Pod> = Api::namespaced(h.client.clone(), "tandem-system");
-    let list = api
-        .list(&kube::api::ListParams::default().labels("app.kubernetes.io/name=tandem-operator"))
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok(list
-        .items
-        .iter()
-        .filter(|p| ready(p) && p.metadata.deletion_timestamp.is_none())
-        .filter_map(|p| p.metadata.name.clone())
-        .collect())
-}
-
-async fn wait_condition(
-    h: &Harness,
-    kind: &str,
-    name: &str,
-    ty: &str,
-    want: &str,
-    secs: u64,
-) -> Result<(), String> {
-    let path = format!("jsonpath={{.status.conditions[?(@.type==\"{ty}\")].status}}");
-    let mut last = String::new();
-    let got = poll(Duration::from_secs(secs), || {
-        let out = h.kubectl(&["get", kind, name, "-o", &path]);
-        if let Ok(s) = &out {
-            last = s.clone();
-        }
-        async move { out.ok().filter(|s| s.trim() == want) }
-    })
-    .await;
-    if got.is_some() {
-        return Ok(());
-    }
-    let conditions = h
-        .kubectl(&["get", kind, name, "-o", "jsonpath={.status.conditions}"])
-        .unwrap_or_default();
-    Err(format!(
-        "{kind}/{name}: condition {ty} is {last:?}, not {want}, after {secs}s; conditions: {conditions}"
-    ))
 }
 
 /// The group StatefulSets of a pool that exist and are not being deleted.
@@ -1058,13 +998,6 @@ fn phase(p: &Pod) -> &str {
         .as_ref()
         .and_then(|s| s.phase.as_deref())
         .unwrap_or("")
-}
-
-fn ready(p: &Pod) -> bool {
-    p.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
 /// The status of one custom resource as each watch event delivered it.

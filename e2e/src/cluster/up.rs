@@ -15,7 +15,9 @@ use super::nodes::{kwok_node, kwok_node_name};
 use super::wait::wait_for;
 use super::{ClusterConfig, ClusterError, client_for, io_err, tools_dir};
 use crate::http_get;
-use crate::runner::storage::{STORAGE_CLASS, storage_class};
+use crate::runner::storage::{
+    SIZED_STORAGE_CLASS, STORAGE_CLASS, sized_storage_class, storage_class,
+};
 
 /// Field manager of everything `cluster up` writes.
 const FIELD_MANAGER: &str = "tandem-e2e";
@@ -114,6 +116,14 @@ async fn start_all(config: &ClusterConfig, bin_dir: &BinDir) -> Result<(), Clust
             STORAGE_CLASS,
             &PatchParams::apply(FIELD_MANAGER).force(),
             &Patch::Apply(&storage_class()),
+        )
+        .await?;
+    // Its sized sibling: volumes with an enforced capacity (a tmpfs of the claim's size).
+    classes
+        .patch(
+            SIZED_STORAGE_CLASS,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&sized_storage_class()),
         )
         .await?;
 

@@ -83,8 +83,8 @@ pub struct DemoOptions {
     pub cached_only: bool,
     /// Deadline of each wait (operator, Ready, restart, teardown).
     pub wait_timeout: Duration,
-    /// Run the PrefillPool with the worker's built-in engine instead of the Simulated engine
-    /// container on the engine API ([`with_simulated_engine`]).
+    /// Run the PrefillPool and the DecodePool with the worker's built-in engine instead of the
+    /// Simulated engine container on the engine API ([`with_simulated_engine`]).
     pub builtin_engine: bool,
 }
 
@@ -203,9 +203,9 @@ fn exit_on_second_signal() {
     });
 }
 
-/// `yaml` (a PrefillPool manifest) with `spec.engine: {kind: Simulated}` — the prefill's KV
-/// computed by the simulated engine as its own container, through the engine API (DESIGN §3.1) —
-/// unless it names an engine already.
+/// `yaml` (a PrefillPool or DecodePool manifest) with `spec.engine: {kind: Simulated}` — the
+/// pool's KV computed (prefill) or received, verified and decoded (decode) by the simulated engine
+/// as its own container, through the engine API (DESIGN §3.1) — unless it names an engine already.
 ///
 /// # Errors
 /// A message when the manifest has no top-level `spec:` line.
@@ -228,7 +228,7 @@ pub fn with_simulated_engine(yaml: &str) -> Result<String, String> {
     if done {
         Ok(out)
     } else {
-        Err("the PrefillPool manifest has no top-level `spec:` line".to_owned())
+        Err("the pool manifest has no top-level `spec:` line".to_owned())
     }
 }
 
@@ -389,25 +389,29 @@ async fn on_cluster(
         .map(|f| samples_dir.join(f).to_string_lossy().into_owned())
         .collect();
     if !opts.builtin_engine {
-        // The prefill runs through the engine API: the Simulated engine as its own container.
+        // Both pools run through the engine API: the Simulated engine as its own container.
         let stack_dir = opts.out.join("stack");
-        let prefill = samples_dir.join(SAMPLES[1]);
-        let text = std::fs::read_to_string(&prefill)
-            .map_err(|e| StackError::Missing(format!("{}: {e}", prefill.display())))
-            .map_err(at(Phase::Stack))?;
-        let with = with_simulated_engine(&text)
-            .map_err(StackError::Missing)
-            .map_err(at(Phase::Stack))?;
-        let path = stack_dir.join(SAMPLES[1]);
         std::fs::create_dir_all(&stack_dir)
-            .and_then(|()| std::fs::write(&path, with))
-            .map_err(|e| StackError::Missing(format!("{}: {e}", path.display())))
+            .map_err(|e| StackError::Missing(format!("{}: {e}", stack_dir.display())))
             .map_err(at(Phase::Stack))?;
+        for i in [1, 2] {
+            let src = samples_dir.join(SAMPLES[i]);
+            let text = std::fs::read_to_string(&src)
+                .map_err(|e| StackError::Missing(format!("{}: {e}", src.display())))
+                .map_err(at(Phase::Stack))?;
+            let with = with_simulated_engine(&text)
+                .map_err(|e| StackError::Missing(format!("{}: {e}", src.display())))
+                .map_err(at(Phase::Stack))?;
+            let path = stack_dir.join(SAMPLES[i]);
+            std::fs::write(&path, with)
+                .map_err(|e| StackError::Missing(format!("{}: {e}", path.display())))
+                .map_err(at(Phase::Stack))?;
+            manifests[i] = path.to_string_lossy().into_owned();
+        }
         say(format!(
-            "PrefillPool on the Simulated engine (engine API): {}",
-            path.display()
+            "PrefillPool and DecodePool on the Simulated engine (engine API): {}",
+            stack_dir.display()
         ));
-        manifests[1] = path.to_string_lossy().into_owned();
     }
     let mut apply = vec!["apply", "--kubeconfig", &kubeconfig];
     for s in &manifests {
@@ -758,19 +762,21 @@ mod tests {
     }
 
     #[test]
-    fn the_sample_prefill_pool_gets_the_simulated_engine_once() {
+    fn the_sample_pools_get_the_simulated_engine_once() {
         let dir = stack::repo_root().join("manifests/samples");
-        let text = std::fs::read_to_string(dir.join(SAMPLES[1])).unwrap();
-        let with = with_simulated_engine(&text).unwrap();
-        assert!(
-            with.contains("spec:\n  engine:\n    kind: Simulated\n"),
-            "{with}"
-        );
-        assert_eq!(
-            with.len(),
-            text.len() + "  engine:\n    kind: Simulated\n".len()
-        );
-        assert_eq!(with_simulated_engine(&with).unwrap(), with, "idempotent");
+        for file in [SAMPLES[1], SAMPLES[2]] {
+            let text = std::fs::read_to_string(dir.join(file)).unwrap();
+            let with = with_simulated_engine(&text).unwrap();
+            assert!(
+                with.contains("spec:\n  engine:\n    kind: Simulated\n"),
+                "{file}: {with}"
+            );
+            assert_eq!(
+                with.len(),
+                text.len() + "  engine:\n    kind: Simulated\n".len()
+            );
+            assert_eq!(with_simulated_engine(&with).unwrap(), with, "idempotent");
+        }
         assert!(with_simulated_engine("kind: PrefillPool\n").is_err());
     }
 

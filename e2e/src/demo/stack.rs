@@ -132,13 +132,29 @@ pub fn repo_root() -> PathBuf {
 /// executable, when they are missing or older than their sources would warrant (cargo decides; a
 /// no-op build takes a second).
 pub async fn ensure_binaries() -> Result<(), StackError> {
+    ensure_binaries_with(&[]).await
+}
+
+/// [`ensure_binaries`] with extra cargo `--features` (e.g. `tandem-worker/negative-controls` for a
+/// cluster suite that runs a negative control: the worker honours its switches only when built
+/// with that feature). From a test executable (`target/<profile>/deps/`) the binaries go to
+/// `target/<profile>/`, where the process runner finds them.
+///
+/// # Errors
+/// As [`ensure_binaries`].
+pub async fn ensure_binaries_with(features: &[&str]) -> Result<(), StackError> {
     let exe = std::env::current_exe().map_err(|e| StackError::Missing(e.to_string()))?;
-    let Some(profile_dir) = exe.parent() else {
+    let Some(mut profile_dir) = exe.parent() else {
         return Err(StackError::Missing(format!(
             "{} has no parent",
             exe.display()
         )));
     };
+    if profile_dir.file_name().is_some_and(|n| n == "deps")
+        && let Some(up) = profile_dir.parent()
+    {
+        profile_dir = up;
+    }
     let overridden = std::env::var_os("TANDEM_WORKER_BIN").is_some()
         && std::env::var_os("TANDEM_OPERATOR_BIN").is_some();
     if overridden {
@@ -161,6 +177,10 @@ pub async fn ensure_binaries() -> Result<(), StackError> {
     ];
     if release {
         args.push("--release");
+    }
+    let features = features.join(",");
+    if !features.is_empty() {
+        args.extend(["--features", &features]);
     }
     let manifest = repo_root().join("Cargo.toml");
     let manifest = manifest.to_string_lossy().into_owned();
@@ -194,6 +214,123 @@ pub async fn ensure_binaries() -> Result<(), StackError> {
         }
     }
     Ok(())
+}
+
+/// Whether `worker` is a `tandem-worker` built with the `negative-controls` feature: its
+/// `sim-engine` knows the hidden flag `--regenerate-hits` (a release build refuses it as an
+/// unexpected argument before `--help` is reached).
+pub async fn has_negative_controls(worker: &Path) -> bool {
+    tokio::process::Command::new(worker)
+        .args(["sim-engine", "--regenerate-hits", "--help"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .await
+        .is_ok_and(|s| s.success())
+}
+
+/// A `tandem-worker` with the `negative-controls` feature, for the stack-level negative controls
+/// (e2e/tests/stack_negative.rs), linked as `negative-controls/tandem-worker` beside the running
+/// executable's profile directory, so that a later build of the plain binary does not swap it
+/// under running pods. `$TANDEM_NC_WORKER_BIN` names one explicitly. Otherwise the
+/// `tandem-worker` next to the executable is taken when it has the feature (`cargo test
+/// --workspace` builds it so: the worker's dev-dependency on itself turns the feature on), else
+/// cargo builds it with `--features tandem-worker/negative-controls` (same profile and target
+/// dir; tandem-e2e is selected too, as in [`ensure_binaries`]). The e2e crate still does not
+/// depend on the worker crate: this is a binary on disk.
+///
+/// # Errors
+/// [`StackError::Command`] when cargo fails, [`StackError::Missing`] when no binary with the
+/// feature results.
+pub async fn negative_controls_worker() -> Result<PathBuf, StackError> {
+    if let Some(p) = std::env::var_os("TANDEM_NC_WORKER_BIN") {
+        let p = PathBuf::from(p);
+        return if has_negative_controls(&p).await {
+            Ok(p)
+        } else {
+            Err(StackError::Missing(format!(
+                "$TANDEM_NC_WORKER_BIN={} lacks the negative-controls feature",
+                p.display()
+            )))
+        };
+    }
+    let exe = std::env::current_exe().map_err(|e| StackError::Missing(e.to_string()))?;
+    let mut profile_dir = exe
+        .parent()
+        .ok_or_else(|| StackError::Missing(format!("{} has no parent", exe.display())))?
+        .to_path_buf();
+    // A test executable lives in `target/<profile>/deps/`.
+    if profile_dir.file_name().is_some_and(|n| n == "deps") {
+        profile_dir.pop();
+    }
+    let plain = profile_dir.join("tandem-worker");
+    if !has_negative_controls(&plain).await {
+        let release = profile_dir.file_name().is_some_and(|n| n == "release");
+        let target_dir = profile_dir
+            .parent()
+            .unwrap_or(profile_dir.as_path())
+            .to_path_buf();
+        let manifest = repo_root()
+            .join("Cargo.toml")
+            .to_string_lossy()
+            .into_owned();
+        let mut args = vec![
+            "build",
+            "-p",
+            "tandem-worker",
+            "-p",
+            "tandem-e2e",
+            "--features",
+            "tandem-worker/negative-controls",
+            "--manifest-path",
+            &manifest,
+        ];
+        if release {
+            args.push("--release");
+        }
+        eprintln!(
+            "[demo] building tandem-worker with negative controls (cargo {})",
+            args.join(" ")
+        );
+        let cargo = std::env::var_os("CARGO").map_or_else(|| PathBuf::from("cargo"), PathBuf::from);
+        let status = tokio::process::Command::new(&cargo)
+            .args(&args)
+            .env("CARGO_TARGET_DIR", &target_dir)
+            .stdin(std::process::Stdio::null())
+            .status()
+            .await
+            .map_err(|e| StackError::Command {
+                command: format!("cargo {}", args.join(" ")),
+                message: e.to_string(),
+            })?;
+        if !status.success() {
+            return Err(StackError::Command {
+                command: format!("cargo {}", args.join(" ")),
+                message: status.to_string(),
+            });
+        }
+        if !has_negative_controls(&plain).await {
+            return Err(StackError::Missing(format!(
+                "{} lacks the negative-controls feature after the build",
+                plain.display()
+            )));
+        }
+    }
+    let dir = profile_dir.join("negative-controls");
+    let linked = dir.join("tandem-worker");
+    let io = |e: std::io::Error| StackError::Missing(format!("{}: {e}", linked.display()));
+    std::fs::create_dir_all(&dir).map_err(io)?;
+    match std::fs::remove_file(&linked) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(e)),
+    }
+    // A hard link keeps this inode when cargo later replaces the plain binary; a copy otherwise.
+    if std::fs::hard_link(&plain, &linked).is_err() {
+        std::fs::copy(&plain, &linked).map_err(io)?;
+    }
+    Ok(linked)
 }
 
 /// Polls `check` every 500 ms until it returns `Ok(Some(v))`, for at most `timeout`; prints a

@@ -39,6 +39,10 @@ pub struct ReplayConfig {
     pub attempt_timeout: Duration,
     /// Induces seed 004's race on a known fraction of requests (None: off).
     pub abort_probe: Option<AbortProbe>,
+    /// Snapshot sync (`--snapshot-sync on|off`, issue 15): a request whose session has a next turn
+    /// in the workload names its session KV (`session_kv_hashes`,
+    /// [`super::workload::session_kv_hashes`]), so the decode pushes it to the next turn's prefill.
+    pub snapshot_sync: bool,
 }
 
 /// Seed 004's race, induced on purpose: the first attempt of every `every`-th request carries a
@@ -72,6 +76,7 @@ impl Default for ReplayConfig {
             backoff_max: Duration::from_secs(2),
             attempt_timeout: Duration::from_secs(120),
             abort_probe: None,
+            snapshot_sync: false,
         }
     }
 }
@@ -197,8 +202,14 @@ pub async fn replay(
         }
     };
     publish(*state.lock().unwrap_or_else(|e| e.into_inner()));
+    let sessions = if config.snapshot_sync {
+        super::workload::session_kv_hashes(workload)
+    } else {
+        Vec::new()
+    };
     let mut tasks = Vec::with_capacity(workload.len());
     for (index, req) in workload.iter().enumerate() {
+        let session = sessions.get(index).cloned().unwrap_or_default();
         let due = scaled_offset(req.timestamp, first_ts, config.time_scale);
         tokio::time::sleep_until((clock.origin() + due).into()).await;
         let permit = match &slots {
@@ -215,7 +226,12 @@ pub async fn replay(
             (http.clone(), targets.clone(), config.clone(), req.clone());
         let (state, publish, bar) = (state.clone(), publish.clone(), bar.clone());
         tasks.push(tokio::spawn(async move {
-            let r = one_request(&http, &targets, &config, clock, index, &req, scheduled_ms).await;
+            let turn = Turn {
+                index,
+                req: &req,
+                session_kv_hashes: session,
+            };
+            let r = one_request(&http, &targets, &config, clock, turn, scheduled_ms).await;
             drop(permit);
             let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
             s.finished += 1;
@@ -255,16 +271,26 @@ pub async fn replay(
     out
 }
 
+/// One request of the workload, with its session KV when snapshot sync names it.
+struct Turn<'a> {
+    index: usize,
+    req: &'a TraceRequest,
+    session_kv_hashes: Vec<u64>,
+}
+
 async fn one_request(
     http: &reqwest::Client,
     targets: &TargetSet,
     config: &ReplayConfig,
     clock: Clock,
-    index: usize,
-    req: &TraceRequest,
+    turn: Turn<'_>,
     scheduled_ms: f64,
 ) -> RequestResult {
-    let plain = CompletionRequest::from_trace(&config.model, req);
+    let (index, req) = (turn.index, turn.req);
+    let plain = CompletionRequest {
+        session_kv_hashes: turn.session_kv_hashes,
+        ..CompletionRequest::from_trace(&config.model, req)
+    };
     let probe = config
         .abort_probe
         .filter(|p| p.probes(index))

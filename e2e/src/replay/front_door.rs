@@ -27,6 +27,9 @@ pub struct CompletionRequest {
     /// the first attempt of an abort probe ([`super::driver::AbortProbe`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_deadline_ms: Option<u64>,
+    /// The session's KV after this turn (Tandem extension, snapshot sync; empty: not sent).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub session_kv_hashes: Vec<u64>,
 }
 
 impl CompletionRequest {
@@ -40,6 +43,7 @@ impl CompletionRequest {
             input_tokens: r.input_length,
             kv_block_hashes: r.hash_ids.clone(),
             kv_deadline_ms: None,
+            session_kv_hashes: Vec::new(),
         }
     }
 }

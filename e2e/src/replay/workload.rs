@@ -279,3 +279,70 @@ mod tests {
         assert_ne!(a, b);
     }
 }
+
+/// Each request's session KV after its turn, for snapshot sync (issue 15): a request's **next
+/// turn** is the first later request whose `hash_ids` extend its whole chain (strictly longer; hash
+/// ids are chained, so a chain is named by its last id). The session KV is the next turn's first
+/// `ceil((input + output) / 512)` hashes (its prompt pages then generated-token pages), at most the
+/// next turn's length. Empty for a request with no next turn. Pure; O(total blocks).
+pub fn session_kv_hashes(requests: &[TraceRequest]) -> Vec<Vec<u64>> {
+    // One hash id per 512-token block (worker/interfaces/README.md §7).
+    let block = 512u64;
+    let mut out = vec![Vec::new(); requests.len()];
+    // Requests still waiting for a next turn, by (chain length, last id).
+    let mut waiting: std::collections::HashMap<(usize, u64), Vec<usize>> = Default::default();
+    for (j, r) in requests.iter().enumerate() {
+        for (k, id) in r
+            .hash_ids
+            .iter()
+            .enumerate()
+            .take(r.hash_ids.len().saturating_sub(1))
+        {
+            if let Some(prev) = waiting.remove(&(k + 1, *id)) {
+                for i in prev {
+                    let p = &requests[i];
+                    let pages = (u64::from(p.input_length) + u64::from(p.output_length))
+                        .div_ceil(block) as usize;
+                    out[i] = r.hash_ids[..pages.min(r.hash_ids.len())].to_vec();
+                }
+            }
+        }
+        if let Some(last) = r.hash_ids.last() {
+            waiting
+                .entry((r.hash_ids.len(), *last))
+                .or_default()
+                .push(j);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod session_tests {
+    use super::*;
+
+    fn req(input_length: u32, output_length: u32, hash_ids: &[u64]) -> TraceRequest {
+        TraceRequest {
+            timestamp: 0,
+            input_length,
+            output_length,
+            hash_ids: hash_ids.to_vec(),
+        }
+    }
+
+    #[test]
+    fn a_next_turn_extends_the_whole_chain_and_names_the_session_kv() {
+        let w = [
+            req(1400, 300, &[1, 2, 3]),
+            req(600, 10, &[1, 9]),
+            req(2300, 5, &[1, 2, 3, 4, 5]),
+            req(2800, 5, &[1, 2, 3, 4, 5, 6]),
+        ];
+        let s = session_kv_hashes(&w);
+        // 1700 tokens after turn 1: 4 pages of turn 3's chain.
+        assert_eq!(s[0], vec![1, 2, 3, 4]);
+        assert!(s[1].is_empty(), "[1, 9] is extended by no later request");
+        assert_eq!(s[2], vec![1, 2, 3, 4, 5], "capped at the next turn's pages");
+        assert!(s[3].is_empty(), "the last turn has none");
+    }
+}

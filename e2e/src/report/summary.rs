@@ -113,12 +113,17 @@ pub struct Check {
     pub detail: String,
 }
 
-/// One prefill worker incarnation that served through the engine API (its `/report.engine`;
-/// worker/interfaces/README.md §4), as last sampled.
+/// One worker incarnation (prefill or decode) that served through the engine API (its
+/// `/report.engine`; worker/interfaces/README.md §4), as last sampled. Every figure is read from
+/// that report or from the engine's own summary in it (`engine_summary`); a figure the report
+/// lacks reads 0.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct EngineWorker {
     /// Pod name.
     pub pod: String,
+    /// The worker's role (`prefill` or `decode`, from `/report.role`).
+    #[serde(default)]
+    pub role: String,
     /// The incarnation started after the first restart event.
     pub after_restart: bool,
     /// Engine kind (`Simulated`, …).
@@ -147,19 +152,68 @@ pub struct EngineWorker {
     pub engine_pages_verified: u64,
     /// Loaded chunks that failed the engine's check.
     pub engine_corrupt_chunks: u64,
+    /// A decode worker's figures (`None` for a prefill).
+    #[serde(default)]
+    pub decode: Option<DecodeEngineFigures>,
+}
+
+/// What a decode worker's engine did, from its `/report.engine` (the worker's tallies) and the
+/// engine's own summary in it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DecodeEngineFigures {
+    /// Rooms the engine reserved.
+    pub rooms_reserved: u64,
+    /// Rooms whose KV completed in the engine's pages.
+    pub rooms_completed: u64,
+    /// Rooms failed (aborts included).
+    pub rooms_failed: u64,
+    /// SafeToReuse releases by the gate's proof: concluded, acks, transport (fence), bypassed.
+    pub released: [u64; 4],
+    /// Abort acks the gate counted.
+    pub acks: u64,
+    /// Rooms quarantined.
+    pub quarantined: u64,
+    /// Chunks the engine verified (as its EmitTokens reported them to the worker).
+    pub chunks_verified: u64,
+    /// Chunks the engine found corrupt (as reported to the worker).
+    pub corrupt_chunks: u64,
+    /// Whether the engine published its own summary (`engine_summary` not null).
+    pub summary_published: bool,
+    /// The engine's own count of pages it read and verified.
+    pub engine_pages: u64,
+    /// The engine's own count of corrupt chunks.
+    pub engine_corrupt_chunks: u64,
+    /// Pages the engine got from Reserve while their previous room's SafeToReuse had not come.
+    pub early_reuse: u64,
 }
 
 impl EngineWorker {
-    /// The figures of one incarnation's `/report.engine`, or `None` for the built-in engine.
-    pub fn of(pod: &str, after_restart: bool, e: &serde_json::Value) -> Option<Self> {
+    /// The figures of one incarnation's `/report.engine` (`role` from `/report.role`), or `None`
+    /// for the built-in engine.
+    pub fn of(pod: &str, role: &str, after_restart: bool, e: &serde_json::Value) -> Option<Self> {
         let kind = e["kind"].as_str()?.to_owned();
         if kind == "builtin" {
             return None;
         }
         let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
         let (t, es) = (&e["tiers"], &e["engine_summary"]);
+        let decode = (role == "decode").then(|| DecodeEngineFigures {
+            rooms_reserved: n(&e["rooms_reserved"]),
+            rooms_completed: n(&e["rooms_completed"]),
+            rooms_failed: n(&e["rooms_failed"]),
+            released: ["concluded", "acks", "transport", "bypassed"].map(|p| n(&e["releases"][p])),
+            acks: n(&e["acks"]),
+            quarantined: n(&e["quarantined"]),
+            chunks_verified: n(&e["chunks_verified"]),
+            corrupt_chunks: n(&e["corrupt_chunks"]),
+            summary_published: es.is_object(),
+            engine_pages: n(&es["pages"]),
+            engine_corrupt_chunks: n(&es["corrupt_chunks"]),
+            early_reuse: n(&es["decode"]["early_reuse"]),
+        });
         Some(Self {
             pod: pod.to_owned(),
+            role: role.to_owned(),
             after_restart,
             kind,
             pools: e["pools"]
@@ -188,8 +242,54 @@ impl EngineWorker {
             pages_loaded_from_l3: n(&t["pages_loaded_from_l3_bytes"]),
             engine_pages_verified: n(&es["loaded_pages"]),
             engine_corrupt_chunks: n(&es["loaded_corrupt_chunks"]),
+            decode,
         })
     }
+}
+
+/// Name of the check of [`engine_load_check`].
+pub const ENGINE_LOAD_CHECK: &str =
+    "engine API: loads waited per layer, none read before ready, every loaded page verified";
+/// Name of the check of [`l3_loaded_check`].
+pub const L3_LOADED_CHECK: &str = "engine API: L3 pages loaded into engine pages after the restart";
+
+/// The report's load-before-read check over engine workers (DESIGN contract 5, seed 001): some
+/// load waited for its per-layer events, no layer was read before its event (the engine's and the
+/// workers' counts), no loaded chunk failed the engine's verification, no registration leaked.
+/// Returns whether it passed and the line that says why.
+pub fn engine_load_check(workers: &[EngineWorker]) -> (bool, String) {
+    let sum = |f: fn(&EngineWorker) -> u64| workers.iter().map(f).sum::<u64>();
+    let (waits, early, corrupt, leaks) = (
+        sum(|w| w.load_waits),
+        sum(|w| w.read_before_ready),
+        sum(|w| w.engine_corrupt_chunks),
+        sum(|w| w.registration_leaks),
+    );
+    (
+        waits > 0 && early == 0 && corrupt == 0 && leaks == 0,
+        format!(
+            "{} engine workers: {waits} load waits, {early} reads before ready, {} pages \
+             loaded and verified by the engine, {corrupt} corrupt loaded chunks, {leaks} \
+             registration leaks",
+            workers.len(),
+            sum(|w| w.engine_pages_verified)
+        ),
+    )
+}
+
+/// The report's loaded-bytes check (DESIGN contract 7): workers started after the restart copied
+/// pages whose bytes came from L3 into their engines' pages — an L3 hit served by computing the KV
+/// again copies none and fails it. Returns whether it passed and the line that says why.
+pub fn l3_loaded_check(workers: &[EngineWorker]) -> (bool, String) {
+    let l3 = workers
+        .iter()
+        .filter(|w| w.after_restart)
+        .map(|w| w.pages_loaded_from_l3)
+        .sum::<u64>();
+    (
+        l3 > 0,
+        format!("{l3} pages whose bytes came from L3, loaded by restarted workers"),
+    )
 }
 
 /// `results.json`.
@@ -395,7 +495,7 @@ pub fn summarize_run(input: ReportInput<'_>) -> Summary {
         .iter()
         .filter_map(|i| {
             let after = restart_ms.is_some_and(|t| i.first_ms >= t);
-            EngineWorker::of(&i.pod, after, i.engine.as_ref()?)
+            EngineWorker::of(&i.pod, &i.role, after, i.engine.as_ref()?)
         })
         .collect();
     let rounds = per_round_increase(input.samples, |c| c.kv_bytes_received);
@@ -478,38 +578,77 @@ pub fn summarize_run(input: ReportInput<'_>) -> Summary {
             s.worker_counters.corrupt_pages_read, s.corrupt_chunks_in_responses
         ),
     );
+    let prefills: Vec<EngineWorker> = s
+        .engine_workers
+        .iter()
+        .filter(|w| w.decode.is_none())
+        .cloned()
+        .collect();
     if !s.engine_workers.is_empty() {
-        let e = s.engine_workers.clone();
-        let sum = |f: fn(&EngineWorker) -> u64| e.iter().map(f).sum::<u64>();
-        let (waits, early, corrupt, leaks) = (
-            sum(|w| w.load_waits),
-            sum(|w| w.read_before_ready),
-            sum(|w| w.engine_corrupt_chunks),
-            sum(|w| w.registration_leaks),
-        );
+        let bare: Vec<&str> = s
+            .engine_workers
+            .iter()
+            .filter(|w| w.pools.is_empty())
+            .map(|w| w.pod.as_str())
+            .collect();
         s.check(
-            "engine API: loads waited per layer, none read before ready, every loaded page verified",
-            waits > 0 && early == 0 && corrupt == 0 && leaks == 0,
-            format!(
-                "{} engine workers: {waits} load waits, {early} reads before ready, {} pages \
-                 loaded and verified by the engine, {corrupt} corrupt loaded chunks, {leaks} \
-                 registration leaks",
-                e.len(),
-                sum(|w| w.engine_pages_verified)
-            ),
+            "engine API: every engine worker reports its pools",
+            bare.is_empty(),
+            if bare.is_empty() {
+                format!("{} engine workers", s.engine_workers.len())
+            } else {
+                format!("no pools in /report.engine of {bare:?}")
+            },
         );
+    }
+    if !prefills.is_empty() {
+        let (passed, detail) = engine_load_check(&prefills);
+        s.check(ENGINE_LOAD_CHECK, passed, detail);
         if restart_ms.is_some() {
-            let l3 = e
-                .iter()
-                .filter(|w| w.after_restart)
-                .map(|w| w.pages_loaded_from_l3)
-                .sum::<u64>();
-            s.check(
-                "engine API: L3 pages loaded into engine pages after the restart",
-                l3 > 0,
-                format!("{l3} pages whose bytes came from L3, loaded by restarted workers"),
-            );
+            let (passed, detail) = l3_loaded_check(&prefills);
+            s.check(L3_LOADED_CHECK, passed, detail);
         }
+    }
+    let decodes: Vec<(&EngineWorker, &DecodeEngineFigures)> = s
+        .engine_workers
+        .iter()
+        .filter_map(|w| Some((w, w.decode.as_ref()?)))
+        .collect();
+    if !decodes.is_empty() {
+        let sum =
+            |f: fn(&DecodeEngineFigures) -> u64| decodes.iter().map(|(_, d)| f(d)).sum::<u64>();
+        let leaks: u64 = decodes.iter().map(|(w, _)| w.registration_leaks).sum();
+        let silent: Vec<&str> = decodes
+            .iter()
+            .filter(|(_, d)| !d.summary_published && d.rooms_reserved > 0)
+            .map(|(w, _)| w.pod.as_str())
+            .collect();
+        let (verified, corrupt, early) = (
+            sum(|d| d.chunks_verified),
+            sum(|d| d.corrupt_chunks + d.engine_corrupt_chunks),
+            sum(|d| d.early_reuse),
+        );
+        let detail = format!(
+            "{} decode engine workers: {} rooms reserved, {} completed, {verified} chunks and {} \
+             pages verified by the engines, {corrupt} corrupt, {early} pages reused before their \
+             SafeToReuse, {leaks} registration leaks{}",
+            decodes.len(),
+            sum(|d| d.rooms_reserved),
+            sum(|d| d.rooms_completed),
+            sum(|d| d.engine_pages),
+            if silent.is_empty() {
+                String::new()
+            } else {
+                format!("; no engine summary from {silent:?}")
+            }
+        );
+        let passed = verified > 0 && corrupt == 0 && early == 0 && leaks == 0 && silent.is_empty();
+        s.check(
+            "engine API (decode): every received page verified by the engine, none corrupt, \
+             none reused early",
+            passed,
+            detail,
+        );
     }
     s.check(
         "no request lost beyond the retry budget",
@@ -638,9 +777,35 @@ impl fmt::Display for Summary {
                 .iter()
                 .map(|(p, d, b, r)| format!("{p} {:.0} MiB {d} {r}", mib(*b)))
                 .collect();
+            if let Some(d) = &w.decode {
+                let [concluded, acks, fence, bypassed] = d.released;
+                writeln!(
+                    f,
+                    "engine        {}{} {} decode: pools [{}], {} commits, {} leaks; rooms {} \
+                     reserved {} completed {} failed; gate: released {concluded} concluded, \
+                     {acks} on acks, {fence} on the fence, {bypassed} bypassed; {} acks, {} \
+                     quarantined; engine verified {} chunks ({} pages), {} corrupt, {} reused early",
+                    w.pod,
+                    if w.after_restart { " (restarted)" } else { "" },
+                    w.kind,
+                    pools.join(", "),
+                    w.registration_commits,
+                    w.registration_leaks,
+                    d.rooms_reserved,
+                    d.rooms_completed,
+                    d.rooms_failed,
+                    d.acks,
+                    d.quarantined,
+                    d.chunks_verified,
+                    d.engine_pages,
+                    d.corrupt_chunks + d.engine_corrupt_chunks,
+                    d.early_reuse
+                )?;
+                continue;
+            }
             writeln!(
                 f,
-                "engine        {}{} {}: pools [{}], {} commits, {} leaks; rooms {} sent {} failed; \
+                "engine        {}{} {} prefill: pools [{}], {} commits, {} leaks; rooms {} sent {} failed; \
                  loads {} L2 + {} L3 pages ({} with L3 bytes), {} waits, {} read before ready; \
                  engine verified {} loaded pages, {} corrupt chunks",
                 w.pod,
@@ -841,7 +1006,8 @@ mod engine_tests {
             "engine_summary": {"loaded_pages": 10, "loaded_corrupt_chunks": 0,
                                "read_before_ready": 2}
         });
-        let w = EngineWorker::of("p-0", true, &e).unwrap();
+        let w = EngineWorker::of("p-0", "prefill", true, &e).unwrap();
+        assert_eq!(w.decode, None);
         assert_eq!(
             w.pools,
             vec![(
@@ -860,6 +1026,76 @@ mod engine_tests {
             "the engine's early reads count as well"
         );
         assert_eq!(w.engine_pages_verified, 10);
-        assert!(EngineWorker::of("p-1", false, &serde_json::json!({"kind": "builtin"})).is_none());
+        assert!(
+            EngineWorker::of(
+                "p-1",
+                "prefill",
+                false,
+                &serde_json::json!({"kind": "builtin"})
+            )
+            .is_none()
+        );
+    }
+
+    #[test]
+    fn decode_engine_figures_come_from_the_report_and_the_engine_summary() {
+        let e = serde_json::json!({
+            "kind": "Simulated", "rooms_reserved": 12, "rooms_completed": 10, "rooms_failed": 2,
+            "pools": [{"pool": "target", "domain": "SharedMemory", "bytes": 1048576,
+                       "registration": "committed"}],
+            "registration": {"commits": 2, "quarantined": 0},
+            "releases": {"concluded": 10, "acks": 2, "transport": 0, "bypassed": 0},
+            "acks": 2, "quarantined": 0, "chunks_verified": 800, "corrupt_chunks": 0,
+            "engine_summary": {"pages": 100, "corrupt_chunks": 0, "decode": {"early_reuse": 1}}
+        });
+        let w = EngineWorker::of("d-0", "decode", false, &e).unwrap();
+        let d = w.decode.clone().unwrap();
+        assert_eq!(
+            (d.rooms_reserved, d.rooms_completed, d.rooms_failed),
+            (12, 10, 2)
+        );
+        assert_eq!(d.released, [10, 2, 0, 0]);
+        assert_eq!((d.acks, d.chunks_verified, d.engine_pages), (2, 800, 100));
+        assert_eq!(d.early_reuse, 1);
+        assert!(d.summary_published);
+        assert_eq!(w.registration_commits, 2);
+        // Through the summary: the figures come from a decode worker's sampled /report.
+        let sample = |early: u64| crate::report::workers::Sample {
+            round: 1,
+            t_ms: 1.0,
+            pod: "d-0".into(),
+            uid: "d-0".into(),
+            report: Some(crate::report::workers::WorkerReport {
+                role: "decode".into(),
+                engine: Some({
+                    let mut e = e.clone();
+                    e["engine_summary"]["decode"]["early_reuse"] = early.into();
+                    e
+                }),
+                ..Default::default()
+            }),
+            error: None,
+        };
+        let name = "engine API (decode): every received page verified by the engine, none \
+                    corrupt, none reused early";
+        for (early, pass) in [(0, true), (1, false)] {
+            let s = super::summarize_run(super::ReportInput {
+                source: "t".into(),
+                time_scale: 1.0,
+                unbounded_hit_ratio: 0.0,
+                ceiling_hit_tokens: &[],
+                results: &[],
+                samples: &[sample(early)],
+                events: &[],
+                teardown: None,
+            });
+            let c = s
+                .checks
+                .iter()
+                .find(|c| c.name == name)
+                .expect("the decode check");
+            assert_eq!(c.passed, pass, "{c:?}");
+            assert!(s.to_string().contains("d-0 Simulated decode"), "{s}");
+        }
     }
 }

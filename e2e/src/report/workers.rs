@@ -47,7 +47,7 @@ pub struct Incarnation {
     pub last_ms: f64,
     /// Counters at the last sample.
     pub last: Counters,
-    /// The engine seat at the last sample that reported one (prefill workers).
+    /// The engine seat at the last sample that reported one (prefill and decode workers).
     #[serde(default)]
     pub engine: Option<serde_json::Value>,
 }

@@ -121,7 +121,40 @@ pub fn referenced_objects(pod: &Pod) -> (BTreeSet<String>, BTreeSet<String>) {
     (cms, secrets)
 }
 
-/// The final environment of `container`: `base` first, then envFrom, then env (see module doc).
+/// A test-only pod annotation, not a Kubernetes feature: its value, whitespace-separated `K=V`
+/// entries (the `--pod-env` syntax), is added to every container's environment of the pod, after
+/// the runner's base variables and before `envFrom`/`env`. It lets a suite switch a worker's
+/// negative control per pool through the pool's `spec.podTemplate.annotations` (rendered onto the
+/// pods by the operator, which renders no free-form env), e.g. `TANDEM_NEGATIVE_GATE_BYPASS=1` in
+/// e2e/tests/stack_negative.rs. A real kubelet ignores it.
+pub const POD_ENV_ANNOTATION: &str = "e2e.tandem.dev/pod-env";
+
+/// The `K=V` entries of the pod's [`POD_ENV_ANNOTATION`], in order (none without it).
+///
+/// # Errors
+/// [`EnvError::Unsupported`] naming the first entry that is not `K=V` with `K` a C identifier.
+pub fn annotation_env(pod: &Pod) -> Result<Vec<(String, String)>, EnvError> {
+    let Some(value) = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(POD_ENV_ANNOTATION))
+    else {
+        return Ok(Vec::new());
+    };
+    value
+        .split_whitespace()
+        .map(|entry| {
+            super::PodDefaults::parse_env(entry).ok_or_else(|| EnvError::Unsupported {
+                var: POD_ENV_ANNOTATION.to_owned(),
+                what: format!("entry {entry:?} is not K=V"),
+            })
+        })
+        .collect()
+}
+
+/// The final environment of `container`: `base` first, then the [`POD_ENV_ANNOTATION`] entries,
+/// then envFrom, then env (see module doc).
 pub fn container_env(
     pod: &Pod,
     container: &Container,
@@ -132,6 +165,9 @@ pub fn container_env(
     let mut env = EnvMap::default();
     for (k, v) in base {
         env.set(k, v.clone());
+    }
+    for (k, v) in annotation_env(pod)? {
+        env.set(&k, v);
     }
     for from in container.env_from.iter().flatten() {
         let prefix = from.prefix.as_deref().unwrap_or("");
@@ -408,6 +444,36 @@ mod tests {
             expand_all(&["--bind=$(POD_IP)".to_string()], &env),
             vec!["--bind=127.100.0.2".to_string()]
         );
+    }
+
+    #[test]
+    fn the_pod_env_annotation_sits_between_base_and_env() {
+        let mut p = pod();
+        p.metadata.annotations = Some(BTreeMap::from([(
+            POD_ENV_ANNOTATION.to_string(),
+            "TANDEM_NEGATIVE_GATE_BYPASS=1\n PATH=/x  POD_NAME=ignored".to_string(),
+        )]));
+        let c = p.spec.as_ref().unwrap().containers[0].clone();
+        let base = vec![("PATH".to_string(), "/bin".to_string())];
+        let env = container_env(&p, &c, &addrs(), &sources(), &base).unwrap();
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("TANDEM_NEGATIVE_GATE_BYPASS"), Some("1"));
+        assert_eq!(get("PATH"), Some("/x"), "the annotation overrides the base");
+        assert_eq!(
+            get("POD_NAME"),
+            Some("p1"),
+            "the container's env overrides it"
+        );
+        p.metadata.annotations = Some(BTreeMap::from([(
+            POD_ENV_ANNOTATION.to_string(),
+            "OK=1 not-an-entry".to_string(),
+        )]));
+        assert!(matches!(
+            container_env(&p, &c, &addrs(), &sources(), &base),
+            Err(EnvError::Unsupported { .. })
+        ));
+        p.metadata.annotations = None;
+        assert_eq!(annotation_env(&p), Ok(Vec::new()));
     }
 
     #[test]

@@ -17,12 +17,16 @@
 //! volumes of the `tandem-e2e-local` class provisioned as directories under the runner dir
 //! ([`storage`]).
 //!
+//! Crashes on demand ([`crash`]): a container's process group SIGKILLed from outside, which the
+//! pod's supervisor restarts in place (same pod IP and ports) under the pod's `restartPolicy`.
+//!
 //! What it is not: no images, no isolation (processes share the host's filesystem, users and
 //! network namespace), no kube-proxy (ClusterIPs are not routed; names resolve through the hosts
 //! file), no liveness probes (startup probes gate readiness and the init sequence, but a failing
 //! one restarts nothing), no `kubectl logs/exec` (logs are files under
 //! `<runner dir>/pods/<ns>_<name>_<uid>/logs/`), no volume updates after start.
 
+pub mod crash;
 pub mod env;
 pub mod hosts;
 pub mod image;
@@ -136,6 +140,7 @@ pub struct ProcessRunner {
     client: Client,
     nodes: Vec<String>,
     hosts_file: PathBuf,
+    volumes_dir: PathBuf,
 }
 
 impl ProcessRunner {
@@ -208,6 +213,7 @@ impl ProcessRunner {
             client,
             nodes: names,
             hosts_file: hosts_path,
+            volumes_dir: volumes_dir(&config.dir),
         })
     }
 
@@ -222,13 +228,15 @@ impl ProcessRunner {
     }
 
     /// Stops every pod process (SIGTERM, 5 s, SIGKILL) and the heartbeats, leaving API objects as
-    /// they are; with `remove_nodes`, deletes the Node objects too (their pods are then evicted by
-    /// the control plane).
+    /// they are, and unmounts its sized volumes (their data is lost; [`storage`]); with
+    /// `remove_nodes`, deletes the Node objects too (their pods are then evicted by the control
+    /// plane).
     pub async fn shutdown(self, remove_nodes: bool) {
         let _ = self.shutdown.send(true);
         for t in self.tasks {
             let _ = t.await;
         }
+        storage::unmount_all(&self.volumes_dir);
         if remove_nodes {
             let api: Api<Node> = Api::all(self.client.clone());
             for n in &self.nodes {

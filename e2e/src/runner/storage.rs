@@ -14,6 +14,14 @@
 //! StatefulSet pod deleted and recreated finds what it wrote (the L3 store's loadback after a rolling
 //! restart depends on it). Capacity is not enforced and `readOnly` is not honoured (no mount
 //! namespace); access modes are copied from the claim.
+//!
+//! Except in the second class, [`SIZED_STORAGE_CLASS`] (same provisioner, not the default): its
+//! volume directory is a `tmpfs` mounted with the claim's requested size ([`tmpfs_bytes`]), so a
+//! write past the capacity fails with `ENOSPC` as on a real volume that is too small (issue 18
+//! item 5: the L3 store's disk fills). Mounting needs `CAP_SYS_ADMIN` (root); without it the
+//! claim stays `Pending` and the runner logs why ([`can_mount_tmpfs`] tells a test beforehand).
+//! The data lives in memory, as long as the runner: it unmounts them when it stops
+//! ([`unmount_all`]) or reclaims the volume.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -32,6 +40,8 @@ use tokio::sync::watch;
 
 /// Name of the default StorageClass `cluster up` creates.
 pub const STORAGE_CLASS: &str = "tandem-e2e-local";
+/// Name of the class whose volumes have an enforced capacity (a `tmpfs` of the claim's size).
+pub const SIZED_STORAGE_CLASS: &str = "tandem-e2e-sized";
 /// Its provisioner name.
 pub const PROVISIONER: &str = "tandem.dev/e2e-local";
 /// Annotation the provisioner sets on volumes it made (the external-provisioner convention).
@@ -87,6 +97,121 @@ pub fn storage_class() -> StorageClass {
     }
 }
 
+/// The StorageClass of volumes with an enforced capacity (module docs): not the default.
+pub fn sized_storage_class() -> StorageClass {
+    StorageClass {
+        metadata: ObjectMeta {
+            name: Some(SIZED_STORAGE_CLASS.to_owned()),
+            ..Default::default()
+        },
+        provisioner: PROVISIONER.to_owned(),
+        reclaim_policy: Some("Delete".to_owned()),
+        volume_binding_mode: Some("Immediate".to_owned()),
+        ..Default::default()
+    }
+}
+
+/// Bytes of a storage quantity (`<n>`, `<n>Ki|Mi|Gi|Ti`, `<n>k|M|G|T`), `None` for any other form
+/// (fractions, exponents, milli): the size of a [`SIZED_STORAGE_CLASS`] volume.
+pub fn tmpfs_bytes(quantity: &str) -> Option<u64> {
+    let q = quantity.trim();
+    let split = q.find(|c: char| !c.is_ascii_digit()).unwrap_or(q.len());
+    let (digits, unit) = q.split_at(split);
+    let n: u64 = digits.parse().ok()?;
+    let mult: u64 = match unit {
+        "" => 1,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "Ti" => 1 << 40,
+        "k" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        "T" => 1_000_000_000_000,
+        _ => return None,
+    };
+    n.checked_mul(mult).filter(|&b| b > 0)
+}
+
+/// Whether this process can mount a `tmpfs` (a [`SIZED_STORAGE_CLASS`] volume): tried on a
+/// scratch directory under `dir`, unmounted at once.
+pub fn can_mount_tmpfs(dir: &Path) -> bool {
+    let probe = dir.join(".tmpfs-probe");
+    if std::fs::create_dir_all(&probe).is_err() {
+        return false;
+    }
+    let ok = mount_tmpfs(&probe, 4096).is_ok();
+    if ok {
+        let _ = unmount(&probe);
+    }
+    let _ = std::fs::remove_dir(&probe);
+    ok
+}
+
+/// Mounts a `tmpfs` of `bytes` at `dir` (created if missing).
+fn mount_tmpfs(dir: &Path, bytes: u64) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let out = std::process::Command::new("mount")
+        .args([
+            "-t",
+            "tmpfs",
+            "-o",
+            &format!("size={bytes},mode=0777"),
+            "tmpfs",
+        ])
+        .arg(dir)
+        .output()?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!(
+            "mount -t tmpfs at {}: {}",
+            dir.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
+/// Detaches the mount at `dir` (`umount -l`).
+fn unmount(dir: &Path) -> std::io::Result<()> {
+    let out = std::process::Command::new("umount")
+        .arg("-l")
+        .arg(dir)
+        .output()?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!(
+            "umount {}: {}",
+            dir.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
+/// Mount points at or under `dir` (from `/proc/self/mountinfo`, field 5), deepest first.
+fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut found: Vec<PathBuf> = text
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(4))
+        .map(PathBuf::from)
+        .filter(|m| m.starts_with(dir))
+        .collect();
+    found.sort_by_key(|m| std::cmp::Reverse(m.components().count()));
+    found
+}
+
+/// Unmounts every [`SIZED_STORAGE_CLASS`] volume under `volumes_dir` (the runner stops: their
+/// data goes with it); failures are logged.
+pub fn unmount_all(volumes_dir: &Path) {
+    for m in mounts_under(volumes_dir) {
+        if let Err(e) = unmount(&m) {
+            tracing::warn!("{e}");
+        }
+    }
+}
+
 /// Whether the runner must provision a volume for `claim`: of our class, `Pending` (or no status
 /// yet), no `volumeName`, not being deleted.
 pub fn needs_volume(claim: &PersistentVolumeClaim) -> bool {
@@ -94,15 +219,17 @@ pub fn needs_volume(claim: &PersistentVolumeClaim) -> bool {
         return false;
     };
     let phase = claim.status.as_ref().and_then(|s| s.phase.as_deref());
-    spec.storage_class_name.as_deref() == Some(STORAGE_CLASS)
-        && spec.volume_name.as_deref().unwrap_or("").is_empty()
+    matches!(
+        spec.storage_class_name.as_deref(),
+        Some(STORAGE_CLASS | SIZED_STORAGE_CLASS)
+    ) && spec.volume_name.as_deref().unwrap_or("").is_empty()
         && matches!(phase, None | Some("Pending"))
         && claim.metadata.deletion_timestamp.is_none()
 }
 
 /// The PersistentVolume for `claim`: `pvc-<claim uid>`, a `hostPath` directory under `volumes_dir`,
 /// capacity = the claim's storage request (1Gi if it has none), the claim's access modes and volume
-/// mode, reclaim `Delete`, pre-bound by `claimRef` (namespace, name, uid).
+/// mode and class, reclaim `Delete`, pre-bound by `claimRef` (namespace, name, uid).
 pub fn volume_for_claim(claim: &PersistentVolumeClaim, volumes_dir: &Path) -> PersistentVolume {
     let uid = claim.metadata.uid.clone().unwrap_or_default();
     let name = format!("pvc-{uid}");
@@ -129,7 +256,11 @@ pub fn volume_for_claim(claim: &PersistentVolumeClaim, volumes_dir: &Path) -> Pe
                 .clone()
                 .or_else(|| Some(vec!["ReadWriteOnce".into()])),
             volume_mode: spec.volume_mode.clone(),
-            storage_class_name: Some(STORAGE_CLASS.to_owned()),
+            storage_class_name: Some(
+                spec.storage_class_name
+                    .clone()
+                    .unwrap_or_else(|| STORAGE_CLASS.to_owned()),
+            ),
             persistent_volume_reclaim_policy: Some("Delete".to_owned()),
             host_path: Some(HostPathVolumeSource {
                 path: volumes_dir.join(&name).display().to_string(),
@@ -240,6 +371,10 @@ pub async fn provision_volumes(
         match ev {
             Some(Ok(Work::Claim(claim))) if needs_volume(&claim) => {
                 let pv = volume_for_claim(&claim, &volumes_dir);
+                if let Err(e) = enforce_capacity(&pv, &volumes_dir) {
+                    tracing::warn!(claim = ?claim.metadata.name, "provisioning: {e}");
+                    continue;
+                }
                 match pv_api.create(&PostParams::default(), &pv).await {
                     Ok(_) => tracing::info!(
                         claim = ?claim.metadata.name,
@@ -255,6 +390,11 @@ pub async fn provision_volumes(
                 let Some(path) = should_reclaim(&pv, &volumes_dir) else {
                     continue;
                 };
+                for m in mounts_under(&path) {
+                    if let Err(e) = unmount(&m) {
+                        tracing::warn!("reclaiming: {e}");
+                    }
+                }
                 if let Err(e) = std::fs::remove_dir_all(&path)
                     && e.kind() != std::io::ErrorKind::NotFound
                 {
@@ -273,6 +413,33 @@ pub async fn provision_volumes(
             None => return,
         }
     }
+}
+
+/// Mounts the `tmpfs` of a [`SIZED_STORAGE_CLASS`] volume before it is created (once: a volume
+/// already mounted is kept, with its data); nothing for other classes.
+fn enforce_capacity(pv: &PersistentVolume, volumes_dir: &Path) -> std::io::Result<()> {
+    let Some(spec) = &pv.spec else { return Ok(()) };
+    if spec.storage_class_name.as_deref() != Some(SIZED_STORAGE_CLASS) {
+        return Ok(());
+    }
+    let dir = volumes_dir.join(pv.metadata.name.as_deref().unwrap_or_default());
+    if mounts_under(&dir).contains(&dir) {
+        return Ok(());
+    }
+    let quantity = spec
+        .capacity
+        .as_ref()
+        .and_then(|c| c.get("storage"))
+        .map(|q| q.0.clone())
+        .unwrap_or_default();
+    let bytes = tmpfs_bytes(&quantity).ok_or_else(|| {
+        std::io::Error::other(format!(
+            "{SIZED_STORAGE_CLASS}: storage request {quantity:?} is not a plain byte quantity"
+        ))
+    })?;
+    mount_tmpfs(&dir, bytes)?;
+    tracing::info!(dir = %dir.display(), bytes, "sized volume mounted (tmpfs)");
+    Ok(())
 }
 
 enum Work {
@@ -301,6 +468,12 @@ mod tests {
         assert!(needs_volume(&claim(STORAGE_CLASS, Some("Pending"), None)));
         assert!(needs_volume(&claim(STORAGE_CLASS, None, None)));
         assert!(!needs_volume(&claim("other", Some("Pending"), None)));
+        assert!(needs_volume(&claim(SIZED_STORAGE_CLASS, None, None)));
+        let sized = volume_for_claim(&claim(SIZED_STORAGE_CLASS, None, None), Path::new("/r"));
+        assert_eq!(
+            sized.spec.unwrap().storage_class_name.as_deref(),
+            Some(SIZED_STORAGE_CLASS)
+        );
         assert!(!needs_volume(&claim(
             STORAGE_CLASS,
             Some("Bound"),
@@ -367,6 +540,20 @@ mod tests {
         let mut foreign = pv;
         foreign.metadata.annotations = None;
         assert_eq!(should_reclaim(&foreign, dir), None);
+    }
+
+    #[test]
+    fn sized_volumes_take_plain_byte_quantities() {
+        assert_eq!(tmpfs_bytes("2Mi"), Some(2 << 20));
+        assert_eq!(tmpfs_bytes("1Gi"), Some(1 << 30));
+        assert_eq!(tmpfs_bytes("500k"), Some(500_000));
+        assert_eq!(tmpfs_bytes("4096"), Some(4096));
+        for bad in ["", "0", "1.5Gi", "1e9", "100m", "Mi", "-1Mi"] {
+            assert_eq!(tmpfs_bytes(bad), None, "{bad:?}");
+        }
+        let c = sized_storage_class();
+        assert!(c.metadata.annotations.is_none(), "not the default class");
+        assert_eq!(c.provisioner, PROVISIONER);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -118,6 +119,13 @@ pub struct HarnessConfig {
     pub port_offset: u16,
     /// `nvidia.com/gpu` capacity of the one runner node.
     pub runner_gpus: u32,
+    /// Index of the runner node's address block (`127.<100+i>.0.0/16`): each suite its own.
+    pub first_node_index: u32,
+    /// The program the `tandem-worker` image runs (default: the binary next to the test
+    /// executable, [`ImageTable::tandem`]).
+    pub worker_bin: Option<PathBuf>,
+    /// Environment every pod gets after [`SIM_ENV`] (a later entry wins over an earlier one).
+    pub pod_env: &'static [(&'static str, &'static str)],
 }
 
 /// A running control plane with a process-runner node.
@@ -166,14 +174,20 @@ impl Harness {
                     name: "runner-0".into(),
                     gpus: cfg.runner_gpus,
                 }],
-                first_node_index: 50,
+                first_node_index: cfg.first_node_index,
                 dir: cluster.config.runner_dir(),
-                images: ImageTable::tandem(),
+                images: match &cfg.worker_bin {
+                    Some(bin) => {
+                        ImageTable::tandem().with("tandem-worker", vec![bin.display().to_string()])
+                    }
+                    None => ImageTable::tandem(),
+                },
                 api_port: cluster.config.ports.api,
             },
             PodDefaults {
                 env: SIM_ENV
                     .iter()
+                    .chain(cfg.pod_env)
                     .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                     .collect(),
             },
@@ -201,6 +215,71 @@ impl Harness {
 
     fn tool(&self, program: &Path, args: &[&str]) -> Result<String, String> {
         run_tool(program, &self.cluster.kubeconfig, args)
+    }
+
+    /// `helm install`s `charts/tandem` into `tandem-system` (`--wait`, 180 s) and waits (60 s) until
+    /// an operator pod is Ready.
+    ///
+    /// # Errors
+    /// helm's output, or the wait's timeout.
+    pub async fn install_operator(&self) -> Result<(), String> {
+        self.helm(&[
+            "install",
+            "tandem",
+            "charts/tandem",
+            "-n",
+            "tandem-system",
+            "--create-namespace",
+            "--wait",
+            "--timeout",
+            "180s",
+        ])?;
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), "tandem-system");
+        poll(Duration::from_secs(60), || async {
+            let list = api
+                .list(&ListParams::default().labels("app.kubernetes.io/name=tandem-operator"))
+                .await
+                .ok()?;
+            list.items
+                .iter()
+                .any(|p| pod_ready(p) && p.metadata.deletion_timestamp.is_none())
+                .then_some(())
+        })
+        .await
+        .ok_or_else(|| "no operator pod Ready after helm install".to_owned())
+    }
+
+    /// Waits up to `secs` until condition `ty` of `kind/name` (in `default`) has status `want`.
+    ///
+    /// # Errors
+    /// The last status seen and every condition, after `secs`.
+    pub async fn wait_condition(
+        &self,
+        kind: &str,
+        name: &str,
+        ty: &str,
+        want: &str,
+        secs: u64,
+    ) -> Result<(), String> {
+        let path = format!("jsonpath={{.status.conditions[?(@.type==\"{ty}\")].status}}");
+        let mut last = String::new();
+        let got = poll(Duration::from_secs(secs), || {
+            let out = self.kubectl(&["get", kind, name, "-o", &path]);
+            if let Ok(s) = &out {
+                last = s.clone();
+            }
+            async move { out.ok().filter(|s| s.trim() == want) }
+        })
+        .await;
+        if got.is_some() {
+            return Ok(());
+        }
+        let conditions = self
+            .kubectl(&["get", kind, name, "-o", "jsonpath={.status.conditions}"])
+            .unwrap_or_default();
+        Err(format!(
+            "{kind}/{name}: condition {ty} is {last:?}, not {want}, after {secs}s; conditions: {conditions}"
+        ))
     }
 
     /// Pods in `default` matching a label selector.
@@ -254,6 +333,14 @@ impl Harness {
     }
 }
 
+/// Whether the pod's `Ready` condition is True.
+pub fn pod_ready(p: &Pod) -> bool {
+    p.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
 /// Polls `f` every 500 ms until it returns `Some`, or `None` after `timeout`.
 pub async fn poll<T, F, Fut>(timeout: Duration, mut f: F) -> Option<T>
 where
@@ -270,4 +357,78 @@ where
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+/// `helm install` of charts/tandem into `tandem-system` (waited), then a Ready operator pod.
+pub async fn install(h: &Harness) -> Result<(), String> {
+    h.helm(&[
+        "install",
+        "tandem",
+        "charts/tandem",
+        "-n",
+        "tandem-system",
+        "--create-namespace",
+        "--wait",
+        "--timeout",
+        "180s",
+    ])?;
+    poll(Duration::from_secs(60), || async {
+        let pods = operator_pods(h).await.ok()?;
+        (!pods.is_empty()).then_some(())
+    })
+    .await
+    .ok_or_else(|| "no operator pod Ready after helm install".to_owned())
+}
+
+/// The Ready, not deleting operator pods.
+pub async fn operator_pods(h: &Harness) -> Result<BTreeSet<String>, String> {
+    let api: Api<Pod> = Api::namespaced(h.client.clone(), "tandem-system");
+    let list = api
+        .list(&kube::api::ListParams::default().labels("app.kubernetes.io/name=tandem-operator"))
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(list
+        .items
+        .iter()
+        .filter(|p| ready(p) && p.metadata.deletion_timestamp.is_none())
+        .filter_map(|p| p.metadata.name.clone())
+        .collect())
+}
+
+/// Waits until condition `ty` of `kind/name` has status `want` (at most `secs`).
+pub async fn wait_condition(
+    h: &Harness,
+    kind: &str,
+    name: &str,
+    ty: &str,
+    want: &str,
+    secs: u64,
+) -> Result<(), String> {
+    let path = format!("jsonpath={{.status.conditions[?(@.type==\"{ty}\")].status}}");
+    let mut last = String::new();
+    let got = poll(Duration::from_secs(secs), || {
+        let out = h.kubectl(&["get", kind, name, "-o", &path]);
+        if let Ok(s) = &out {
+            last = s.clone();
+        }
+        async move { out.ok().filter(|s| s.trim() == want) }
+    })
+    .await;
+    if got.is_some() {
+        return Ok(());
+    }
+    let conditions = h
+        .kubectl(&["get", kind, name, "-o", "jsonpath={.status.conditions}"])
+        .unwrap_or_default();
+    Err(format!(
+        "{kind}/{name}: condition {ty} is {last:?}, not {want}, after {secs}s; conditions: {conditions}"
+    ))
+}
+
+/// Whether the pod's `Ready` condition is `True`.
+pub fn ready(p: &Pod) -> bool {
+    p.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
