@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::Value;
-use support::{Harness, HarnessConfig, pod_ready, poll};
+use support::{Harness, HarnessConfig, install, poll, ready, run_suite, wait_condition};
 use tandem_crds::labels::{POOL, ROLE, ROLE_DECODE};
 use tandem_e2e::pidfile::{Liveness, ProcessId};
 use tandem_e2e::report::sampler::HEALTH_PORT;
@@ -121,32 +121,24 @@ async fn draft_pool_in_the_sidecar_segment_and_on_mmap_fails_closed() {
     let worker = tandem_e2e::demo::stack::negative_controls_worker()
         .await
         .unwrap_or_else(|e| panic!("a tandem-worker with negative controls: {e}"));
-    let Some(h) = Harness::start(HarnessConfig {
-        name: "seed000",
-        port_offset: 6600,
-        runner_gpus: 4,
-        first_node_index: 60,
-        worker_bin: Some(worker),
-        pod_env: &[(NC_ENV, DECODE_NC)],
-    })
-    .await
-    else {
-        return;
-    };
-    let outcome = scenario(&h).await;
-    if outcome.is_err() {
-        h.dump_diagnostics();
-    }
-    h.stop().await;
-    if let Err(e) = outcome {
-        panic!("{e}");
-    }
+    run_suite(
+        HarnessConfig {
+            name: "seed000",
+            port_offset: 6600,
+            runner_gpus: 4,
+            first_node_index: 60,
+            worker_bin: Some(worker),
+            pod_env: &[(NC_ENV, DECODE_NC)],
+        },
+        scenario,
+    )
+    .await;
 }
 
 async fn scenario(h: &Harness) -> Result<(), String> {
     let t0 = Instant::now();
     let say = |what: &str| println!("[{:>5.1}s] {what}", t0.elapsed().as_secs_f64());
-    h.install_operator().await?;
+    install(h).await?;
     say("operator installed and Ready");
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let apply = |name: &str, yaml: String| -> Result<(), String> {
@@ -159,10 +151,8 @@ async fn scenario(h: &Harness) -> Result<(), String> {
     // 1. The fix: the draft pool inside the sidecar's segment, registered, the pool Ready.
     apply("stack", tier_yaml())?;
     apply("decode", decode_yaml(DECODE))?;
-    h.wait_condition("cachetier", TIER, "Ready", "True", 240)
-        .await?;
-    h.wait_condition("decodepool", DECODE, "Ready", "True", 300)
-        .await?;
+    wait_condition(h, "cachetier", TIER, "Ready", "True", 240).await?;
+    wait_condition(h, "decodepool", DECODE, "Ready", "True", 300).await?;
     condition_is(h, DECODE, "Degraded", "False", "AsExpected")?;
     let pod = decode_pod(h, DECODE).await?;
     let ip = pod_ip(&pod)?;
@@ -252,7 +242,7 @@ async fn scenario(h: &Harness) -> Result<(), String> {
     .await
     .ok_or("the first DecodePool's pods did not go")?;
     apply("decode-nc", decode_yaml(DECODE_NC))?;
-    h.wait_condition("decodepool", DECODE_NC, "Degraded", "True", 240)
+    wait_condition(h, "decodepool", DECODE_NC, "Degraded", "True", 240)
         .await
         .map_err(|e| {
             format!(
@@ -290,7 +280,7 @@ async fn scenario(h: &Harness) -> Result<(), String> {
     }
     let pod = decode_pod(h, DECODE_NC).await?;
     let ip = pod_ip(&pod)?;
-    if pod_ready(&pod) {
+    if ready(&pod) {
         return Err("the negative control's decode pod is Ready".into());
     }
     let restarts: i32 = pod

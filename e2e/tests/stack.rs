@@ -47,7 +47,9 @@ use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::watcher;
 use kube::{Api, CustomResourceExt};
 use serde_json::Value;
-use support::{Harness, HarnessConfig, install, operator_pods, poll, ready, wait_condition};
+use support::{
+    Harness, HarnessConfig, install, operator_pods, poll, ready, run_suite, wait_condition,
+};
 use tandem_crds::labels::{GROUP, POOL, REVISION, ROLE, ROLE_DECODE, ROLE_PREFILL};
 use tandem_crds::{CacheTier, DecodePool, PrefillPool};
 
@@ -60,26 +62,18 @@ const NODE_GPUS: u32 = 10;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn install_scale_restart_teardown() {
-    let Some(h) = Harness::start(HarnessConfig {
-        name: "install_scale_restart_teardown",
-        port_offset: 5000,
-        runner_gpus: NODE_GPUS,
-        first_node_index: 50,
-        worker_bin: None,
-        pod_env: &[],
-    })
-    .await
-    else {
-        return;
-    };
-    let outcome = scenario(&h).await;
-    if outcome.is_err() {
-        h.dump_diagnostics();
-    }
-    h.stop().await;
-    if let Err(e) = outcome {
-        panic!("{e}");
-    }
+    run_suite(
+        HarnessConfig {
+            name: "install_scale_restart_teardown",
+            port_offset: 5000,
+            runner_gpus: NODE_GPUS,
+            first_node_index: 50,
+            worker_bin: None,
+            pod_env: &[],
+        },
+        scenario,
+    )
+    .await;
 }
 
 async fn scenario(h: &Harness) -> Result<(), String> {

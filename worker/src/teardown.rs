@@ -51,6 +51,31 @@ impl TeardownReport {
     pub fn ok(&self) -> bool {
         self.steps.iter().all(|s| s.result.is_ok())
     }
+
+    /// A report of a teardown that could not run its plan (the task running it died): one failed
+    /// step, `message` its error.
+    pub fn failed(message: String) -> Self {
+        Self {
+            steps: vec![StepRecord {
+                phase: TeardownPhase::StopAdmission,
+                name: "run the teardown plan".into(),
+                result: Err(message),
+            }],
+        }
+    }
+
+    /// The report as JSON: `{"ok": bool, "steps": [{"phase": "DrainRooms", "step": "…",
+    /// "error": null | "…"}, …]}`, steps in execution order.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "ok": self.ok(),
+            "steps": self.steps.iter().map(|s| serde_json::json!({
+                "phase": format!("{:?}", s.phase),
+                "step": s.name,
+                "error": s.result.as_ref().err(),
+            })).collect::<Vec<_>>(),
+        })
+    }
 }
 
 #[derive(Default)]
@@ -189,5 +214,11 @@ mod tests {
         let again = t.run();
         assert_eq!(again, r, "second run is a no-op with the same report");
         assert_eq!(log.lock().unwrap().len(), 4);
+        let j = r.to_json();
+        assert_eq!(j["ok"], false);
+        assert_eq!(j["steps"][2]["phase"], "Deregister");
+        assert_eq!(j["steps"][2]["error"], "store gone");
+        assert_eq!(j["steps"][3]["step"], "free pools");
+        assert!(j["steps"][3]["error"].is_null());
     }
 }

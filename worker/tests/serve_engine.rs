@@ -503,6 +503,23 @@ async fn standalone_pools_live_in_the_sidecar_segment_and_are_registered() {
     p.signal(libc::SIGTERM);
     let st = p.wait_exit(Duration::from_secs(30)).expect("prefill exits");
     assert!(st.success(), "{st:?}");
+    // The teardown ran in contract 9's order, every step done; the pools deregistered last.
+    let (ok, steps) = w.teardown_of(2);
+    assert!(ok, "{steps:?}");
+    let phases: Vec<&str> = steps.iter().map(|s| s.0.as_str()).collect();
+    assert_eq!(
+        phases,
+        [
+            "StopAdmission",
+            "DrainRooms",
+            "DrainRooms",
+            "FreeTransferHandles",
+            "DestroyTransports",
+            "DestroyTransports",
+            "FreeMemory"
+        ],
+        "{steps:?}"
+    );
 }
 
 /// An engine that never answers: the room fails with a reason at its deadline (the decode's KV

@@ -731,6 +731,67 @@ async fn standalone_decode_pools_target_and_draft_live_in_the_sidecar_segment() 
     d.signal(libc::SIGTERM);
     let st = d.wait_exit(Duration::from_secs(30)).expect("decode exits");
     assert!(st.success(), "{st:?}");
+    // The teardown ran in contract 9's order, every step done; the pools deregistered last.
+    let (ok, steps) = w.teardown_of(9);
+    assert!(ok, "{steps:?}");
+    let phases: Vec<&str> = steps.iter().map(|s| s.0.as_str()).collect();
+    assert_eq!(
+        phases,
+        [
+            "StopAdmission",
+            "DrainRooms",
+            "DrainRooms",
+            "Deregister",
+            "DestroyTransports",
+            "FreeMemory"
+        ],
+        "{steps:?}"
+    );
+}
+
+/// SIGTERM with a request still decoding past the drain grace: the teardown records the drain as
+/// failed (the request in flight at the deadline) and still runs every later step — the engine
+/// API stops and the pools are deregistered and freed — and the worker exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_past_its_grace_is_reported_and_the_teardown_goes_on() {
+    let w = World::new(115);
+    w.publish(&[2]);
+    let (_p, _pe) = prefill_with_engine(&w, &[]).await;
+    let mut d = w.spawn(9, &decode_config(&w), &[("TANDEM_DRAIN_GRACE_MS", "300")]);
+    let (dh, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
+    // 1 s per token: a request of 6 tokens decodes for 5 s.
+    let _engine = spawn_engine(&w, 9, &[], &[("TANDEM_SIM_TPOT_MS", "1000")]);
+    until(Duration::from_secs(30), || async {
+        readyz(dh).await.0 == 200
+    })
+    .await;
+    let _held = send_and_hold(front, &completion(PROMPT, 6, false)).await;
+    until(Duration::from_secs(20), || async {
+        report(dh).await["engine"]["rooms_completed"] == 1
+    })
+    .await;
+    d.signal(libc::SIGTERM);
+    let st = d.wait_exit(Duration::from_secs(30)).expect("decode exits");
+    assert!(st.success(), "{st:?}");
+    let (ok, steps) = w.teardown_of(9);
+    assert!(
+        !ok,
+        "a request was in flight at the grace deadline: {steps:?}"
+    );
+    let drain = steps
+        .iter()
+        .position(|s| s.0 == "DrainRooms")
+        .expect("a DrainRooms step");
+    assert_eq!(
+        steps[drain].2.as_deref(),
+        Some("1 requests in flight at the grace deadline"),
+        "{steps:?}"
+    );
+    let dereg = steps
+        .iter()
+        .position(|s| s.0 == "FreeMemory")
+        .expect("the pools' step ran after the failed drain");
+    assert!(dereg > drain && steps[dereg].2.is_none(), "{steps:?}");
 }
 
 /// Sends a completion on its own connection and returns the socket, the response unread: dropping
@@ -872,6 +933,12 @@ async fn prefix_hits_reach_the_response_when_both_pools_run_the_engine() {
     );
 
     // The decode's /report.engine carries the engine's own summary and the pools' registration.
+    // The engine publishes its summary after its last EmitTokens of an attempt, which is what
+    // answered the client: the third attempt's figures may land just after the response.
+    until(Duration::from_secs(10), || async {
+        report(dh).await["engine"]["engine_summary"]["completed"] == 3
+    })
+    .await;
     let r = report(dh).await;
     let e = &r["engine"];
     assert_eq!(e["registration"]["quarantined"], 0, "{r}");

@@ -220,6 +220,9 @@ async fn the_engine_loads_prefixes_from_l2_then_from_l3_after_a_restart() {
             .expect("prefill exits")
             .success()
     );
+    // Its teardown released every resource (the L2 flush, the transport, the engine's pool).
+    let (ok, steps) = w.teardown_of(2);
+    assert!(ok, "{steps:?}");
     let _p = w.spawn(2, &pcfg, &[("TANDEM_L3_LOADBACK_PAGES", "0")]);
     let engine = spawn_engine(&w, 2, &[]);
     wait_ready(&w, 2).await;

@@ -217,71 +217,6 @@ impl Harness {
         run_tool(program, &self.cluster.kubeconfig, args)
     }
 
-    /// `helm install`s `charts/tandem` into `tandem-system` (`--wait`, 180 s) and waits (60 s) until
-    /// an operator pod is Ready.
-    ///
-    /// # Errors
-    /// helm's output, or the wait's timeout.
-    pub async fn install_operator(&self) -> Result<(), String> {
-        self.helm(&[
-            "install",
-            "tandem",
-            "charts/tandem",
-            "-n",
-            "tandem-system",
-            "--create-namespace",
-            "--wait",
-            "--timeout",
-            "180s",
-        ])?;
-        let api: Api<Pod> = Api::namespaced(self.client.clone(), "tandem-system");
-        poll(Duration::from_secs(60), || async {
-            let list = api
-                .list(&ListParams::default().labels("app.kubernetes.io/name=tandem-operator"))
-                .await
-                .ok()?;
-            list.items
-                .iter()
-                .any(|p| pod_ready(p) && p.metadata.deletion_timestamp.is_none())
-                .then_some(())
-        })
-        .await
-        .ok_or_else(|| "no operator pod Ready after helm install".to_owned())
-    }
-
-    /// Waits up to `secs` until condition `ty` of `kind/name` (in `default`) has status `want`.
-    ///
-    /// # Errors
-    /// The last status seen and every condition, after `secs`.
-    pub async fn wait_condition(
-        &self,
-        kind: &str,
-        name: &str,
-        ty: &str,
-        want: &str,
-        secs: u64,
-    ) -> Result<(), String> {
-        let path = format!("jsonpath={{.status.conditions[?(@.type==\"{ty}\")].status}}");
-        let mut last = String::new();
-        let got = poll(Duration::from_secs(secs), || {
-            let out = self.kubectl(&["get", kind, name, "-o", &path]);
-            if let Ok(s) = &out {
-                last = s.clone();
-            }
-            async move { out.ok().filter(|s| s.trim() == want) }
-        })
-        .await;
-        if got.is_some() {
-            return Ok(());
-        }
-        let conditions = self
-            .kubectl(&["get", kind, name, "-o", "jsonpath={.status.conditions}"])
-            .unwrap_or_default();
-        Err(format!(
-            "{kind}/{name}: condition {ty} is {last:?}, not {want}, after {secs}s; conditions: {conditions}"
-        ))
-    }
-
     /// Pods in `default` matching a label selector.
     pub async fn pods(&self, selector: &str) -> Result<Vec<Pod>, String> {
         let api: Api<Pod> = Api::namespaced(self.client.clone(), "default");
@@ -333,12 +268,24 @@ impl Harness {
     }
 }
 
-/// Whether the pod's `Ready` condition is True.
-pub fn pod_ready(p: &Pod) -> bool {
-    p.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+/// Runs one live-stack suite: starts the harness (or returns, the skip printed, when the control
+/// plane is not built and not required), runs `scenario`, prints the diagnostics if it failed,
+/// stops the harness, then panics with the scenario's error.
+pub async fn run_suite(
+    cfg: HarnessConfig,
+    scenario: impl AsyncFnOnce(&Harness) -> Result<(), String>,
+) {
+    let Some(h) = Harness::start(cfg).await else {
+        return;
+    };
+    let outcome = scenario(&h).await;
+    if outcome.is_err() {
+        h.dump_diagnostics();
+    }
+    h.stop().await;
+    if let Err(e) = outcome {
+        panic!("{e}");
+    }
 }
 
 /// Polls `f` every 500 ms until it returns `Some`, or `None` after `timeout`.

@@ -169,6 +169,39 @@ pub fn apply_transport(
     t
 }
 
+/// The environment variable of the drain grace: milliseconds a stopping prefill or decode
+/// worker gives its rooms and requests before the teardown goes on without them.
+pub const DRAIN_GRACE_ENV: &str = "TANDEM_DRAIN_GRACE_MS";
+
+/// The drain grace: `$TANDEM_DRAIN_GRACE_MS` when set to a number, else 25 s (inside the
+/// Kubernetes default `terminationGracePeriodSeconds` of 30 s, leaving 5 s to release memory).
+pub fn drain_grace_from_env() -> std::time::Duration {
+    std::env::var(DRAIN_GRACE_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .map_or(
+            std::time::Duration::from_secs(25),
+            std::time::Duration::from_millis,
+        )
+}
+
+/// Reports a serving role's teardown when it exits: each step logged (by
+/// [`crate::teardown::Teardown::run`]), then one log line and one stdout line
+/// `teardown {"ok": …, "steps": […]}` ([`crate::teardown::TeardownReport::to_json`]) that a
+/// process supervisor or test reads. A closed stdout is ignored (the process is exiting).
+pub fn print_teardown(report: &crate::teardown::TeardownReport) {
+    use std::io::Write as _;
+    let json = report.to_json();
+    if report.ok() {
+        tracing::info!(teardown = %json, "teardown done");
+    } else {
+        tracing::error!(teardown = %json, "teardown done with failed steps");
+    }
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "teardown {json}");
+    let _ = out.flush();
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

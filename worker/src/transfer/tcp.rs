@@ -144,6 +144,17 @@ impl TcpReceiver {
             .insert(id, region);
     }
 
+    /// Deregisters region `id` (DESIGN contract 9: memory leaves the transport before it is
+    /// freed): later writes to it are dropped as [`WriteStatus::UnknownRegion`]; a frame being
+    /// applied keeps its reference until that frame is done. Returns the region, if registered.
+    pub fn deregister_region(&self, id: RegionId) -> Option<Arc<dyn ReceiveRegion>> {
+        self.shared
+            .regions
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&id)
+    }
+
     /// Opens `key` for writes: only frames of `key.generation` land in this room from now on. A
     /// previous generation of the same room id is fenced implicitly (its writes are dropped).
     pub fn open_room(&self, key: RoomKey) {

@@ -242,6 +242,53 @@ impl World {
         self.dir.path().join(format!("root-{host}"))
     }
 
+    /// The lines a worker started on `host` by [`World::start_role`] printed after its
+    /// `listening on` line (every process of the host, in order).
+    pub fn stdout_lines(&self, host: u8) -> Vec<String> {
+        std::fs::read_to_string(self.root(host).join("stdout"))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// The last teardown report a serving worker on `host` printed when it exited
+    /// (`teardown {json}`, `tandem_worker::roles::print_teardown`), as (phase, step, error) rows;
+    /// panics without one. Call after the process exited (the reader thread may trail it by a
+    /// moment: bounded retry).
+    pub fn teardown_of(&self, host: u8) -> (bool, Vec<(String, String, Option<String>)>) {
+        let end = Instant::now() + Duration::from_secs(5);
+        loop {
+            let last = self
+                .stdout_lines(host)
+                .into_iter()
+                .rev()
+                .find_map(|l| l.strip_prefix("teardown ").map(str::to_owned));
+            if let Some(json) = last {
+                let v: Value = serde_json::from_str(&json).expect("teardown JSON");
+                let rows = v["steps"]
+                    .as_array()
+                    .expect("teardown steps")
+                    .iter()
+                    .map(|s| {
+                        (
+                            s["phase"].as_str().unwrap_or_default().to_owned(),
+                            s["step"].as_str().unwrap_or_default().to_owned(),
+                            s["error"].as_str().map(str::to_owned),
+                        )
+                    })
+                    .collect();
+                return (v["ok"] == true, rows);
+            }
+            assert!(
+                Instant::now() < end,
+                "no teardown line from host {host}: {:?}",
+                self.stdout_lines(host)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn spawn_role(
         &self,
         host: u8,
@@ -292,10 +339,26 @@ impl World {
         let stdout = child.stdout.take().unwrap();
         let proc = Proc(child);
         let (tx, rx) = std::sync::mpsc::channel();
+        // The first line answers the start; later ones (the teardown report) are appended to
+        // `<root>/stdout` ([`World::stdout_lines`]). Reading on keeps the pipe open.
+        let log = root.join("stdout");
         std::thread::spawn(move || {
+            use std::io::Write as _;
+            let mut r = BufReader::new(stdout);
             let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = r.read_line(&mut line);
             let _ = tx.send(line);
+            let mut line = String::new();
+            while r.read_line(&mut line).is_ok_and(|n| n > 0) {
+                if let Ok(mut f) = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log)
+                {
+                    let _ = f.write_all(line.as_bytes());
+                }
+                line.clear();
+            }
         });
         let line = rx
             .recv_timeout(Duration::from_secs(60))

@@ -276,6 +276,16 @@ impl DecodeSeat {
     pub async fn stop(self) -> Vec<String> {
         self.seat.stop().await
     }
+
+    /// [`Seat::stop_engine`]: the attach ends, the requests waiting on its rooms end.
+    pub async fn stop_engine(&mut self) {
+        self.seat.stop_engine().await;
+    }
+
+    /// [`Seat::release`]: the pools deregistered and freed. Returns the errors, one line each.
+    pub fn release(self) -> Vec<String> {
+        self.seat.release()
+    }
 }
 
 /// [`DecodeSeat::report`] of the seat's parts.

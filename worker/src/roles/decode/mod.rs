@@ -47,6 +47,7 @@ use crate::health::counters::mirror;
 use crate::health::http::{ServeState, router, spawn_http};
 use crate::release::receiver::GateMode;
 use crate::spec_guard::AnomalyReason;
+use crate::teardown::{Teardown, TeardownReport};
 use engine::DecodeEngine;
 use node::{DecodeConfig, DecodeNode};
 use peers::{PeerSet, PeerTarget};
@@ -92,8 +93,7 @@ pub fn run(args: Args) -> Result<(), RoleError> {
         println!("listening on {}", server.front_addr);
         let signal = stop.await;
         tracing::info!(signal, "stopping decode");
-        let clean = server.shutdown().await;
-        tracing::info!(clean, "decode exited");
+        super::print_teardown(&server.shutdown().await);
         Ok(())
     })
 }
@@ -201,7 +201,7 @@ impl DecodeOptions {
             max_inflight: 256,
             refresh_every: Duration::from_secs(2),
             heartbeat: Duration::from_millis(500),
-            drain_grace: Duration::from_secs(25),
+            drain_grace: super::drain_grace_from_env(),
             peer_port: None,
             gate_proof: GateProof::default(),
             request_deadline: Duration::from_millis(
@@ -225,6 +225,9 @@ pub struct DecodeServer {
     pub health_addr: SocketAddr,
     /// KV data address.
     pub data_addr: String,
+    /// The health port's server (stopped last: readiness says "draining" until the end).
+    http: tokio::task::JoinHandle<()>,
+    /// The front door and the peer refresh.
     tasks: Vec<tokio::task::JoinHandle<()>>,
     grace: Duration,
     seat: Option<engine_seat::DecodeSeat>,
@@ -512,38 +515,125 @@ impl DecodeServer {
             front_addr,
             health_addr,
             data_addr: node.data_addr(),
-            tasks: vec![http, front, refresh],
+            http,
+            tasks: vec![front, refresh],
             grace: opts.drain_grace,
             seat,
         })
     }
 
-    /// Drains and stops: readiness 503 and new requests refused at once, in-flight requests
-    /// finish until the grace deadline. Returns whether every request finished in time.
-    pub async fn shutdown(self) -> bool {
-        self.state.begin_drain();
-        let e = &self.engine;
-        tracing::info!(
-            in_flight = e.max_inflight - e.inflight.available_permits(),
-            "draining decode"
+    /// Drains and stops through the ordered teardown of DESIGN contract 9
+    /// ([`crate::teardown::Teardown`]): readiness 503 and new requests refused at once
+    /// (StopAdmission); in-flight requests finish until the grace deadline, then the engine
+    /// detaches and the requests still in flight end as its rooms fail (DrainRooms); the engine's
+    /// target pool leaves the KV receiver (Deregister); the front door and the prefill links stop
+    /// (DestroyTransports); the pools are deregistered from the store client and freed with the
+    /// allocator that made them (FreeMemory). A failing step is recorded and the later ones still
+    /// run. The health port stops last.
+    ///
+    /// Returns the report: every step, in order, with its result ([`TeardownReport::ok`] when
+    /// every request finished in time and every resource was released).
+    pub async fn shutdown(self) -> TeardownReport {
+        use crate::teardown::TeardownPhase as Phase;
+        let rt = tokio::runtime::Handle::current();
+        let plan = Teardown::new();
+        let state = self.state.clone();
+        plan.register(
+            Phase::StopAdmission,
+            "readiness 503, new requests refused",
+            move || {
+                state.begin_drain();
+                Ok(())
+            },
         );
-        let deadline = Instant::now() + self.grace;
-        while e.inflight.available_permits() < e.max_inflight && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let finished = e.inflight.available_permits() == e.max_inflight;
-        for t in &self.tasks {
-            t.abort();
-        }
+        let (e, deadline) = (self.engine.clone(), Instant::now() + self.grace);
+        plan.register(
+            Phase::DrainRooms,
+            "in-flight requests finish until the grace deadline",
+            move || {
+                let in_flight = || e.max_inflight - e.inflight.available_permits();
+                tracing::info!(in_flight = in_flight(), "draining decode");
+                while in_flight() > 0 && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                match in_flight() {
+                    0 => Ok(()),
+                    n => Err(format!("{n} requests in flight at the grace deadline")),
+                }
+            },
+        );
+        let tasks = self.tasks;
+        plan.register(
+            Phase::DestroyTransports,
+            "the front door and the prefill links stop",
+            move || {
+                for t in &tasks {
+                    t.abort();
+                }
+                Ok(())
+            },
+        );
         if let Some(seat) = self.seat {
-            let errors = seat.stop().await;
-            if errors.is_empty() {
-                tracing::info!("engine API stopped; pools deregistered and freed");
-            } else {
-                tracing::error!(?errors, "releasing the engine pools failed");
-            }
+            let seat = Arc::new(std::sync::Mutex::new(Some(seat)));
+            let (held, e) = (seat.clone(), self.engine.clone());
+            plan.register(
+                Phase::DrainRooms,
+                "the engine detaches; requests still in flight end",
+                move || {
+                    let mut held = held.lock().unwrap_or_else(|p| p.into_inner());
+                    if let Some(s) = held.as_mut() {
+                        rt.block_on(s.stop_engine());
+                    }
+                    // The attach's end fails the rooms those requests wait on: they answer and
+                    // drop what they hold of the pools (bounded).
+                    let until = Instant::now() + Duration::from_secs(5);
+                    let in_flight = || e.max_inflight - e.inflight.available_permits();
+                    while in_flight() > 0 && Instant::now() < until {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    match in_flight() {
+                        0 => Ok(()),
+                        n => Err(format!(
+                            "{n} requests still in flight 5 s after the engine left"
+                        )),
+                    }
+                },
+            );
+            let held = seat.clone();
+            plan.register(
+                Phase::Deregister,
+                "the engine's target pool leaves the KV receiver",
+                move || {
+                    let held = held.lock().unwrap_or_else(|p| p.into_inner());
+                    match held.as_ref().map(|s| s.rooms.unbind()) {
+                        Some(false) => {
+                            Err("the target pool was not registered on the receiver".into())
+                        }
+                        _ => Ok(()),
+                    }
+                },
+            );
+            plan.register(
+                Phase::FreeMemory,
+                "the pools deregistered and freed with their allocator",
+                move || {
+                    let taken = seat.lock().unwrap_or_else(|p| p.into_inner()).take();
+                    match taken
+                        .map(engine_seat::DecodeSeat::release)
+                        .unwrap_or_default()
+                        .as_slice()
+                    {
+                        [] => Ok(()),
+                        errors => Err(errors.join("; ")),
+                    }
+                },
+            );
         }
-        tracing::info!(finished, "decode stopped");
-        finished
+        let report = tokio::task::spawn_blocking(move || plan.run())
+            .await
+            .unwrap_or_else(|e| TeardownReport::failed(format!("the teardown task failed: {e}")));
+        self.http.abort();
+        tracing::info!(clean = report.ok(), "decode stopped");
+        report
     }
 }

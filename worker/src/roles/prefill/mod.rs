@@ -52,6 +52,7 @@ use crate::health::counters::mirror;
 use crate::health::http::{ServeState, router, spawn_http};
 use crate::l3::manifest::ShardCoords;
 use crate::l3::replicas::BookConfig;
+use crate::teardown::{Teardown, TeardownReport};
 use crate::transfer::Transport;
 use crate::transfer::tcp::{TcpConfig, TcpTransport};
 use node::{PrefillConfig, PrefillNode, PrefillService};
@@ -94,8 +95,7 @@ pub fn run(args: Args) -> Result<(), RoleError> {
         println!("listening on {}", server.control_addr);
         let signal = stop.await;
         tracing::info!(signal, "stopping prefill");
-        let clean = server.shutdown().await;
-        tracing::info!(clean, "prefill exited");
+        super::print_teardown(&server.shutdown().await);
         Ok(())
     })
 }
@@ -155,7 +155,7 @@ impl PrefillOptions {
         Self {
             bind_ip: pod_ip(),
             worker_id: std::env::var("POD_NAME").unwrap_or_else(|_| "prefill-0".into()),
-            drain_grace: Duration::from_secs(25),
+            drain_grace: super::drain_grace_from_env(),
             loadback_deadline: Duration::from_secs(30),
             loadback_pages: std::env::var("TANDEM_L3_LOADBACK_PAGES")
                 .ok()
@@ -446,55 +446,125 @@ impl PrefillServer {
         })
     }
 
-    /// Drains and stops: readiness 503, no new rooms, running rooms finish (until the grace
-    /// deadline), the transport drains and closes, the servers stop. Returns whether every room
-    /// finished in time.
-    pub async fn shutdown(self) -> bool {
-        self.state.begin_drain();
-        self.service.admitting.store(false, Ordering::SeqCst);
-        tracing::info!(rooms = self.node.rooms_held(), "draining prefill");
+    /// Drains and stops through the ordered teardown of DESIGN contract 9
+    /// ([`crate::teardown::Teardown`]): readiness 503 and no new rooms (StopAdmission); running
+    /// rooms finish until the grace deadline, then L2 is flushed to L3 under write-back
+    /// (DrainRooms); the transport's writes conclude (FreeTransferHandles); the KV transport and
+    /// the snapshot receiver close, then the engine detaches and the engine API stops
+    /// (DestroyTransports); the pools are deregistered and freed with the allocator that made them
+    /// (FreeMemory). A failing
+    /// step is recorded and the later ones still run. The servers stop last.
+    ///
+    /// Returns the report: every step, in order, with its result ([`TeardownReport::ok`] when
+    /// every room finished in time and every resource was released).
+    pub async fn shutdown(self) -> TeardownReport {
+        use crate::teardown::TeardownPhase as Phase;
+        let rt = tokio::runtime::Handle::current();
+        let plan = Teardown::new();
+        let (state, admitting) = (self.state.clone(), self.service.admitting.clone());
+        plan.register(
+            Phase::StopAdmission,
+            "readiness 503, no new rooms",
+            move || {
+                state.begin_drain();
+                admitting.store(false, Ordering::SeqCst);
+                Ok(())
+            },
+        );
         let deadline = Instant::now() + self.grace;
-        while self.node.rooms_held() > 0 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let rooms_left = self.node.rooms_held();
-        let t = self.transport.clone();
-        let report = tokio::task::spawn_blocking(move || {
-            t.drain(deadline.max(Instant::now() + Duration::from_secs(1)))
-        })
-        .await
-        .ok();
-        let quiescent = report.as_ref().is_none_or(|r| r.quiescent());
-        if !quiescent {
-            tracing::error!("writes still in flight at the drain deadline");
-        }
-        self.transport.shutdown();
-        if let Some(s) = &self.service.snapshots {
-            s.shutdown();
-        }
+        let node = self.node.clone();
+        plan.register(
+            Phase::DrainRooms,
+            "running rooms finish until the grace deadline",
+            move || {
+                tracing::info!(rooms = node.rooms_held(), "draining prefill");
+                while node.rooms_held() > 0 && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                match node.rooms_held() {
+                    0 => Ok(()),
+                    n => Err(format!("{n} rooms still held at the grace deadline")),
+                }
+            },
+        );
         let (cache, layout) = (self.cache.clone(), self.layout);
         let tiers = self.seat.as_ref().and_then(|s| s.tiers.clone());
-        let flush_deadline = Instant::now() + Duration::from_secs(10);
-        let flushed = tokio::task::spawn_blocking(move || match tiers {
-            Some(t) => t.flush(flush_deadline),
-            None => cache.flush(layout),
-        })
-        .await
-        .unwrap_or(0);
+        plan.register(
+            Phase::DrainRooms,
+            "L2 flushed to L3 (write-back)",
+            move || {
+                let flush_deadline = Instant::now() + Duration::from_secs(10);
+                let flushed = match tiers {
+                    Some(t) => t.flush(flush_deadline),
+                    None => cache.flush(layout),
+                };
+                if flushed > 0 {
+                    tracing::info!(flushed, "L2 flushed to L3 (write-back)");
+                }
+                Ok(())
+            },
+        );
+        let t = self.transport.clone();
+        plan.register(
+            Phase::FreeTransferHandles,
+            "the transport's writes conclude",
+            move || {
+                let report = t.drain(deadline.max(Instant::now() + Duration::from_secs(1)));
+                if report.quiescent() {
+                    Ok(())
+                } else {
+                    Err("writes still in flight at the drain deadline".into())
+                }
+            },
+        );
+        let (t, snapshots) = (self.transport.clone(), self.service.snapshots.clone());
+        plan.register(
+            Phase::DestroyTransports,
+            "the KV transport and the snapshot receiver close",
+            move || {
+                t.shutdown();
+                if let Some(s) = snapshots {
+                    s.shutdown();
+                }
+                Ok(())
+            },
+        );
         if let Some(seat) = self.seat {
-            let errors = seat.stop().await;
-            if errors.is_empty() {
-                tracing::info!("engine API stopped; pools deregistered and freed");
-            } else {
-                tracing::error!(?errors, "releasing the engine pools failed");
-            }
+            let seat = Arc::new(std::sync::Mutex::new(Some(seat)));
+            let held = seat.clone();
+            plan.register(
+                Phase::DestroyTransports,
+                "the engine detaches; the engine API stops",
+                move || {
+                    let mut held = held.lock().unwrap_or_else(|p| p.into_inner());
+                    if let Some(s) = held.as_mut() {
+                        rt.block_on(s.stop_engine());
+                    }
+                    Ok(())
+                },
+            );
+            plan.register(
+                Phase::FreeMemory,
+                "the pools deregistered and freed with their allocator",
+                move || {
+                    let taken = seat.lock().unwrap_or_else(|p| p.into_inner()).take();
+                    match taken
+                        .map(seat::Seat::release)
+                        .unwrap_or_default()
+                        .as_slice()
+                    {
+                        [] => Ok(()),
+                        errors => Err(errors.join("; ")),
+                    }
+                },
+            );
         }
-        if flushed > 0 {
-            tracing::info!(flushed, "L2 flushed to L3 (write-back)");
-        }
+        let report = tokio::task::spawn_blocking(move || plan.run())
+            .await
+            .unwrap_or_else(|e| TeardownReport::failed(format!("the teardown task failed: {e}")));
         self.grpc.abort();
         self.http.abort();
-        tracing::info!(rooms_left, "prefill stopped");
-        rooms_left == 0 && quiescent
+        tracing::info!(clean = report.ok(), "prefill stopped");
+        report
     }
 }

@@ -605,10 +605,24 @@ impl Seat {
     /// attach ends, the server stops and removes its sockets, and the pools are deregistered and
     /// freed with the allocator that made them. Returns the release errors, one line each.
     pub async fn stop(mut self) -> Vec<String> {
+        self.stop_engine().await;
+        self.release()
+    }
+
+    /// The first half of [`Seat::stop`] (DESIGN contract 9, "destroy transports and the engine"):
+    /// the live attach ends (its rooms fail through the gate; requests waiting on them end), the
+    /// server stops and removes its sockets, the tier backend closes. The pools stay.
+    pub async fn stop_engine(&mut self) {
         self.server.stop().await;
         if let Some(t) = &self.tiers {
             t.close();
         }
+    }
+
+    /// The second half of [`Seat::stop`] ("free memory"): the pools are deregistered and freed
+    /// with the allocator that made them. Returns the release errors, one line each (a pool still
+    /// referenced elsewhere is named, and freed when its last reference goes).
+    pub fn release(self) -> Vec<String> {
         let api = self.api.clone();
         drop(self);
         api.release_pools()

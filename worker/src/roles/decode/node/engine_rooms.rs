@@ -171,6 +171,16 @@ impl EngineRooms {
         Ok(())
     }
 
+    /// Teardown (DESIGN contract 9, "deregister memory from the transports"): the engine's target
+    /// pool leaves the node's TCP receiver, which held it since [`EngineRooms::bind`]; writes that
+    /// still arrive are dropped. Returns whether it was registered.
+    pub fn unbind(&self) -> bool {
+        self.node
+            .receiver
+            .deregister_region(ENGINE_REGION)
+            .is_some()
+    }
+
     fn api(&self) -> Option<Arc<EngineApi>> {
         self.api.get()?.upgrade()
     }
