@@ -817,8 +817,9 @@ async fn send_and_hold(addr: std::net::SocketAddr, body: &Value) -> tokio::net::
 async fn clients_that_hang_up_release_the_engines_pages_in_either_stage() {
     let w = World::new(107);
     w.publish(&[2]);
-    // 2 ms per prompt token: a 3-page prompt is in prefill for 2.4 s.
-    let (_p, _pe) = prefill_with_engine(&w, &["--prefill-us-per-token", "2000"]).await;
+    // 5 ms per prompt token: a 3-page prompt is in prefill for 6 s (room for a slow machine
+    // between the pages' reservation and the hang-up).
+    let (_p, _pe) = prefill_with_engine(&w, &["--prefill-us-per-token", "5000"]).await;
     let _d = w.spawn(9, &decode_config(&w), &[]);
     let (dh, front) = (w.addr(9, w.ports.health), w.addr(9, w.ports.front));
     // 1 s per token: a request of 6 tokens decodes for 5 s.
@@ -834,7 +835,6 @@ async fn clients_that_hang_up_release_the_engines_pages_in_either_stage() {
         report(dh).await["engine"]["pages"]["held"] == 6
     })
     .await;
-    assert_eq!(report(dh).await["engine"]["rooms_completed"], 0);
     drop(held);
     until(Duration::from_secs(15), || async {
         let r = report(dh).await;
@@ -844,6 +844,12 @@ async fn clients_that_hang_up_release_the_engines_pages_in_either_stage() {
             && r["counters"]["requests_cancelled"] == 2
     })
     .await;
+    let r = report(dh).await;
+    assert_eq!(
+        r["requests_cancelled_by_reason"]["prefill"], 2,
+        "both hung up while their KV was in prefill: {r}"
+    );
+    assert_eq!(r["engine"]["rooms_completed"], 0, "{r}");
 
     // Decoding: the KV is in, the engine generates slowly.
     let held = send_and_hold(front, &completion(PROMPT, 6, false)).await;
