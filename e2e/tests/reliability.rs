@@ -23,8 +23,8 @@
 //!    with a reason, new requests succeed at once after it is ready.
 //! 4. Item 5, after a restart: the store replica SIGKILLed while full comes back with exactly the
 //!    objects it had (loadback: none corrupt, no orphan removed, `tmp/` empty: nothing
-//!    half-written), and once the ballast is removed new puts land and `Degraded` goes back to
-//!    `AsExpected`.
+//!    half-written), once Ready and listed by its Service again it refuses puts again, and once
+//!    the ballast is removed new puts land and `Degraded` goes back to `AsExpected`.
 //! 5. Item 6, the front door through the decode Service (resolved in the runner's hosts file):
 //!    malformed JSON, negative and absurd `max_tokens`, a prompt beyond the KV pool, a body over
 //!    the limit, a client that hangs up mid-stream: each a clear OpenAI error (or a counted
@@ -80,7 +80,6 @@ const POD_ENV: &[(&str, &str)] = &[
 const VOLUME: &str = "64Mi";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "failed after the merge with the other live-stack branches (the restarted store did not refuse puts on its full volume); passed alone on its branch, to be fixed next session"]
 async fn restarts_a_full_volume_and_bad_input_on_the_live_stack() {
     let Some(h) = Harness::start(HarnessConfig {
         name: "reliability",
@@ -991,24 +990,57 @@ async fn store_restart_and_recovery(
             after["objects"]
         ));
     }
+    // Writers reach a replica through the `<tier>-store` Service, which publishes ready replicas
+    // only: the restarted replica can be sent puts once its pod is Ready again and the Service (the
+    // runner's hosts file, what the workers resolve) lists it, about a probe period after its own
+    // `/report` says warm. Prompts sent before that find no replica to write to (the prefill
+    // degrades with "resolves to no replica" and keeps their pages in L2 only), so nothing would
+    // be put and nothing refused.
+    let hosts = h.cluster.config.runner_dir().join("hosts");
+    let store_ip = ip(&cache)?;
+    poll(Duration::from_secs(60), || async {
+        let pod = s.pod(ROLE_CACHE).await.ok()?;
+        let text = std::fs::read_to_string(&hosts).ok()?;
+        (ready(&pod) && resolve(&text, &store_service()).contains(&store_ip)).then_some(())
+    })
+    .await
+    .ok_or_else(|| {
+        format!(
+            "the restarted store replica was not Ready and listed by {} within 60 s of being warm",
+            store_service()
+        )
+    })?;
+    let t_listed = Instant::now();
     // Still full: the new process refuses puts too, and says so.
+    let t_sent = Instant::now();
     let r = s.traffic(&workload(7, 12)).await?;
+    let t_served = Instant::now();
     let c = check(&r, "full after the store restart")?;
     if c.failed > 0 {
         return Err(format!(
             "requests failed on the restarted store's full volume: {c:?}"
         ));
     }
-    poll(Duration::from_secs(30), || async {
+    let refused = poll(Duration::from_secs(30), || async {
         let r = s.report_of(&cache).await.ok()?;
         let degraded = r["degraded"]
             .as_array()?
             .iter()
             .any(|d| d["code"] == "VolumeFull");
-        (degraded && r["puts_refused_disk_full"].as_u64()? > 0).then_some(())
+        let n = r["puts_refused_disk_full"].as_u64()?;
+        (degraded && n > 0).then_some(n)
     })
-    .await
-    .ok_or("the restarted store did not refuse puts on its full volume")?;
+    .await;
+    let Some(refused) = refused else {
+        return Err(format!(
+            "the restarted store did not refuse puts on its full volume (12 prompts sent {} ms \
+             after it was listed, served in {} ms, {} ms ago); {}",
+            ms(t_sent - t_listed),
+            ms(t_served - t_sent),
+            ms(t_served.elapsed()),
+            writer_view(h, s).await
+        ));
+    };
     wait_condition(h, "cachetier", TIER, "Degraded", "True", 60).await?;
     std::fs::remove_file(&ballast).map_err(|e| e.to_string())?;
     let t_free = Instant::now();
@@ -1028,14 +1060,51 @@ async fn store_restart_and_recovery(
     let t_clear = Instant::now();
     println!(
         "[{:>5.1}s] item 5: store SIGKILLed (pid {}) on its full volume, warm again after {} ms \
-         with its {objects} objects (loadback {lb}; tmp/ empty), refusing puts again \
-         (Degraded=True); ballast removed: puts land, CacheTier Degraded=False {} ms later",
+         with its {objects} objects (loadback {lb}; tmp/ empty), Ready and listed by {} {} ms \
+         after warm; 12 prompts served, {refused} puts refused again (VolumeFull, CacheTier \
+         Degraded=True); ballast removed: puts land, CacheTier Degraded=False {} ms later",
         at(t0),
         killed.pid,
         ms(t_warm - t_kill),
+        store_service(),
+        ms(t_listed - t_warm),
         ms(t_clear - t_free),
     );
     Ok(())
+}
+
+/// What the L3 writer and the store replica say, for a failure message: the store's refusals,
+/// `degraded` and stored puts, the prefill's `l3` section (replica book: backoff, attachment,
+/// reattach), `degraded` and pages written, and what the store's Service resolves to.
+async fn writer_view(h: &Harness, s: &Stack<'_>) -> String {
+    let store = match s.pod(ROLE_CACHE).await {
+        Ok(p) => s.report_of(&p).await.unwrap_or_else(|e| json!(e)),
+        Err(e) => json!(e),
+    };
+    let prefill = match s.pod(ROLE_PREFILL).await {
+        Ok(p) => s.report_of(&p).await.unwrap_or_else(|e| json!(e)),
+        Err(e) => json!(e),
+    };
+    let hosts =
+        std::fs::read_to_string(h.cluster.config.runner_dir().join("hosts")).unwrap_or_default();
+    format!(
+        "store: puts_refused_disk_full {}, degraded {}, l3_pages_written {}; prefill: \
+         l3_pages_written {}, degraded {}, l3 {}; {} resolves to {:?}",
+        store["puts_refused_disk_full"],
+        store["degraded"],
+        store["counters"]["l3_pages_written"],
+        prefill["counters"]["l3_pages_written"],
+        prefill["degraded"],
+        prefill["l3"],
+        store_service(),
+        resolve(&hosts, &store_service()),
+    )
+}
+
+/// The name writers resolve the tier's replicas by (the `<tier>-store` headless Service, which
+/// publishes ready replicas only), as the operator writes it into the workers' config.
+fn store_service() -> String {
+    format!("{TIER}-store.{NS}.svc")
 }
 
 /// Phase 5 (item 6): bad input through the decode Service; the same process keeps serving.
