@@ -265,12 +265,17 @@ impl PrefixCache {
             let client = self.client(addr)?;
             match call(&client) {
                 Ok(v) => return Some(v),
+                // A refusal the server explained (`ERROR`, e.g. its volume is full): the
+                // connection is in step and the same call would be refused again, so it is
+                // neither dropped nor retried (retrying counted every refused put twice).
+                Err(e @ crate::l3::client::L3ClientError::Server(_)) => {
+                    (self.health)(Some(format!("L3 {what}: {e}")));
+                    return None;
+                }
                 Err(e) => {
+                    // The connection is gone (a store restart): once more on a fresh one.
                     self.drop_client(&client);
-                    // The connection is gone (not a refusal the server explained).
-                    if !matches!(e, crate::l3::client::L3ClientError::Server(_)) {
-                        lock(&self.book).call_failed(addr, Instant::now());
-                    }
+                    lock(&self.book).call_failed(addr, Instant::now());
                     if attempt == 1 {
                         (self.health)(Some(format!("L3 {what}: {e}")));
                     }
