@@ -49,7 +49,7 @@ use k8s_openapi::api::core::v1::{PersistentVolume, Pod};
 use kube::Api;
 use kube::runtime::watcher;
 use serde_json::{Value, json};
-use support::{Harness, HarnessConfig, install, poll, ready, wait_condition};
+use support::{Harness, HarnessConfig, install, poll, ready, run_suite, wait_condition};
 use tandem_crds::labels::{POOL, ROLE, ROLE_CACHE, ROLE_DECODE, ROLE_PREFILL};
 use tandem_crds::ports::{CONTROL_PORT, FRONT_DOOR_PORT, HEALTH_PORT};
 use tandem_e2e::replay::driver::{ReplayConfig, ReplayProgress, RequestResult, replay};
@@ -81,26 +81,18 @@ const VOLUME: &str = "64Mi";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarts_a_full_volume_and_bad_input_on_the_live_stack() {
-    let Some(h) = Harness::start(HarnessConfig {
-        name: "reliability",
-        port_offset: 8000,
-        runner_gpus: 4,
-        first_node_index: 80,
-        worker_bin: None,
-        pod_env: POD_ENV,
-    })
-    .await
-    else {
-        return;
-    };
-    let outcome = scenario(&h).await;
-    if outcome.is_err() {
-        h.dump_diagnostics();
-    }
-    h.stop().await;
-    if let Err(e) = outcome {
-        panic!("{e}");
-    }
+    run_suite(
+        HarnessConfig {
+            name: "reliability",
+            port_offset: 8000,
+            runner_gpus: 4,
+            first_node_index: 80,
+            worker_bin: None,
+            pod_env: POD_ENV,
+        },
+        scenario,
+    )
+    .await;
 }
 
 /// Seconds since `t0`, for the printed timeline.

@@ -157,6 +157,14 @@ impl Teardown {
         report
     }
 
+    /// [`Teardown::run`] on a blocking thread (steps may block, e.g. on a drain deadline), from
+    /// async code. A task that dies is reported as one failed step.
+    pub async fn run_blocking(self: Arc<Self>) -> TeardownReport {
+        tokio::task::spawn_blocking(move || self.run())
+            .await
+            .unwrap_or_else(|e| TeardownReport::failed(format!("the teardown task failed: {e}")))
+    }
+
     /// Whether the teardown has started.
     pub fn started(&self) -> bool {
         self.state().report.is_some()

@@ -504,21 +504,17 @@ async fn standalone_pools_live_in_the_sidecar_segment_and_are_registered() {
     let st = p.wait_exit(Duration::from_secs(30)).expect("prefill exits");
     assert!(st.success(), "{st:?}");
     // The teardown ran in contract 9's order, every step done; the pools deregistered last.
-    let (ok, steps) = w.teardown_of(2);
-    assert!(ok, "{steps:?}");
-    let phases: Vec<&str> = steps.iter().map(|s| s.0.as_str()).collect();
-    assert_eq!(
-        phases,
-        [
+    w.assert_clean_teardown(
+        2,
+        &[
             "StopAdmission",
             "DrainRooms",
             "DrainRooms",
             "FreeTransferHandles",
             "DestroyTransports",
             "DestroyTransports",
-            "FreeMemory"
+            "FreeMemory",
         ],
-        "{steps:?}"
     );
 }
 

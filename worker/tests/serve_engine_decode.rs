@@ -732,20 +732,16 @@ async fn standalone_decode_pools_target_and_draft_live_in_the_sidecar_segment() 
     let st = d.wait_exit(Duration::from_secs(30)).expect("decode exits");
     assert!(st.success(), "{st:?}");
     // The teardown ran in contract 9's order, every step done; the pools deregistered last.
-    let (ok, steps) = w.teardown_of(9);
-    assert!(ok, "{steps:?}");
-    let phases: Vec<&str> = steps.iter().map(|s| s.0.as_str()).collect();
-    assert_eq!(
-        phases,
-        [
+    w.assert_clean_teardown(
+        9,
+        &[
             "StopAdmission",
             "DrainRooms",
             "DrainRooms",
             "Deregister",
             "DestroyTransports",
-            "FreeMemory"
+            "FreeMemory",
         ],
-        "{steps:?}"
     );
 }
 

@@ -252,6 +252,15 @@ impl World {
             .collect()
     }
 
+    /// Asserts that the worker on `host` exited through a clean teardown whose steps ran in
+    /// `phases` (contract 9's order for its role).
+    pub fn assert_clean_teardown(&self, host: u8, phases: &[&str]) {
+        let (ok, steps) = self.teardown_of(host);
+        assert!(ok, "{steps:?}");
+        let seen: Vec<&str> = steps.iter().map(|s| s.0.as_str()).collect();
+        assert_eq!(seen, phases, "{steps:?}");
+    }
+
     /// The last teardown report a serving worker on `host` printed when it exited
     /// (`teardown {json}`, `tandem_worker::roles::print_teardown`), as (phase, step, error) rows;
     /// panics without one. Call after the process exited (the reader thread may trail it by a

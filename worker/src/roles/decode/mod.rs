@@ -574,7 +574,8 @@ impl DecodeServer {
             },
         );
         if let Some(seat) = self.seat {
-            let seat = Arc::new(std::sync::Mutex::new(Some(seat)));
+            let seat: crate::roles::prefill::seat::HeldSeat<_> =
+                Arc::new(std::sync::Mutex::new(Some(seat)));
             let (held, e) = (seat.clone(), self.engine.clone());
             plan.register(
                 Phase::DrainRooms,
@@ -613,25 +614,13 @@ impl DecodeServer {
                     }
                 },
             );
-            plan.register(
-                Phase::FreeMemory,
-                "the pools deregistered and freed with their allocator",
-                move || {
-                    let taken = seat.lock().unwrap_or_else(|p| p.into_inner()).take();
-                    match taken
-                        .map(engine_seat::DecodeSeat::release)
-                        .unwrap_or_default()
-                        .as_slice()
-                    {
-                        [] => Ok(()),
-                        errors => Err(errors.join("; ")),
-                    }
-                },
+            crate::roles::prefill::seat::register_release(
+                &plan,
+                seat,
+                engine_seat::DecodeSeat::release,
             );
         }
-        let report = tokio::task::spawn_blocking(move || plan.run())
-            .await
-            .unwrap_or_else(|e| TeardownReport::failed(format!("the teardown task failed: {e}")));
+        let report = plan.run_blocking().await;
         self.http.abort();
         tracing::info!(clean = report.ok(), "decode stopped");
         report

@@ -530,7 +530,7 @@ impl PrefillServer {
             },
         );
         if let Some(seat) = self.seat {
-            let seat = Arc::new(std::sync::Mutex::new(Some(seat)));
+            let seat: seat::HeldSeat<_> = Arc::new(std::sync::Mutex::new(Some(seat)));
             let held = seat.clone();
             plan.register(
                 Phase::DestroyTransports,
@@ -543,25 +543,9 @@ impl PrefillServer {
                     Ok(())
                 },
             );
-            plan.register(
-                Phase::FreeMemory,
-                "the pools deregistered and freed with their allocator",
-                move || {
-                    let taken = seat.lock().unwrap_or_else(|p| p.into_inner()).take();
-                    match taken
-                        .map(seat::Seat::release)
-                        .unwrap_or_default()
-                        .as_slice()
-                    {
-                        [] => Ok(()),
-                        errors => Err(errors.join("; ")),
-                    }
-                },
-            );
+            seat::register_release(&plan, seat, seat::Seat::release);
         }
-        let report = tokio::task::spawn_blocking(move || plan.run())
-            .await
-            .unwrap_or_else(|e| TeardownReport::failed(format!("the teardown task failed: {e}")));
+        let report = plan.run_blocking().await;
         self.grpc.abort();
         self.http.abort();
         tracing::info!(clean = report.ok(), "prefill stopped");

@@ -277,6 +277,31 @@ pub struct Seat {
     server: RunningServer,
 }
 
+/// A seat shared by the teardown steps of its role ([`register_release`]): the engine-detach
+/// step uses it, the release step takes it.
+pub type HeldSeat<S> = Arc<std::sync::Mutex<Option<S>>>;
+
+/// Registers the FreeMemory step of DESIGN contract 9 for the seat in `held`: `release` (the
+/// seat's [`Seat::release`], or its role's wrapper) deregisters and frees the pools; its errors,
+/// joined, are the step's error.
+pub fn register_release<S: Send + 'static>(
+    plan: &crate::teardown::Teardown,
+    held: HeldSeat<S>,
+    release: fn(S) -> Vec<String>,
+) {
+    plan.register(
+        crate::teardown::TeardownPhase::FreeMemory,
+        "the pools deregistered and freed with their allocator",
+        move || {
+            let taken = held.lock().unwrap_or_else(|p| p.into_inner()).take();
+            match taken.map(release).unwrap_or_default().as_slice() {
+                [] => Ok(()),
+                errors => Err(errors.join("; ")),
+            }
+        },
+    );
+}
+
 /// The `/report` value of a worker's engine: `{"kind": "builtin"}` without a seat; with one, its
 /// `tiers` are [`HostTiers::report`]'s figures.
 pub fn report(seat: Option<(&EngineKind, &Arc<EngineApi>)>, tiers: Option<&HostTiers>) -> Value {
