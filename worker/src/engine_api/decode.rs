@@ -929,6 +929,9 @@ mod tests {
         for p in &pools {
             assert_eq!(p.stats().free, PAGES, "{}", p.role());
         }
-        assert_eq!(side.target().allocate(PAGES as usize).unwrap().len(), PAGES as usize);
+        assert_eq!(
+            side.target().allocate(PAGES as usize).unwrap().len(),
+            PAGES as usize
+        );
     }
 }
