@@ -35,7 +35,7 @@
 //!   sample DecodePool's 1 GiB pool has 1638 pages, and a whole-pool prompt (838 656 tokens) spent
 //!   42 s computing its first layer half: its late write came long after the phase had read the
 //!   decode's figures (0 corrupt; the concurrent sim prefill engine merged at the same time was
-//!   not the cause). Now the first prompt is [`FIRST_PAGES`] pages (its first half due ≈ 0.3 s
+//!   not the cause). Now the first prompt is [`FIRST_PAGES`] pages (its first half due ≈ 0.36 s
 //!   after it is sent), the second is sent once the decode counts the first room failed, and the
 //!   overlap comes from the decode's page table, which hands out the most recently freed pages
 //!   first: bypassed, the first's pages are freed at that moment, so the second's 2 pages are 2 of
@@ -47,7 +47,7 @@
 //! (e2e/README.md): 640 corrupt chunks bypassed (8 pairs × the first's first layer half on the
 //! second's 2 pages, 2 × 40 chunks: the receiver refuses that write's chunks for the first's other
 //! pages, which no room holds, so the write fails and its second half is never sent), 0 gated;
-//! ≈ 77 s in all.
+//! 70–82 s in all.
 //!
 //! Skips with a printed reason when the control-plane binaries are not built, unless
 //! `TANDEM_E2E_REQUIRE_CLUSTER` is set.
@@ -80,9 +80,9 @@ const SLOW_PREFILL_US_PER_TOKEN: &str = "100";
 /// When the client of the first prompt of a pair hangs up.
 const HANG_UP: Duration = Duration::from_millis(50);
 /// Pages of the first prompt of a pair ([`abort_load`]).
-const FIRST_PAGES: u64 = 12;
+const FIRST_PAGES: u64 = 14;
 /// Tokens the second prompt of a pair generates ([`abort_load`]).
-const SECOND_MAX_TOKENS: u32 = 200;
+const SECOND_MAX_TOKENS: u32 = 300;
 /// How long the decode has to fail a hung-up room.
 const ROOM_FAILED_WITHIN: Duration = Duration::from_secs(5);
 /// Pairs per abort phase.
@@ -547,18 +547,19 @@ async fn rooms_failed(url: &str) -> Result<u64, String> {
 /// [`SLOW_PREFILL_US_PER_TOKEN`]), each pair:
 /// 1. a prompt of [`FIRST_PAGES`] pages whose client hangs up after [`HANG_UP`] — its room is
 ///    open on a prefill, none of its KV written yet (its first layer half is due after
-///    `FIRST_PAGES × 256` tokens of compute, ≈ 0.3 s);
+///    `FIRST_PAGES × 256` tokens of compute, ≈ 0.36 s after it was sent);
 /// 2. the test waits until the decode's `/report` counts that room failed (cause ClientAbort;
 ///    polled every 5 ms, at most [`ROOM_FAILED_WITHIN`]): with the gate, its pages now wait for
 ///    the prefill's ack; bypassed, they are back on the free list already;
 /// 3. a 2-page prompt generating [`SECOND_MAX_TOKENS`] tokens. The decode's page table hands out
 ///    the most recently freed pages first (`PageTable::allocate` takes the tail of the free list
 ///    that `free` pushes to), so with the gate bypassed its 2 pages are 2 of the first's, reused
-///    while the first's prefill still computes. Its KV lands ≈ 0.1 s after it is sent and is
-///    verified then; the first's late first-half write lands after that and before the decode
-///    engine re-reads the pages at Finish (≈ 0.1 + `SECOND_MAX_TOKENS` steps of ≥ 1 ms TPOT
-///    later) — counted corrupt. With the gate its pages are others, and the first's write is
-///    refused at the prefill (the room was aborted there).
+///    while the first's prefill still computes. It is sent ≈ 60 ms after the first, its KV lands
+///    ≈ 0.1 s later and is verified then; the first's late first-half write lands after that and
+///    before the decode engine re-reads the pages at Finish (its generation takes its tokens at
+///    a 1 ms TPOT: the whole request took 0.5–0.6 s, printed) — counted corrupt. Both margins
+///    are ≈ 0.2 s, and load stretches the generation (sleeps and calls) more than the rest. With the gate its pages
+///    are others, and the first's write is refused at the prefill (the room was aborted there).
 ///
 /// Then waits until the decode engine's `/report` has settled (no page held or pending, no request
 /// waiting) and returns its figures.
