@@ -557,7 +557,7 @@ async fn rooms_failed(url: &str) -> Result<u64, String> {
 ///    while the first's prefill still computes. It is sent ≈ 60 ms after the first, its KV lands
 ///    ≈ 0.1 s later and is verified then; the first's late first-half write lands after that and
 ///    before the decode engine re-reads the pages at Finish (its generation takes its tokens at
-///    a 1 ms TPOT: the whole request took 0.48–1.0 s in four runs, printed) — counted corrupt. Both margins
+///    a 1 ms TPOT: the whole request took 0.48–1.0 s in three runs, printed) — counted corrupt. Both margins
 ///    are ≈ 0.2 s, and load stretches the generation (sleeps and calls) more than the rest. With the gate its pages
 ///    are others, and the first's write is refused at the prefill (the room was aborted there).
 ///
