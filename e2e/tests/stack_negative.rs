@@ -25,13 +25,29 @@
 //!   room's pages at once, tells no prefill and keeps the room open, as before seed 004's fix.
 //!   With a slow prefill (`--prefill-us-per-token`), pairs of requests whose first client hangs up
 //!   before its KV is written ([`abort_load`]): the late writes land in the pages the second
-//!   request reserved, and the decode engine, which verifies every page it reads, counts corrupt
-//!   chunks. With the gate: rooms failed and released through it, 0 corrupt.
+//!   request reserved, and the decode engine, which verifies every page it reads (on arrival and
+//!   again before Finish), counts corrupt chunks. With the gate: rooms failed and released
+//!   through it, 0 corrupt.
+//!
+//!   The first prompt of a pair used to be as large as the decode engine's whole pool, so that the
+//!   second could only get its pages. That held while the pool had 6 pages; since the simulated
+//!   engine scales the draft pool's rows with the target's (`engine_api::pools::sized_model`) the
+//!   sample DecodePool's 1 GiB pool has 1638 pages, and a whole-pool prompt (838 656 tokens) spent
+//!   42 s computing its first layer half: its late write came long after the phase had read the
+//!   decode's figures (0 corrupt; the concurrent sim prefill engine merged at the same time was
+//!   not the cause). Now the first prompt is [`FIRST_PAGES`] pages (its first half due ≈ 0.36 s
+//!   after it is sent), the second is sent once the decode counts the first room failed, and the
+//!   overlap comes from the decode's page table, which hands out the most recently freed pages
+//!   first: bypassed, the first's pages are freed at that moment, so the second's 2 pages are 2 of
+//!   them; with the gate they stay held until the prefill's ack, and the second gets others.
 //!
 //! Phases (prefill pods restart between phases, so L2 starts empty and the prefix comes from L3):
 //! warm a prefix (its pages reach the CacheTier), regenerate (negative), load (positive),
 //! skip the wait (negative), aborts with the gate (positive) and bypassed (negative). Measured
-//! (e2e/README.md): 640 corrupt chunks bypassed, 0 gated; 94–114 s in all.
+//! (e2e/README.md): 640 corrupt chunks bypassed (8 pairs × the first's first layer half on the
+//! second's 2 pages, 2 × 40 chunks: the receiver refuses that write's chunks for the first's other
+//! pages, which no room holds, so the write fails and its second half is never sent), 0 gated;
+//! 70–82 s in all.
 //!
 //! Skips with a printed reason when the control-plane binaries are not built, unless
 //! `TANDEM_E2E_REQUIRE_CLUSTER` is set.
@@ -63,13 +79,18 @@ const PREFIX: [u64; 4] = [1301, 1302, 1303, 1304];
 const SLOW_PREFILL_US_PER_TOKEN: &str = "100";
 /// When the client of the first prompt of a pair hangs up.
 const HANG_UP: Duration = Duration::from_millis(50);
+/// Pages of the first prompt of a pair ([`abort_load`]).
+const FIRST_PAGES: u64 = 14;
+/// Tokens the second prompt of a pair generates ([`abort_load`]).
+const SECOND_MAX_TOKENS: u32 = 300;
+/// How long the decode has to fail a hung-up room.
+const ROOM_FAILED_WITHIN: Duration = Duration::from_secs(5);
 /// Pairs per abort phase.
 const PAIRS: usize = 8;
 /// How long a pool has to roll onto a new spec.
 const ROLLOUT: Duration = Duration::from_secs(300);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "the gate-bypass phase read 0 corrupt pages after the merge with the concurrent sim prefill engine (passed alone on its branch); to be fixed next session"]
 async fn each_mechanism_switched_off_on_the_live_stack_is_caught() {
     let worker = tandem_e2e::demo::stack::negative_controls_worker()
         .await
@@ -465,10 +486,19 @@ async fn load_phase(h: &Harness, args: &[&str]) -> Result<LoadPhase, String> {
 
 /// What the decode reported after an abort load.
 struct AbortFigures {
+    /// Pages of the decode engine's pool.
+    pool_pages: u64,
     requests: usize,
     ok: usize,
     hung_up: usize,
     statuses: std::collections::BTreeMap<u16, usize>,
+    /// The body of the first response of each status other than 200.
+    first_errors: std::collections::BTreeMap<u16, String>,
+    /// Pairs whose first room the decode had not failed within [`ROOM_FAILED_WITHIN`] of the
+    /// hang-up (their second request went anyway).
+    unobserved_failures: usize,
+    /// Fastest and slowest second request of a pair, send to response.
+    second_latency: (Duration, Duration),
     rooms_failed: u64,
     released_through_gate: u64,
     bypassed: u64,
@@ -480,12 +510,23 @@ impl std::fmt::Display for AbortFigures {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} requests ({} ok, {} hung up by the client, other statuses {:?}); decode engine: {} rooms failed, {} released through the gate \
-             (acks or transport proof), {} released bypassing it, {} chunks verified, {} corrupt",
+            "{} requests ({} ok, {} hung up by the client, other statuses {:?}{}); \
+             second requests {:.0}–{:.0} ms; {} first rooms not seen failed; decode engine \
+             ({} pages): {} rooms failed, {} released through the gate (acks or transport \
+             proof), {} released bypassing it, {} chunks verified, {} corrupt",
             self.requests,
             self.ok,
             self.hung_up,
             self.statuses,
+            if self.first_errors.is_empty() {
+                String::new()
+            } else {
+                format!(" first bodies {:?}", self.first_errors)
+            },
+            self.second_latency.0.as_secs_f64() * 1e3,
+            self.second_latency.1.as_secs_f64() * 1e3,
+            self.unobserved_failures,
+            self.pool_pages,
             self.rooms_failed,
             self.released_through_gate,
             self.bypassed,
@@ -495,13 +536,33 @@ impl std::fmt::Display for AbortFigures {
     }
 }
 
+/// The decode engine's `rooms_failed` (its `/report`).
+async fn rooms_failed(url: &str) -> Result<u64, String> {
+    get_json(url.to_owned()).await?["engine"]["rooms_failed"]
+        .as_u64()
+        .ok_or_else(|| format!("{url}: no engine.rooms_failed"))
+}
+
 /// Seed 004's race on the serving decode pod, [`PAIRS`] times in a row (the PrefillPool runs at
-/// [`SLOW_PREFILL_US_PER_TOKEN`]): a prompt as large as the decode's whole engine pool whose client
-/// hangs up after [`HANG_UP`] — its room is open, none of its KV written yet (the decode fails the
-/// room, cause ClientAbort) — then a 2-page prompt generating 200 tokens, which can only get pages
-/// of the first. The first prefill started earlier and lasts 3× longer: its writes, unless stopped
-/// by the gate, land after the second's. Then waits until the decode engine's `/report` has
-/// settled (no page held or pending, no request waiting) and returns its figures.
+/// [`SLOW_PREFILL_US_PER_TOKEN`]), each pair:
+/// 1. a prompt of [`FIRST_PAGES`] pages whose client hangs up after [`HANG_UP`] — its room is
+///    open on a prefill, none of its KV written yet (its first layer half is due after
+///    `FIRST_PAGES × 256` tokens of compute, ≈ 0.36 s after it was sent);
+/// 2. the test waits until the decode's `/report` counts that room failed (cause ClientAbort;
+///    polled every 5 ms, at most [`ROOM_FAILED_WITHIN`]): with the gate, its pages now wait for
+///    the prefill's ack; bypassed, they are back on the free list already;
+/// 3. a 2-page prompt generating [`SECOND_MAX_TOKENS`] tokens. The decode's page table hands out
+///    the most recently freed pages first (`PageTable::allocate` takes the tail of the free list
+///    that `free` pushes to), so with the gate bypassed its 2 pages are 2 of the first's, reused
+///    while the first's prefill still computes. It is sent ≈ 60 ms after the first, its KV lands
+///    ≈ 0.1 s later and is verified then; the first's late first-half write lands after that and
+///    before the decode engine re-reads the pages at Finish (its generation takes its tokens at
+///    a 1 ms TPOT: the whole request took 0.48–1.0 s in three runs, printed) — counted corrupt. Both margins
+///    are ≈ 0.2 s, and load stretches the generation (sleeps and calls) more than the rest. With the gate its pages
+///    are others, and the first's write is refused at the prefill (the room was aborted there).
+///
+/// Then waits until the decode engine's `/report` has settled (no page held or pending, no request
+/// waiting) and returns its figures.
 async fn abort_load(h: &Harness) -> Result<AbortFigures, String> {
     // The decode must be serving first (connected to its prefill peers).
     complete_ok(
@@ -513,34 +574,54 @@ async fn abort_load(h: &Harness) -> Result<AbortFigures, String> {
         .await?
         .pop()
         .ok_or("no serving decode pod")?;
-    let pool_pages = get_json(format!("http://{decode}:{HEALTH_PORT}/report")).await?["engine"]
-        ["pages"]["total"]
+    let url = format!("http://{decode}:{HEALTH_PORT}/report");
+    let pool_pages = get_json(url.clone()).await?["engine"]["pages"]["total"]
         .as_u64()
-        .filter(|&n| n >= 3)
-        .ok_or("the decode engine's pool has fewer than 3 pages")?;
-    let (mut requests, mut ok, mut hung_up) = (0, 0, 0);
+        .filter(|&n| n >= FIRST_PAGES + 2)
+        .ok_or("the decode engine's pool cannot hold a pair's two prompts")?;
+    let (mut requests, mut ok, mut hung_up, mut unobserved) = (0, 0, 0, 0);
     let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+    let mut first_errors = std::collections::BTreeMap::<u16, String>::new();
+    let mut latency = (Duration::MAX, Duration::ZERO);
+    let mut count = |outcome: Result<(u16, Value), String>| {
+        requests += 1;
+        match outcome {
+            Ok((200, _)) => ok += 1,
+            Ok((code, body)) => {
+                *statuses.entry(code).or_default() += 1;
+                first_errors.entry(code).or_insert_with(|| body.to_string());
+            }
+            Err(_) => hung_up += 1,
+        }
+    };
     for _ in 0..PAIRS {
         let first = json!({"model": "m", "prompt": "x", "max_tokens": 1,
-            "input_tokens": 512 * pool_pages});
-        let next = json!({"model": "m", "prompt": "x", "max_tokens": 200, "input_tokens": 1024});
-        for outcome in [
-            complete_within(&decode, &first, HANG_UP).await,
-            complete_within(&decode, &next, Duration::from_secs(120)).await,
-        ] {
-            requests += 1;
-            match outcome {
-                Ok((200, _)) => ok += 1,
-                Ok((code, _)) => *statuses.entry(code).or_default() += 1,
-                Err(_) => hung_up += 1,
+            "input_tokens": 512 * FIRST_PAGES});
+        let next = json!({"model": "m", "prompt": "x", "max_tokens": SECOND_MAX_TOKENS,
+            "input_tokens": 1024});
+        let before = rooms_failed(&url).await?;
+        count(complete_within(&decode, &first, HANG_UP).await);
+        // The decode failing the first room is the event the second request waits for.
+        let until = Instant::now() + ROOM_FAILED_WITHIN;
+        loop {
+            if rooms_failed(&url).await? > before {
+                break;
             }
+            if Instant::now() >= until {
+                unobserved += 1;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        let sent = Instant::now();
+        count(complete_within(&decode, &next, Duration::from_secs(120)).await);
+        let took = sent.elapsed();
+        latency = (latency.0.min(took), latency.1.max(took));
     }
     // Every response is in; the gate may still wait for acks: settled when no page is held or
     // pending and no request waits.
     let last = RefCell::new(Value::Null);
     let last_ref = &last;
-    let url = format!("http://{decode}:{HEALTH_PORT}/report");
     let url_ref = &url;
     let e = poll(Duration::from_secs(60), move || async move {
         let r = get_json(url_ref.clone()).await.ok()?;
@@ -560,10 +641,14 @@ async fn abort_load(h: &Harness) -> Result<AbortFigures, String> {
     })?;
     let n = |v: &Value| v.as_u64().unwrap_or(0);
     Ok(AbortFigures {
+        pool_pages,
         requests,
         ok,
         hung_up,
         statuses,
+        first_errors,
+        unobserved_failures: unobserved,
+        second_latency: latency,
         rooms_failed: n(&e["rooms_failed"]),
         released_through_gate: n(&e["releases"]["acks"]) + n(&e["releases"]["transport"]),
         bypassed: n(&e["releases"]["bypassed"]),

@@ -135,7 +135,7 @@ pub async fn ensure_binaries() -> Result<(), StackError> {
     ensure_binaries_with(&[]).await
 }
 
-/// [`ensure_binaries`] with extra cargo `--features` (e.g. `tandem-worker/negative-controls` for a
+/// [`ensure_binaries`] with extra cargo `--features` (e.g. `negative-controls` for a
 /// cluster suite that runs a negative control: the worker honours its switches only when built
 /// with that feature). From a test executable (`target/<profile>/deps/`) the binaries go to
 /// `target/<profile>/`, where the process runner finds them.
@@ -236,9 +236,10 @@ pub async fn has_negative_controls(worker: &Path) -> bool {
 /// under running pods. `$TANDEM_NC_WORKER_BIN` names one explicitly. Otherwise the
 /// `tandem-worker` next to the executable is taken when it has the feature (`cargo test
 /// --workspace` builds it so: the worker's dev-dependency on itself turns the feature on), else
-/// cargo builds it with `--features tandem-worker/negative-controls` (same profile and target
-/// dir; tandem-e2e is selected too, as in [`ensure_binaries`]). The e2e crate still does not
-/// depend on the worker crate: this is a binary on disk.
+/// cargo builds it with `--features negative-controls` (same profile and target dir; tandem-e2e
+/// is selected too, as in [`ensure_binaries`]; cargo 1.95 ignores the `tandem-worker/…` spelling
+/// for a package selected with `-p`, which then built the plain binary again). The e2e crate still
+/// does not depend on the worker crate: this is a binary on disk.
 ///
 /// # Errors
 /// [`StackError::Command`] when cargo fails, [`StackError::Missing`] when no binary with the
@@ -282,7 +283,7 @@ pub async fn negative_controls_worker() -> Result<PathBuf, StackError> {
             "-p",
             "tandem-e2e",
             "--features",
-            "tandem-worker/negative-controls",
+            "negative-controls",
             "--manifest-path",
             &manifest,
         ];

@@ -164,6 +164,11 @@ pub struct DecodeSide {
     settings: DecodeSettings,
     next_room: AtomicU64,
     state: Mutex<State>,
+    /// Held across every allocation and free of the pools' page tables ([`DecodeSide::alloc_all`],
+    /// [`DecodeSide::free_all`]): each pool must see the same operations in the same order to stay
+    /// in lockstep, so a Reserve's allocation cannot interleave with a release's free (taken after
+    /// `state` when both are held).
+    tables: Mutex<()>,
     releases: EventHub<pb::SafeToReuse>,
     work: EventHub<pb::DecodeWork>,
     runtime: tokio::runtime::Handle,
@@ -265,6 +270,7 @@ impl DecodeSide {
             next_room: AtomicU64::new(settings.room_base.max(1)),
             settings,
             state: Mutex::new(State::default()),
+            tables: Mutex::new(()),
             releases: EventHub::new("SafeToReuse"),
             work: EventHub::new("DecodeWork"),
             runtime,
@@ -339,7 +345,9 @@ impl DecodeSide {
         lock(&self.state).rooms.get(&key).map(|r| r.room.state())
     }
 
+    /// Allocates `n` pages in every pool (the same indices: the tables are in lockstep).
     fn alloc_all(&self, n: usize) -> Result<Vec<PageId>, PoolError> {
+        let _tables = lock(&self.tables);
         let pages = self.target().allocate(n)?;
         for (i, pool) in self.pools.iter().enumerate().skip(1) {
             match pool.allocate(n) {
@@ -360,7 +368,9 @@ impl DecodeSide {
         Ok(pages)
     }
 
+    /// Frees `pages` in every pool, as one step with respect to [`DecodeSide::alloc_all`].
     fn free_all(&self, pages: &[PageId]) {
+        let _tables = lock(&self.tables);
         for pool in &self.pools {
             if let Err(e) = pool.free(pages) {
                 tracing::error!(pool = %pool.role(), error = %e, "freeing released pages failed");
@@ -825,5 +835,103 @@ impl DecodeSide {
             self.fail(*key, FailureCause::Shutdown);
         }
         keys.len() as u32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::Allocator;
+    use crate::memory::mmap::MmapBackend;
+    use crate::memory::pool::{PoolLayout, PoolRole, PoolSpec};
+    use crate::model::{Attention, ModelIdentity};
+
+    /// A transport with no writer: rooms are completed or failed by the test itself.
+    struct NoWriters;
+
+    impl KvSource for NoWriters {
+        fn writers(&self, _request_id: u64) -> Vec<PrefillRank> {
+            Vec::new()
+        }
+        fn open(&self, _room: RoomOpen) -> Result<(), String> {
+            Ok(())
+        }
+        fn abort(&self, _key: RoomKey, _ranks: &[PrefillRank], _cause: FailureCause) {}
+    }
+
+    const PAGES: u32 = 32;
+
+    fn pool(role: PoolRole, layers: u32) -> Arc<KvPool> {
+        let spec = PoolSpec {
+            role,
+            model: ModelIdentity {
+                name: "tiny".into(),
+                layers,
+                attention: Attention::Gqa {
+                    kv_heads: 1,
+                    head_dim: 8,
+                },
+                dtype_bytes: 2,
+                row_extra_bytes: 0,
+            },
+            page_tokens: 4,
+            pages: PAGES,
+            layout: PoolLayout::PageFirst,
+        };
+        Arc::new(KvPool::new(spec, &Allocator::new("t", MmapBackend::new())).unwrap())
+    }
+
+    /// Reserves on some threads while rooms are released on others (Finish after a complete KV,
+    /// or a failure): every Reserve gets the same page indices in the target and the draft pool —
+    /// an allocation interleaved with a release's free used to leave the tables out of lockstep
+    /// (`INTERNAL` "pool 1's page table left lockstep with the target's", then every later
+    /// Reserve refused).
+    #[test]
+    fn concurrent_reserves_and_releases_keep_the_page_tables_in_lockstep() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let pools = vec![pool(PoolRole::Target, 2), pool(PoolRole::Draft, 1)];
+        let side = DecodeSide::new(
+            pools.clone(),
+            Arc::new(NoWriters),
+            DecodeSettings {
+                gate: GateMode::Safe,
+                ack_timeout: Duration::from_secs(60),
+                max_kv_deadline: Duration::from_secs(600),
+                room_base: 1,
+                thresholds: None,
+            },
+            rt.handle().clone(),
+        );
+        std::thread::scope(|s| {
+            for t in 0..4u32 {
+                let side = &side;
+                s.spawn(move || {
+                    for i in 0..3_000u32 {
+                        let tokens = 4 * (1 + (i + t) % 5);
+                        match side.reserve(0, u64::from(i), tokens, Duration::from_secs(600)) {
+                            Ok((key, _)) if (i + t) % 2 == 0 => {
+                                side.on_complete(key);
+                                side.finish(0, key).unwrap();
+                            }
+                            Ok((key, _)) => {
+                                side.fail(key, FailureCause::ClientAbort);
+                            }
+                            Err(e) => assert_eq!(e.reason, pb::ErrorReason::NoFreePages, "{e:?}"),
+                        }
+                    }
+                });
+            }
+        });
+        for p in &pools {
+            assert_eq!(p.stats().free, PAGES, "{}", p.role());
+        }
+        assert_eq!(
+            side.target().allocate(PAGES as usize).unwrap().len(),
+            PAGES as usize
+        );
     }
 }

@@ -199,10 +199,12 @@ pub async fn serve_loop(
                 tasks.spawn(async move {
                     let (done, last) = serve_one(&ctx, id, w).await;
                     apply(&mut lock(&ctx.acc), done);
+                    // Published before the end is sent: a `/report` read once the response
+                    // is in must count this attempt.
+                    ctx.publish();
                     if let Some(last) = last {
                         ctx.emit(last).await;
                     }
-                    ctx.publish();
                 });
             }
             r = releases.next() => {
