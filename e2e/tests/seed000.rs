@@ -25,7 +25,7 @@
 //!    no registration and no segment (the reservation went with the worker's connection). After
 //!    the pool is deleted, none of its pod's processes is left.
 //!
-//! Builds the worker with `--features tandem-worker/negative-controls` (and the operator) into
+//! Builds the worker with `-p tandem-worker --features negative-controls` (and the operator) into
 //! this target dir first. Skips with a printed reason when the control-plane binaries are not
 //! built, unless `TANDEM_E2E_REQUIRE_CLUSTER` is set.
 

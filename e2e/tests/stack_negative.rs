@@ -59,7 +59,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
-use support::{Harness, HarnessConfig, install, poll, ready, wait_condition};
+use support::{Harness, HarnessConfig, install, poll, ready, run_suite, wait_condition};
 use tandem_crds::labels::{POOL, ROLE, ROLE_CACHE, ROLE_DECODE};
 use tandem_e2e::replay::targets::{FRONT_DOOR_PORT, pod_serving};
 use tandem_e2e::report::sampler::HEALTH_PORT;
@@ -95,26 +95,18 @@ async fn each_mechanism_switched_off_on_the_live_stack_is_caught() {
     let worker = tandem_e2e::demo::stack::negative_controls_worker()
         .await
         .unwrap_or_else(|e| panic!("a tandem-worker with negative controls: {e}"));
-    let Some(h) = Harness::start(HarnessConfig {
-        name: "stack_negative",
-        port_offset: 7000,
-        runner_gpus: NODE_GPUS,
-        first_node_index: 70,
-        worker_bin: Some(worker),
-        pod_env: &[],
-    })
-    .await
-    else {
-        return;
-    };
-    let outcome = scenario(&h).await;
-    if outcome.is_err() {
-        h.dump_diagnostics();
-    }
-    h.stop().await;
-    if let Err(e) = outcome {
-        panic!("{e}");
-    }
+    run_suite(
+        HarnessConfig {
+            name: "stack_negative",
+            port_offset: 7000,
+            runner_gpus: NODE_GPUS,
+            first_node_index: 70,
+            worker_bin: Some(worker),
+            pod_env: &[],
+        },
+        scenario,
+    )
+    .await;
 }
 
 async fn scenario(h: &Harness) -> Result<(), String> {
