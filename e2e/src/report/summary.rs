@@ -34,7 +34,7 @@ pub struct ReportInput<'a> {
 }
 
 /// Request counts by outcome.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RequestCounts {
     /// All requests.
     pub total: usize,
@@ -46,7 +46,14 @@ pub struct RequestCounts {
     pub failed: usize,
     /// Retries made in all.
     pub retries: u64,
+    /// The lost requests (at most [`FAILURES_SHOWN`]), each as `#index after N attempts:
+    /// last error`, so that a report says why without its per-request file.
+    #[serde(default)]
+    pub failures: Vec<String>,
 }
+
+/// How many lost requests [`RequestCounts::failures`] names.
+pub const FAILURES_SHOWN: usize = 10;
 
 /// Token-weighted prefix hit ratios (hit tokens / prompt tokens).
 ///
@@ -429,7 +436,17 @@ pub fn summarize_run(input: ReportInput<'_>) -> Summary {
         match r.outcome {
             Outcome::Ok => counts.ok += 1,
             Outcome::Retried => counts.retried += 1,
-            Outcome::Failed => counts.failed += 1,
+            Outcome::Failed => {
+                counts.failed += 1;
+                if counts.failures.len() < FAILURES_SHOWN {
+                    counts.failures.push(format!(
+                        "#{} after {} attempts: {}",
+                        r.index,
+                        r.attempts,
+                        r.errors.last().map_or("no error recorded", String::as_str)
+                    ));
+                }
+            }
         }
         counts.retries += u64::from(r.attempts.saturating_sub(1));
     }
@@ -650,12 +667,13 @@ pub fn summarize_run(input: ReportInput<'_>) -> Summary {
             detail,
         );
     }
+    let c = s.requests.clone();
     s.check(
         "no request lost beyond the retry budget",
-        counts.failed == 0,
+        c.failed == 0,
         format!(
             "{} failed of {} ({} retried, {} retries)",
-            counts.failed, counts.total, counts.retried, counts.retries
+            c.failed, c.total, c.retried, c.retries
         ),
     );
     s
@@ -701,6 +719,9 @@ impl fmt::Display for Summary {
             r.failed,
             self.duration_ms / 1000.0
         )?;
+        for lost in &r.failures {
+            writeln!(f, "  lost        {lost}")?;
+        }
         writeln!(f, "TTFT          {}", pct(&self.ttft_ms))?;
         writeln!(f, "TPOT          {}", pct(&self.tpot_ms))?;
         writeln!(
@@ -911,7 +932,14 @@ mod tests {
             result(0, 0.0, Outcome::Ok, 500, 10.0),
             result(1, 1000.0, Outcome::Retried, 300, 20.0),
             result(2, 3000.0, Outcome::Ok, 400, 30.0),
-            result(3, 4000.0, Outcome::Failed, 0, 0.0),
+            {
+                let mut r = result(3, 4000.0, Outcome::Failed, 0, 0.0);
+                r.errors = vec![
+                    "d0: HTTP 503: draining".into(),
+                    "d1: HTTP 503: no peer".into(),
+                ];
+                r
+            },
             // Completed on the first client attempt, but on a second prefill peer.
             {
                 let mut r = result(4, 3500.0, Outcome::Ok, 1000, 40.0);
@@ -940,6 +968,12 @@ mod tests {
             (3, 1, 1)
         );
         assert_eq!(s.requests.retries, 2);
+        // The lost request is named with its last error, in the printed report too.
+        assert_eq!(
+            s.requests.failures,
+            ["#3 after 1 attempts: d1: HTTP 503: no peer"]
+        );
+        assert!(s.to_string().contains("lost        #3 after 1 attempts"));
         // Hit ratios count first-prefill completions only; the client-retried request and the
         // one a second prefill peer served are apart.
         assert!((s.hit_ratio.l3 - 900.0 / 2000.0).abs() < 1e-12);
