@@ -59,7 +59,12 @@ fn demo_replays_a_trace_slice_through_scale_and_rolling_restart() {
         "--time-scale",
         "0.5",
     ])
-    .args(["--concurrency-limit", "8", "--retry-budget", "6"])
+    // Retry budget 8 (backoff 0.1 s doubling to 2 s: ~9 s of retries): on this 2-core debug build
+    // the rolling restart leaves the new revision with one Ready prefill group for both new
+    // decodes for ~25 s (each prefill group takes ~30 s to load back from L3), and old decodes
+    // briefly without a peer of their revision; with budget 6 (~5 s) a CI run lost 2 of 200 in
+    // that window (issue 17 note). Corruption and systematic loss still fail the run.
+    .args(["--concurrency-limit", "8", "--retry-budget", "8"])
     .arg("--builtin-engine")
     .arg("--state-dir")
     .arg(tmp.path().join("cluster"))
