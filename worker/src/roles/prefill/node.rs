@@ -883,27 +883,34 @@ impl Transfer for PrefillService {
         &self,
         req: Request<pb::SnapshotRef>,
     ) -> Result<Response<pb::SnapshotReply>, Status> {
-        let r = req.into_inner();
-        let sync = self
-            .snapshots
-            .clone()
-            .ok_or_else(|| Status::failed_precondition("no snapshot buffer"))?;
-        tokio::task::spawn_blocking(move || sync.seal(r))
+        self.on_snapshot(req.into_inner(), super::snapshot_sync::SnapshotSync::seal)
             .await
-            .map(Response::new)
-            .map_err(|e| Status::internal(e.to_string()))
     }
 
     async fn snapshot_abort(
         &self,
         req: Request<pb::SnapshotRef>,
     ) -> Result<Response<pb::SnapshotReply>, Status> {
-        let r = req.into_inner();
+        self.on_snapshot(req.into_inner(), super::snapshot_sync::SnapshotSync::abort)
+            .await
+    }
+}
+
+impl PrefillService {
+    /// Runs a SnapshotSeal or SnapshotAbort `call` on the snapshot buffer, off the async runtime.
+    ///
+    /// # Errors
+    /// `FAILED_PRECONDITION` without a snapshot buffer; `INTERNAL` when the task died.
+    async fn on_snapshot(
+        &self,
+        r: pb::SnapshotRef,
+        call: fn(&super::snapshot_sync::SnapshotSync, pb::SnapshotRef) -> pb::SnapshotReply,
+    ) -> Result<Response<pb::SnapshotReply>, Status> {
         let sync = self
             .snapshots
             .clone()
             .ok_or_else(|| Status::failed_precondition("no snapshot buffer"))?;
-        tokio::task::spawn_blocking(move || sync.abort(r))
+        tokio::task::spawn_blocking(move || call(&sync, r))
             .await
             .map(Response::new)
             .map_err(|e| Status::internal(e.to_string()))
