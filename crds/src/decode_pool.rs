@@ -20,6 +20,28 @@ pub struct PrefillPairing {
     /// Prefill instances per decode instance, `"P:D"`; the PrefillPool gets
     /// `ceil(decode replicas × P / D)` groups.
     pub ratio: PdRatio,
+    /// How long a decode waits for a request's KV from its prefill (queueing, compute and
+    /// transfer) before it aborts the room through the release gate and retries the request on
+    /// another prefill. Unset: 30 s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_deadline: Option<KvDeadlineSpec>,
+}
+
+/// A prefill queueing deadline as in seed 004: the decode aborts a request whose KV has not
+/// arrived `milliseconds + perTokenMicroseconds × prompt tokens` after it opened the room, which
+/// bounds TTFT when prefills queue; the release gate keeps the aborted room's pages from reuse
+/// until the prefill's writes to them are fenced.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KvDeadlineSpec {
+    /// Fixed part, milliseconds.
+    #[x_kube(validation = Rule::new("self >= 100 && self <= 600000").message("prefill.kvDeadline.milliseconds must be between 100 and 600000"))]
+    pub milliseconds: i64,
+    /// Added per prompt token, microseconds: set it to about twice the prefill's compute time per
+    /// token so that only queueing, not a long prompt, trips the deadline.
+    #[serde(default)]
+    #[x_kube(validation = Rule::new("self >= 0 && self <= 100000").message("prefill.kvDeadline.perTokenMicroseconds must be between 0 and 100000"))]
+    pub per_token_microseconds: i64,
 }
 
 /// A GPU budget for this DecodePool and its PrefillPool together. A scale or ratio change is

@@ -31,8 +31,8 @@ pub use common::{
     KvDtype, LocalRef, ModelSpec, Parallelism, PodTemplateOverrides, SpeculativeSpec, Transport,
 };
 pub use decode_pool::{
-    BudgetSpec, DecodePool, DecodePoolSpec, FrontDoorSpec, PrefillPairing, RestartSpec,
-    SpecGuardSpec,
+    BudgetSpec, DecodePool, DecodePoolSpec, FrontDoorSpec, KvDeadlineSpec, PrefillPairing,
+    RestartSpec, SpecGuardSpec,
 };
 pub use prefill_pool::{
     GroupCounts, GroupRestartStatus, PoolStatus, PrefillPool, PrefillPoolSpec, RolloutStatus,

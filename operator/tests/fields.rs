@@ -297,6 +297,14 @@ fn every_decode_pool_field_is_rendered_or_used() {
             "unschedulableDeadlineSeconds".into(),
             Controller("capacity::decide: rollback deadline of an unschedulable scale-up"),
         ),
+        (
+            "prefill.kvDeadline.milliseconds".into(),
+            Rendered(|| json!(2500)),
+        ),
+        (
+            "prefill.kvDeadline.perTokenMicroseconds".into(),
+            Rendered(|| json!(40)),
+        ),
         ("specGuard.minAcceptLength".into(), Rendered(|| json!(1.2))),
         ("specGuard.maxAcceptRate".into(), Rendered(|| json!(0.9))),
         ("specGuard.afterTokens".into(), Rendered(|| json!(64))),

@@ -92,4 +92,60 @@ mod tests {
             Err(ConfigError::Parse { .. })
         ));
     }
+
+    /// `kvDeadline` (seed 004's prefill queueing deadline): bounded, decode only; the decode role
+    /// takes it unless the environment overrides a half.
+    #[test]
+    fn the_kv_deadline_is_checked_and_read_by_the_decode() {
+        use crate::roles::decode::{DEFAULT_KV_DEADLINE, kv_deadline_of};
+        use std::time::Duration;
+        let mut c = WorkerConfig::load(&sample("decode-worker.json")).unwrap();
+        assert_eq!(
+            kv_deadline_of(&c, |_| None),
+            (DEFAULT_KV_DEADLINE, Duration::ZERO)
+        );
+        c.kv_deadline = Some(KvDeadline {
+            milliseconds: 3_000,
+            per_token_microseconds: 50,
+        });
+        c.check().unwrap();
+        assert_eq!(
+            kv_deadline_of(&c, |_| None),
+            (Duration::from_millis(3_000), Duration::from_micros(50))
+        );
+        let env = |k: &str| (k == "TANDEM_DECODE_KV_DEADLINE_MS").then(|| "250".to_owned());
+        assert_eq!(
+            kv_deadline_of(&c, env),
+            (Duration::from_millis(250), Duration::from_micros(50)),
+            "the environment overrides its half only"
+        );
+        for bad in [
+            KvDeadline {
+                milliseconds: 99,
+                per_token_microseconds: 0,
+            },
+            KvDeadline {
+                milliseconds: 600_001,
+                per_token_microseconds: 0,
+            },
+            KvDeadline {
+                milliseconds: 1_000,
+                per_token_microseconds: 100_001,
+            },
+        ] {
+            c.kv_deadline = Some(bad);
+            assert!(
+                matches!(c.check(), Err(ConfigError::Inconsistent(_))),
+                "{bad:?}"
+            );
+        }
+        c.kv_deadline = Some(KvDeadline {
+            milliseconds: 3_000,
+            per_token_microseconds: 0,
+        });
+        c.role = WorkerRole::Prefill;
+        assert!(
+            matches!(c.check(), Err(ConfigError::Inconsistent(m)) if m.contains("decode setting"))
+        );
+    }
 }

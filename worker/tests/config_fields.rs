@@ -19,12 +19,14 @@ use std::collections::BTreeSet;
 
 use serde_json::Value;
 use tandem_worker::config::{
-    EngineKind, EngineSeat, IndexerGeometry, LayerSplit, TransportChoice, WorkerConfig, WorkerRole,
+    EngineKind, EngineSeat, IndexerGeometry, KvDeadline, LayerSplit, TransportChoice, WorkerConfig,
+    WorkerRole,
 };
 use tandem_worker::engine_api::identity::{fingerprint, pool_model};
 use tandem_worker::engine_api::pools::roles_configured;
 use tandem_worker::model::{Attention, ModelIdentity};
 use tandem_worker::roles::config_use::unused;
+use tandem_worker::roles::decode::kv_deadline_of;
 use tandem_worker::roles::sim::{SimKnobs, region_pages};
 use tandem_worker::spec_guard::Thresholds;
 use tandem_worker::store_client::ClientMode;
@@ -52,6 +54,11 @@ fn full(role: WorkerRole) -> WorkerConfig {
         kind: EngineKind::Simulated,
         socket_dir: "/run/tandem/engine".into(),
     });
+    // A decode setting: a prefill config carrying it is refused (the `DecodeOnly` rows).
+    c.kv_deadline = (role == WorkerRole::Decode).then_some(KvDeadline {
+        milliseconds: 3_000,
+        per_token_microseconds: 50,
+    });
     c.check().expect("the full config is valid");
     c
 }
@@ -65,12 +72,14 @@ fn derived(c: &WorkerConfig) -> String {
         .map(|r| (r, pool_model(c, r).map(|m| fingerprint(&m))))
         .collect();
     format!(
-        "layout {layout:?} pages {} model {} ranks {:?} pools {pools:?} guard {:?} transport {:?}",
+        "layout {layout:?} pages {} model {} ranks {:?} pools {pools:?} guard {:?} transport {:?} \
+         kv deadline {:?}",
         region_pages(c.memory.target_pool_bytes, layout),
         fingerprint(&c.model),
         c.parallelism.ranks_of(1),
         c.spec_guard.as_ref().map(Thresholds::from),
         for_serving_with(c.transport, || Err("no device".into())),
+        kv_deadline_of(c, |_| None),
     )
 }
 
@@ -104,6 +113,8 @@ enum Row {
     UnusedDecode,
     /// The process test that shows it: (file under worker/tests, test fn).
     Wired(&'static str, &'static str),
+    /// A decode setting: derived by a decode (as `Derived`), refused in a prefill's config.
+    DecodeOnly(Mutate),
 }
 use Row::*;
 
@@ -279,6 +290,28 @@ fn rows() -> Vec<(&'static str, Row)> {
             ),
         ),
         (
+            "kvDeadline.milliseconds",
+            DecodeOnly(|c| {
+                c.kv_deadline
+                    .get_or_insert(KvDeadline {
+                        milliseconds: 100,
+                        per_token_microseconds: 0,
+                    })
+                    .milliseconds = 7_000;
+            }),
+        ),
+        (
+            "kvDeadline.perTokenMicroseconds",
+            DecodeOnly(|c| {
+                c.kv_deadline
+                    .get_or_insert(KvDeadline {
+                        milliseconds: 100,
+                        per_token_microseconds: 0,
+                    })
+                    .per_token_microseconds = 400;
+            }),
+        ),
+        (
             "transport",
             Derived(|c| c.transport = TransportChoice::Rdma),
         ),
@@ -437,6 +470,19 @@ fn every_field_is_acted_on_refused_or_named_unused() {
                         role == WorkerRole::Decode,
                         "{path} ({role:?}): [{names}]"
                     );
+                }
+                DecodeOnly(m) => {
+                    let mut c = base.clone();
+                    m(&mut c);
+                    if role == WorkerRole::Decode {
+                        assert_ne!(
+                            derived(&base),
+                            derived(&c),
+                            "{path}: changing it changes nothing"
+                        );
+                    } else {
+                        assert!(c.check().is_err(), "{path}: a prefill accepts it");
+                    }
                 }
                 Wired(file, test) => {
                     let src = std::fs::read_to_string(tests_dir.join(file))

@@ -3,8 +3,9 @@
 
 use tandem_crds::{AttentionKind, ModelSpec, Transport};
 use tandem_interfaces::config::{
-    CONFIG_API_VERSION, CacheConfig, IndexerGeometry, LayerSplit, MemoryPolicy as ConfigMemory,
-    Parallelism, Peers, Ports, SpecGuard, Speculative, TransportChoice, WorkerConfig, WorkerRole,
+    CONFIG_API_VERSION, CacheConfig, IndexerGeometry, KvDeadline, LayerSplit,
+    MemoryPolicy as ConfigMemory, Parallelism, Peers, Ports, SpecGuard, Speculative,
+    TransportChoice, WorkerConfig, WorkerRole,
 };
 use tandem_interfaces::memory::AllocatorDomain;
 use tandem_interfaces::model::{Attention, ModelIdentity};
@@ -220,6 +221,10 @@ pub fn worker_config(
             max_accept_rate: g.max_accept_rate,
             after_tokens: u32::try_from(g.after_tokens).unwrap_or(1),
             retry_budget: u32::try_from(g.retry_budget).unwrap_or(0),
+        }),
+        kv_deadline: pool.kv_deadline.map(|d| KvDeadline {
+            milliseconds: u64::try_from(d.milliseconds).unwrap_or(0),
+            per_token_microseconds: u64::try_from(d.per_token_microseconds).unwrap_or(0),
         }),
         transport: match pool.transport {
             Transport::Auto => TransportChoice::Auto,

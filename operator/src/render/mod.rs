@@ -8,8 +8,8 @@ pub mod workload;
 
 use k8s_openapi::api::core::v1::ResourceRequirements;
 use tandem_crds::{
-    DecodePool, EngineSpec, HostPoolSpec, LocalRef, ModelSpec, Parallelism, PodTemplateOverrides,
-    PrefillPool, SpecGuardSpec, SpeculativeSpec, Transport,
+    DecodePool, EngineSpec, HostPoolSpec, KvDeadlineSpec, LocalRef, ModelSpec, Parallelism,
+    PodTemplateOverrides, PrefillPool, SpecGuardSpec, SpeculativeSpec, Transport,
 };
 
 use crate::labels::Role;
@@ -40,6 +40,8 @@ pub struct PoolView<'a> {
     pub snapshot_buffer: Option<&'a k8s_openapi::apimachinery::pkg::api::resource::Quantity>,
     /// Spec guard (decode only).
     pub spec_guard: Option<&'a SpecGuardSpec>,
+    /// The KV deadline of a room (decode only; `spec.prefill.kvDeadline`).
+    pub kv_deadline: Option<&'a KvDeadlineSpec>,
     /// Front-door port (decode only).
     pub front_door_port: Option<i32>,
     /// The PrefillPool a DecodePool pairs with (decode only).
@@ -76,6 +78,7 @@ impl<'a> PoolView<'a> {
             speculative: s.speculative.as_ref(),
             snapshot_buffer: Some(&s.snapshot_buffer.size),
             spec_guard: None,
+            kv_deadline: None,
             front_door_port: None,
             paired_prefill: None,
             transport: s.transport,
@@ -103,6 +106,7 @@ impl<'a> PoolView<'a> {
             speculative: s.speculative.as_ref(),
             snapshot_buffer: None,
             spec_guard: Some(&s.spec_guard),
+            kv_deadline: s.prefill.kv_deadline.as_ref(),
             front_door_port: Some(s.front_door.port),
             paired_prefill: Some(&s.prefill.pool_ref.name),
             transport: s.transport,

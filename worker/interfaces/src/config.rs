@@ -215,6 +215,50 @@ impl SpecGuard {
     }
 }
 
+/// How long a decode waits for a request's KV from its prefill before it aborts the room through
+/// the release gate and retries the request on another prefill: `milliseconds +
+/// perTokenMicroseconds × prompt tokens` from the room's opening (queueing, compute and transfer
+/// together). Seed 004: a timeout on prefill queueing bounds TTFT, and the aborts it causes are
+/// the ones whose in-flight writes the release gate must fence. The DecodePool's
+/// `spec.prefill.kvDeadline`; decode only. Unset: 30 s and no per-token part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KvDeadline {
+    /// Fixed part, milliseconds (100 ..= 600 000).
+    pub milliseconds: u64,
+    /// Added per prompt token, microseconds (0 ..= 100 000): a prefill computing at its usual
+    /// speed meets the deadline whatever the prompt's length, so only queueing trips it.
+    #[serde(default)]
+    pub per_token_microseconds: u64,
+}
+
+/// Bounds of [`KvDeadline::milliseconds`] (the DecodePool CRD's CEL rule).
+pub const KV_DEADLINE_MS_RANGE: std::ops::RangeInclusive<u64> = 100..=600_000;
+/// Bounds of [`KvDeadline::per_token_microseconds`] (the DecodePool CRD's CEL rule).
+pub const KV_DEADLINE_US_PER_TOKEN_RANGE: std::ops::RangeInclusive<u64> = 0..=100_000;
+
+impl KvDeadline {
+    /// Checks the bounds the DecodePool CRD enforces.
+    ///
+    /// # Errors
+    /// The broken bound, as a message.
+    pub fn check(&self) -> Result<(), String> {
+        if !KV_DEADLINE_MS_RANGE.contains(&self.milliseconds) {
+            return Err(format!(
+                "kvDeadline.milliseconds {} is outside {KV_DEADLINE_MS_RANGE:?}",
+                self.milliseconds
+            ));
+        }
+        if !KV_DEADLINE_US_PER_TOKEN_RANGE.contains(&self.per_token_microseconds) {
+            return Err(format!(
+                "kvDeadline.perTokenMicroseconds {} is outside {KV_DEADLINE_US_PER_TOKEN_RANGE:?}",
+                self.per_token_microseconds
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Speculative decoding: the draft model (its pools share the target's allocator domain).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -280,6 +324,10 @@ pub struct WorkerConfig {
     pub speculative: Option<Speculative>,
     /// Speculative-decoding guard (decode only; applied when `speculative` is set).
     pub spec_guard: Option<SpecGuard>,
+    /// The KV deadline of a room (decode only; see [`KvDeadline`]). Absent in configs written
+    /// before it existed; not written when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_deadline: Option<KvDeadline>,
     /// Transport choice.
     pub transport: TransportChoice,
     /// Peers.
@@ -421,6 +469,14 @@ impl WorkerConfig {
         }
         if let Some(g) = &self.spec_guard {
             g.check().map_err(ConfigError::Inconsistent)?;
+        }
+        if let Some(d) = &self.kv_deadline {
+            if self.role != WorkerRole::Decode {
+                return bad(
+                    "kvDeadline is a decode setting; a prefill has no room deadline".into(),
+                );
+            }
+            d.check().map_err(ConfigError::Inconsistent)?;
         }
         if let Some(ls) = &self.layer_split {
             if ls.owners.len() != self.model.layers as usize {

@@ -125,6 +125,7 @@ pub fn worker_config(role: WorkerRole, s: Shape) -> WorkerConfig {
             after_tokens: after,
             retry_budget: 1,
         }),
+        kv_deadline: None,
         transport: TransportChoice::Tcp,
         engine: None,
         peers: Peers {

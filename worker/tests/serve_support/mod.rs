@@ -125,6 +125,7 @@ pub fn config(role: WorkerRole, revision: &str, p: PortSet) -> WorkerConfig {
         cache: None,
         speculative: None,
         spec_guard: None,
+        kv_deadline: None,
         transport: TransportChoice::Tcp,
         engine: None,
         peers: Peers {

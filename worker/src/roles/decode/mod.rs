@@ -79,6 +79,8 @@ pub fn run(args: Args) -> Result<(), RoleError> {
         let stop = signals::terminated()
             .map_err(|e| RoleError::Failed(format!("signal handlers: {e}")))?;
         let mut opts = DecodeOptions::from_env();
+        (opts.kv_deadline, opts.kv_deadline_per_token) =
+            kv_deadline_of(&cfg, |k| std::env::var(k).ok());
         if let Ok(v) = std::env::var("TANDEM_DECODE_GATE_PROOF") {
             opts.gate_proof = GateProof::parse(&v).map_err(RoleError::Failed)?;
         }
@@ -174,11 +176,40 @@ impl GateProof {
     }
 }
 
+/// Default fixed part of a room's KV deadline when neither the config (`kvDeadline`) nor the
+/// environment sets one.
+pub const DEFAULT_KV_DEADLINE: Duration = Duration::from_secs(30);
+
+/// A room's KV deadline `(fixed part, per prompt token)`: `TANDEM_DECODE_KV_DEADLINE_MS` and
+/// `TANDEM_DECODE_KV_DEADLINE_US_PER_TOKEN` when set (each overrides its half; the process tests'
+/// and the demo's knob), else the config's `kvDeadline` (the DecodePool's
+/// `spec.prefill.kvDeadline`, seed 004's prefill queueing deadline), else
+/// [`DEFAULT_KV_DEADLINE`] and zero. `env` looks a variable up (a closure so it is testable).
+pub fn kv_deadline_of(
+    cfg: &WorkerConfig,
+    env: impl Fn(&str) -> Option<String>,
+) -> (Duration, Duration) {
+    let num = |k: &str| env(k).and_then(|v| v.trim().parse::<u64>().ok());
+    let from_cfg = cfg
+        .kv_deadline
+        .map_or((DEFAULT_KV_DEADLINE, Duration::ZERO), |d| {
+            (
+                Duration::from_millis(d.milliseconds),
+                Duration::from_micros(d.per_token_microseconds),
+            )
+        });
+    (
+        num("TANDEM_DECODE_KV_DEADLINE_MS").map_or(from_cfg.0, Duration::from_millis),
+        num("TANDEM_DECODE_KV_DEADLINE_US_PER_TOKEN").map_or(from_cfg.1, Duration::from_micros),
+    )
+}
+
 impl DecodeOptions {
     /// Options from the pod environment: `$POD_IP`, `$POD_NAME`, and the optional overrides
     /// `TANDEM_DECODE_RETRY_BUDGET` (default 2), `TANDEM_DECODE_KV_DEADLINE_MS` (default
     /// 30000) and `TANDEM_DECODE_KV_DEADLINE_US_PER_TOKEN` (default 0); the rest as documented on
-    /// the fields. `TANDEM_DECODE_GATE_PROOF` (`fence` | `ack-only`) is read by [`run`], which
+    /// the fields. [`run`] then takes the KV deadline from the config where the environment does
+    /// not set it ([`kv_deadline_of`]). `TANDEM_DECODE_GATE_PROOF` (`fence` | `ack-only`) is read by [`run`], which
     /// refuses a bad value.
     pub fn from_env() -> Self {
         let num = |k: &str| {
@@ -271,6 +302,15 @@ impl DecodeServer {
         state.set_section(
             "release_gate",
             serde_json::json!({"proof": opts.gate_proof.as_str()}),
+        );
+        // The room deadline in use (seed 004's prefill queueing deadline when the pool sets one).
+        state.set_section(
+            "kv_deadline",
+            serde_json::json!({
+                "milliseconds": u64::try_from(opts.kv_deadline.as_millis()).unwrap_or(u64::MAX),
+                "per_token_microseconds":
+                    u64::try_from(opts.kv_deadline_per_token.as_micros()).unwrap_or(u64::MAX),
+            }),
         );
         tracing::info!(
             proof = opts.gate_proof.as_str(),
