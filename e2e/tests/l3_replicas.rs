@@ -5,10 +5,18 @@
 //! `/report` field, the hosts file, a pod's status), bounded.
 //!
 //! The stack is the samples with a 1:1 ratio (one prefill group: its `/report` is the one writer's
-//! view) and a three-replica CacheTier whose persistence is the default local volume (a directory
-//! under the runner's dir, kept across container restarts and pod re-creation, like a PVC). The
-//! prefill's write ramp and rate window are shortened to [`RAMP_S`] through the pods' environment
-//! (`TANDEM_L3_WRITE_RAMP_S`, `TANDEM_L3_RATE_WINDOW_S`; the prefill reports them back).
+//! view), a three-replica CacheTier whose persistence is the default local volume (a directory
+//! under the runner's dir, kept across container restarts and pod re-creation, like a PVC), and the
+//! prefill's host pool cut to the least the operator accepts (one page of llama-3-70b tokens: 256
+//! simulated pages of L2). The prefill's write ramp and rate window are shortened to [`RAMP_S`]
+//! through the pods' environment (`TANDEM_L3_WRITE_RAMP_S`, `TANDEM_L3_RATE_WINDOW_S`; the prefill
+//! reports them back and the suite checks it).
+//!
+//! The load ([`Load`]) cycles a hot set of 384 pages, larger than that L2, so every hot prompt is
+//! looked up in L3 on every cycle, with a fresh two-page prompt every fourth request (writes that
+//! exist without a restart). A replica that loses its objects therefore has its pages looked up
+//! again and refilled within a cycle: the refill that, placed by hash alone, would all go to it
+//! (the flood of Mooncake#3688; `worker/tests/serve_l3_replicas.rs` has the negative control).
 //!
 //! 1. A replica restarted empty (kvcache-ai/Mooncake#3688): store replica 0 is frozen (SIGSTOP), its
 //!    volume's contents are deleted (a replaced disk: with persistence, a plain restart would load
@@ -30,7 +38,7 @@
 
 mod support;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -46,7 +54,7 @@ use tandem_crds::ports::{FRONT_DOOR_PORT, HEALTH_PORT, L3_PORT};
 use tandem_e2e::replay::driver::{ReplayConfig, RequestResult, replay};
 use tandem_e2e::replay::schedule::{Clock, Outcome};
 use tandem_e2e::replay::targets::TargetSet;
-use tandem_e2e::replay::workload::{GeneratorConfig, TraceRequest, generate};
+use tandem_e2e::replay::workload::TraceRequest;
 use tandem_e2e::runner::crash::{container_process, kill_container};
 use tandem_e2e::runner::hosts::resolve;
 
@@ -124,22 +132,30 @@ async fn scenario(h: &Harness) -> Result<(), String> {
     let results = load.stop().await;
     let t = tally(&results);
     println!(
-        "[{:>5.1}s] load: {} requests through the decode Service, {} ok, {} retried, {} failed {:?}",
+        "[{:>5.1}s] load: {} requests through the decode Service, {} ok, {} retried, {} failed \
+         (attempt errors {:?}); prompt tokens the prefill found in L2 {}, in L3 {}",
         at(t0),
         results.len(),
-        t.0,
-        t.1,
-        t.2.len(),
-        t.2.iter().take(5).collect::<Vec<_>>()
+        t.ok,
+        t.retried,
+        t.failed.len(),
+        t.reasons,
+        t.l2_tokens,
+        t.l3_tokens,
     );
     outcome?;
-    if !t.2.is_empty() {
+    if !t.failed.is_empty() {
         return Err(format!(
             "{} requests failed while store replicas restarted or moved (L3 is a cache: a \
              replica away must not fail a request): {:?}",
-            t.2.len(),
-            t.2.iter().take(5).collect::<Vec<_>>()
+            t.failed.len(),
+            t.failed.iter().take(5).collect::<Vec<_>>()
         ));
+    }
+    // The premise of phase 1: the hot set missed the prefill's L2 and was read from L3 (so the
+    // pages the restarted replica lost were looked up again).
+    if t.l3_tokens == 0 {
+        return Err("no prompt token was served from L3: the hot set never missed L2".into());
     }
     Ok(())
 }
@@ -168,34 +184,55 @@ fn write_stack(dir: &std::path::Path) -> Result<(), String> {
             ("replicas: 2", format!("replicas: {REPLICAS}")),
         ],
     )?;
-    edit("prefillpool.yaml", &[])?;
+    // The prefill's L2 smaller than the load's hot set ([`HOT`]): one page of the model's tokens
+    // (512 × 320 KiB per token of llama-3-70b), the least the operator accepts.
+    edit(
+        "prefillpool.yaml",
+        &[(
+            "hostPool:\n    size: 1Gi",
+            "hostPool:\n    size: 160Mi".into(),
+        )],
+    )?;
     edit(
         "decodepool.yaml",
         &[("ratio: \"4:1\"", "ratio: \"1:1\"".to_owned())],
     )
 }
 
-/// A generated workload chunk: `n` requests at 8/s, prompts of 1–8 blocks (half follow-ups that
-/// share a prefix), 8–16 tokens out: most requests compute a few new pages, which the prefill
-/// writes through to L3. Block ids are offset by `seed << 32` so chunks share no page.
-fn workload(seed: u64, n: usize) -> Vec<TraceRequest> {
-    let mut w = generate(&GeneratorConfig {
-        requests: n,
-        seed,
-        rate_per_s: 8.0,
-        system_prompts: 3,
-        system_prompt_blocks: 1..=2,
-        follow_up: 0.5,
-        turn_blocks: 1..=2,
-        max_blocks: 8,
-        output_tokens: 8..=16,
-    });
-    for r in &mut w {
-        for id in &mut r.hash_ids {
-            *id += seed << 32;
-        }
+/// Hot prompts the load cycles through, of [`HOT_PAGES`] pages each: 384 pages, more than the
+/// prefill's L2 holds (its host pool is cut to one page of the model's tokens, [`write_stack`]),
+/// so every hot prompt misses L2 and is looked up in L3 on every cycle: the pages a replica loses
+/// are looked up again, and refilled, within a cycle (~11 s at the load's rate).
+const HOT: u64 = 48;
+/// Pages (512-token blocks) of a hot prompt.
+const HOT_PAGES: u64 = 8;
+/// Every `FRESH_EVERY`-th request is a fresh two-page prompt: writes that exist without any
+/// restart, so every replica has a write rate to compare with.
+const FRESH_EVERY: u64 = 4;
+/// Requests per second of the load.
+const RATE: u64 = 8;
+
+/// The load's request number `i`: a hot prompt, or every [`FRESH_EVERY`]-th a fresh one.
+fn request(i: u64, at_ms: u64) -> TraceRequest {
+    let hash_ids: Vec<u64> = if i % FRESH_EVERY == FRESH_EVERY - 1 {
+        (0..2).map(|k| (1 << 40) + 2 * i + k).collect()
+    } else {
+        let p = (i - i / FRESH_EVERY) % HOT;
+        (0..HOT_PAGES)
+            .map(|k| (2 << 40) + HOT_PAGES * p + k)
+            .collect()
+    };
+    TraceRequest {
+        timestamp: at_ms,
+        input_length: 512 * hash_ids.len() as u32,
+        output_length: 8,
+        hash_ids,
     }
-    w
+}
+
+/// Requests `from .. from + n` of the load, [`RATE`] per second.
+fn chunk(from: u64, n: u64) -> Vec<TraceRequest> {
+    (0..n).map(|k| request(from + k, k * 1000 / RATE)).collect()
 }
 
 fn replay_config() -> ReplayConfig {
@@ -209,17 +246,42 @@ fn replay_config() -> ReplayConfig {
     }
 }
 
-/// Requests completed first time, completed after retries, and the failed ones' errors.
-fn tally(results: &[RequestResult]) -> (usize, usize, Vec<String>) {
-    let (mut ok, mut retried, mut failed) = (0, 0, Vec::new());
+/// What a load's results add up to.
+#[derive(Debug, Default)]
+struct Tally {
+    /// Completed on the first attempt.
+    ok: usize,
+    /// Completed after retries.
+    retried: usize,
+    /// The failed requests with their errors.
+    failed: Vec<String>,
+    /// Errors of the attempts that were retried or failed, by reason (the URL left out), counted.
+    reasons: BTreeMap<String, usize>,
+    /// Prompt tokens the prefill found in L2 and in L3, over the completed requests.
+    l2_tokens: u64,
+    l3_tokens: u64,
+}
+
+fn tally(results: &[RequestResult]) -> Tally {
+    let mut t = Tally::default();
     for r in results {
         match r.outcome {
-            Outcome::Ok => ok += 1,
-            Outcome::Retried => retried += 1,
-            Outcome::Failed => failed.push(format!("#{}: {:?}", r.index, r.errors)),
+            Outcome::Ok => t.ok += 1,
+            Outcome::Retried => t.retried += 1,
+            Outcome::Failed => t.failed.push(format!("#{}: {:?}", r.index, r.errors)),
+        }
+        for e in &r.errors {
+            let text = e.split_once(": ").map_or(e.as_str(), |(_, rest)| rest);
+            *t.reasons
+                .entry(text.chars().take(70).collect())
+                .or_default() += 1;
+        }
+        if let Some(b) = &r.tandem {
+            t.l2_tokens += b.prefix_hit_tokens.l2;
+            t.l3_tokens += b.prefix_hit_tokens.l3;
         }
     }
-    (ok, retried, failed)
+    t
 }
 
 /// The write load: successive workload chunks (fresh pages each) replayed through the decode
@@ -236,11 +298,11 @@ impl Load {
         let task = tokio::spawn(async move {
             let targets = TargetSet::fixed(front_doors);
             let mut out = Vec::new();
-            let mut seed = 100;
+            let mut next = 0;
             while !flag.load(Ordering::Acquire) {
                 out.extend(
                     replay(
-                        &workload(seed, 16),
+                        &chunk(next, 2 * RATE),
                         &targets,
                         &replay_config(),
                         Clock::start(),
@@ -249,7 +311,7 @@ impl Load {
                     )
                     .await,
                 );
-                seed += 1;
+                next += 2 * RATE;
             }
             out
         });
@@ -437,7 +499,8 @@ async fn volume_of(h: &Harness, pod: &str) -> Result<PathBuf, String> {
 /// Phase 1: a replica restarted empty under write load takes a ramped share of writes.
 async fn ramped_write_share(h: &Harness, s: &Stack<'_>, t0: Instant) -> Result<(), String> {
     // Every replica attached, past its own cold-start ramp (the whole tier started empty) and
-    // taking writes; the prefill runs with the suite's ramp.
+    // taking writes, and the whole hot set written (so the replica restarted below loses pages
+    // that are looked up again); the prefill runs with the suite's ramp.
     let stores = s.stores().await?;
     let ips: Vec<String> = stores.iter().map(ip).collect::<Result<_, _>>()?;
     let settled = poll(Duration::from_secs(3 * RAMP_S + 30), || async {
@@ -449,11 +512,17 @@ async fn ramped_write_share(h: &Harness, s: &Stack<'_>, t0: Instant) -> Result<(
                     && l["writes"].as_u64() > Some(0)
             })
         });
-        all.then_some(r)
+        let written: u64 = ips
+            .iter()
+            .filter_map(|i| line(&r, i)?["writes"].as_u64())
+            .sum();
+        (all && written >= HOT * HOT_PAGES).then_some(r)
     })
     .await
     .ok_or_else(|| {
-        "the prefill did not attach every store replica past its ramp, taking writes".to_owned()
+        "the prefill did not attach every store replica past its ramp, taking writes, with the \
+         hot set written"
+            .to_owned()
     })?;
     let ramp_s = settled["l3"]["write_ramp"]["ramp_s"].as_f64();
     let window_s = settled["l3"]["rate_window_s"].as_f64();
