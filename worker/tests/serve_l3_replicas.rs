@@ -335,3 +335,49 @@ async fn a_replica_on_a_new_address_is_reattached_within_10_s() {
     assert!(metrics.contains("tandem_l3_reattach_seconds "), "{metrics}");
     drop(prefill);
 }
+
+/// The `l3` degraded reason of a prefill report, if any.
+fn l3_reason(r: &Value) -> Option<String> {
+    r["degraded"]
+        .as_array()?
+        .iter()
+        .find(|d| d["component"] == "l3")
+        .map(|d| d["message"].to_string())
+}
+
+/// A prefill whose tier lists no replica says so in `degraded`; once a replica serves and is
+/// listed, the reason clears within a few probe periods with no request sent at all (issue 18:
+/// the reason used to stay until the next L3 call, so an idle prefill kept reporting a tier
+/// problem that was gone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_l3_degraded_reason_clears_when_the_tier_is_back_without_traffic() {
+    let w = World::new(117);
+    w.publish_names(&[(SERVICE, &[2])]);
+    let pcfg = prefill(&w);
+    let tcfg = tier(&w, &pcfg);
+    let _prefill = w.spawn(2, &pcfg, &[]);
+    let h = w.addr(2, w.ports.health);
+    until(Duration::from_secs(30), || async {
+        l3_reason(&get_json(h, "/report").await.1).is_some()
+    })
+    .await;
+    let before = l3_reason(&report(&w, 2).await);
+    println!("degraded while the tier lists no replica: {before:?}");
+
+    let _cache5 = w.spawn_cache(5, &tcfg);
+    wait_ready(&w, 5).await;
+    w.publish_names(&[(SERVICE, &[2]), (L3_SERVICE, &[5])]);
+    let listed = Instant::now();
+    // Bounded: a few probe periods (L3_PROBE_EVERY, 2 s), far below any request-driven path
+    // since none is sent.
+    until(Duration::from_secs(10), || async {
+        l3_reason(&report(&w, 2).await).is_none()
+    })
+    .await;
+    println!(
+        "l3 reason cleared {:.2} s after the replica was listed, no request sent",
+        listed.elapsed().as_secs_f64()
+    );
+    let r = report(&w, 2).await;
+    assert_eq!(r["counters"]["prefix_lookup_tokens"], 0, "no request: {r}");
+}

@@ -165,6 +165,11 @@ impl PrefillOptions {
     }
 }
 
+/// How often a prefill with a tier re-checks it between L3 calls
+/// ([`prefix_cache::PrefixCache::probe_tier`]): a degraded L3 reason clears within this of the
+/// tier coming back.
+pub const L3_PROBE_EVERY: Duration = Duration::from_secs(2);
+
 /// A running prefill server.
 pub struct PrefillServer {
     /// Serving state (phase, counters).
@@ -279,6 +284,23 @@ impl PrefillServer {
             state.on_refresh(move |st| {
                 if let Some(c) = c.upgrade() {
                     st.set_section("l3", c.l3_report());
+                }
+            });
+            // The tier is re-checked between calls, so an L3 degraded reason clears when the
+            // tier is back even while no request reaches it; ends with the cache.
+            let c = Arc::downgrade(&cache);
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(L3_PROBE_EVERY);
+                every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    every.tick().await;
+                    let Some(cache) = c.upgrade() else { break };
+                    if tokio::task::spawn_blocking(move || cache.probe_tier())
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
                 }
             });
         }

@@ -249,6 +249,30 @@ impl PrefixCache {
         }
     }
 
+    /// Re-checks the tier between calls: resolves its Service and attaches (or keeps) a
+    /// connection to every listed replica, so that a degraded reason ("resolves to no replica",
+    /// "replica … refused") clears once the tier is reachable again even when no request
+    /// touches L3 (issue 18: the reason used to stay until the next L3 call). Returns whether a
+    /// replica answered; blocking (name lookup, connect with [`CONNECT_TIMEOUT`]): run it off the
+    /// async workers. A tierless cache answers `false` and changes nothing.
+    pub fn probe_tier(&self) -> bool {
+        let Some(target) = &self.l3 else {
+            return false;
+        };
+        let Some(addrs) = self.resolve(target) else {
+            return false;
+        };
+        let placeable = lock(&self.book).placeable(&addrs, Instant::now());
+        let attached = placeable
+            .iter()
+            .filter(|(a, _)| self.client(*a).is_some())
+            .count();
+        if attached > 0 {
+            (self.health)(None);
+        }
+        attached > 0
+    }
+
     fn drop_client(&self, client: &Arc<L3Client>) {
         lock(&self.clients).retain(|_, c| !Arc::ptr_eq(c, client));
     }
