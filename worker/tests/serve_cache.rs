@@ -108,6 +108,16 @@ async fn prefixes_hit_l2_then_l3_after_the_replica_and_the_prefill_restart() {
             .expect("cache exits")
             .success()
     );
+    // The replica stops through the ordered teardown (DESIGN contract 9), every step clean.
+    w.assert_clean_teardown(
+        5,
+        &[
+            "StopAdmission",
+            "JoinThreads",
+            "DestroyTransports",
+            "FreeMemory",
+        ],
+    );
     prefill.signal(libc::SIGTERM);
     assert!(
         prefill

@@ -81,22 +81,42 @@ impl L3Server {
 
     /// Stops serving: no new connections, open ones closed, threads joined. Idempotent.
     pub fn stop(&mut self) {
+        let _ = self.stop_checked();
+    }
+
+    /// [`Self::stop`], telling what went wrong: `Err` names the threads that had panicked (their
+    /// connections were cut all the same). A second call is `Ok(())`.
+    ///
+    /// # Errors
+    /// The panicked accept or connection threads, counted.
+    pub fn stop_checked(&mut self) -> Result<(), String> {
         if self.stopping.swap(true, Ordering::AcqRel) {
-            return;
+            return Ok(());
         }
         // Wake the blocking accept.
         let _ = TcpStream::connect(self.addr);
+        let mut panicked = Vec::new();
         if let Some(a) = self.acceptor.take()
             && a.join().is_err()
         {
             tracing::error!("L3 accept thread panicked");
+            panicked.push("the accept thread".to_owned());
         }
         let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut conn_panics = 0;
         for (stream, handle) in conns {
             let _ = stream.shutdown(Shutdown::Both);
             if handle.join().is_err() {
                 tracing::error!("L3 connection thread panicked");
+                conn_panics += 1;
             }
+        }
+        if conn_panics > 0 {
+            panicked.push(format!("{conn_panics} connection thread(s)"));
+        }
+        match panicked.is_empty() {
+            true => Ok(()),
+            false => Err(format!("panicked: {}", panicked.join(", "))),
         }
     }
 }

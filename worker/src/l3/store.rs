@@ -286,10 +286,19 @@ pub struct Loadback {
 impl Loadback {
     /// Waits for loadback to finish (the store is then `CacheWarm`).
     pub fn join(self) {
-        // A panic in loadback would be a bug; the store stays `Warming` and serves misses.
+        let _ = self.join_checked();
+    }
+
+    /// [`Self::join`], telling whether the thread had panicked.
+    ///
+    /// # Errors
+    /// The loadback thread panicked (a bug; the store stayed `Warming` and served misses).
+    pub fn join_checked(self) -> Result<(), String> {
         if self.handle.join().is_err() {
             tracing::error!("L3 loadback thread panicked; store stays Warming");
+            return Err("the loadback thread panicked".into());
         }
+        Ok(())
     }
 }
 
@@ -391,6 +400,20 @@ impl L3Store {
     /// the next start loads the rest.
     pub fn stop_loadback(&self) {
         self.stopping.store(true, Ordering::Release);
+    }
+
+    /// Makes the directory entries of every acknowledged put durable: fsyncs `objects/` and
+    /// `manifests/` (teardown, DESIGN contract 9). With `fsync` on each put already did; with it
+    /// off (tests only) this is where renames become durable.
+    ///
+    /// # Errors
+    /// The I/O error of a directory's open or fsync, naming it.
+    pub fn sync(&self) -> io::Result<()> {
+        for dir in [&self.objects_dir, &self.manifests_dir] {
+            super::manifest::sync_dir(dir)
+                .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", dir.display())))?;
+        }
+        Ok(())
     }
 
     /// Whether loadback has finished.

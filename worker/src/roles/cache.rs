@@ -94,7 +94,7 @@ pub fn run(args: Args) -> Result<(), RoleError> {
     let (store, loadback) = L3Store::open(config)
         .map_err(|e| e.to_string())
         .map_err(failed("opening the L3 store"))?;
-    let mut server = L3Server::start(std::sync::Arc::clone(&store), listen)
+    let server = L3Server::start(std::sync::Arc::clone(&store), listen)
         .map_err(|e| e.to_string())
         .map_err(failed("binding the L3 service"))?;
     tracing::info!(addr = %server.local_addr(), "cache replica serving; loadback running");
@@ -109,13 +109,54 @@ pub fn run(args: Args) -> Result<(), RoleError> {
         }
     });
     let (state, task) = http;
-    state.begin_drain();
+    let report = teardown(&state, server, &store, loadback).run();
     task.abort();
-    server.stop();
-    store.stop_loadback();
-    loadback.join();
     tracing::info!(health = ?store.health(), "cache replica stopped");
+    super::print_teardown(&report);
     Ok(())
+}
+
+/// The replica's stop as the ordered teardown of DESIGN contract 9 (the plan the prefill and
+/// decode run): readiness 503 so the Service stops listing it (StopAdmission); loadback stops
+/// after the object it is verifying and its thread is joined (JoinThreads); the L3 service stops
+/// accepting and cuts its connections — a put cut mid-way leaves only `tmp/`, which the next
+/// start empties (DestroyTransports); the store's manifests directory is synced so every
+/// acknowledged put survives the stop (FreeMemory). Nothing on disk is removed: the next start
+/// loads it back. Printed as the `teardown {…}` line ([`super::print_teardown`]).
+fn teardown(
+    state: &std::sync::Arc<ServeState>,
+    mut server: L3Server,
+    store: &std::sync::Arc<L3Store>,
+    loadback: crate::l3::store::Loadback,
+) -> std::sync::Arc<crate::teardown::Teardown> {
+    use crate::teardown::{Teardown, TeardownPhase as Phase};
+    let plan = Teardown::new();
+    let st = state.clone();
+    plan.register(Phase::StopAdmission, "readiness 503", move || {
+        st.begin_drain();
+        Ok(())
+    });
+    let s = std::sync::Arc::clone(store);
+    plan.register(
+        Phase::JoinThreads,
+        "loadback stops after its current object",
+        move || {
+            s.stop_loadback();
+            loadback.join_checked()
+        },
+    );
+    plan.register(
+        Phase::DestroyTransports,
+        "the L3 service stops; connections close",
+        move || server.stop_checked(),
+    );
+    let s = std::sync::Arc::clone(store);
+    plan.register(
+        Phase::FreeMemory,
+        "acknowledged puts are durable (data directory synced)",
+        move || s.sync().map_err(|e| e.to_string()),
+    );
+    plan
 }
 
 /// The replica's health port: ready at once (warming is not unready; worker/interfaces/README.md
