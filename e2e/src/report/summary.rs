@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::events::{Event, RESTART};
 use super::percentile::{Percentiles, summarize};
+use super::routing::{PrefillBalance, decode_routing, prefill_balance};
 use super::workers::{Counters, Sample, incarnations, per_round_increase, totals};
 use crate::demo::teardown::TeardownReport;
 use crate::replay::{Outcome, RequestResult};
@@ -349,6 +350,12 @@ pub struct Summary {
     pub corrupt_chunks_in_responses: u64,
     /// `l3_pages_loaded_back` of the incarnations that started after the first restart event.
     pub l3_pages_loaded_back_after_restart: Option<u64>,
+    /// Rooms per prefill pod and their imbalance ([`PrefillBalance`]).
+    #[serde(default)]
+    pub prefill_balance: PrefillBalance,
+    /// Routing policies the decodes reported (`/report.routing`: `round-robin`, `affinity:SKEW`).
+    #[serde(default)]
+    pub decode_routing: Vec<String>,
     /// Prefill incarnations that served through the engine API.
     #[serde(default)]
     pub engine_workers: Vec<EngineWorker>,
@@ -581,6 +588,8 @@ pub fn summarize_run(input: ReportInput<'_>) -> Summary {
         corrupt_chunks_in_responses: corrupt_chunks,
         l3_pages_loaded_back_after_restart: loaded_after,
         engine_workers,
+        prefill_balance: prefill_balance(res),
+        decode_routing: decode_routing(input.samples),
         events: input.events.to_vec(),
         teardown: input.teardown,
         checks: Vec::new(),
@@ -758,6 +767,22 @@ impl fmt::Display for Summary {
                 "  before restart {}\n  after restart  {}",
                 ratio(b),
                 ratio(a)
+            )?;
+        }
+        let b = &self.prefill_balance;
+        if !b.rooms_per_pod.is_empty() || !self.decode_routing.is_empty() {
+            writeln!(
+                f,
+                "routing       decodes report {}; rooms per prefill pod {:?}; imbalance max/mean \
+                 {:.2} per 30 s window (worst {:.2})",
+                if self.decode_routing.is_empty() {
+                    "no policy".to_owned()
+                } else {
+                    self.decode_routing.join(", ")
+                },
+                b.rooms_per_pod,
+                b.imbalance,
+                b.imbalance_max
             )?;
         }
         writeln!(
