@@ -529,7 +529,7 @@ async fn routing_ab(base: DemoOptions) -> anyhow::Result<ExitCode> {
         match tandem_e2e::demo::run(&opts).await {
             Ok(s) => all_ok &= s.passed(),
             Err(e) => {
-                eprintln!("[routing-ab] {label}: {e:#}");
+                eprintln!("[routing-ab] {label}: {:#}", anyhow::Error::from(e));
                 all_ok = false;
             }
         }

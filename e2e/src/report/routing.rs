@@ -137,7 +137,8 @@ pub struct AbRow {
     pub l3: f64,
     /// All tiers.
     pub total: f64,
-    /// The workload's unbounded-cache ceiling.
+    /// The unbounded-cache ceiling of the requests the hit ratios count
+    /// ([`Summary::unbounded_hit_ratio_counted`]; the whole workload's when a report lacks it).
     pub ceiling: f64,
     /// TTFT p50 (ms).
     pub ttft_p50_ms: f64,
@@ -163,7 +164,9 @@ impl AbRow {
             l2: s.hit_ratio.l2,
             l3: s.hit_ratio.l3,
             total: s.hit_ratio.total,
-            ceiling: s.unbounded_hit_ratio,
+            ceiling: s
+                .unbounded_hit_ratio_counted
+                .unwrap_or(s.unbounded_hit_ratio),
             ttft_p50_ms: t.map_or(f64::NAN, |p| p.p50),
             ttft_p99_ms: t.map_or(f64::NAN, |p| p.p99),
             imbalance: s.prefill_balance.imbalance,
@@ -208,7 +211,7 @@ impl fmt::Display for RoutingAb {
         writeln!(
             f,
             "| policy | decode /report | completed | lost | L2 hit | L3 hit | total hit | ceiling \
-             | total / ceiling | TTFT p50 ms | TTFT p99 ms | prefill imbalance (max/mean) | checks |"
+             (same requests) | total / ceiling | TTFT p50 ms | TTFT p99 ms | prefill imbalance (max/mean) | checks |"
         )?;
         writeln!(f, "|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
         for r in &self.rows {
