@@ -15,6 +15,7 @@ use tandem_e2e::replay::targets::{
     TargetSet, decode_selector, discover_front_doors, spawn_discovery,
 };
 use tandem_e2e::replay::workload::select_workload;
+use tandem_e2e::report::routing::{AB_POLICIES, ROUTING_ENV, RoutingAb};
 use tandem_e2e::report::sampler::ReportSource;
 use tandem_e2e::report::session::{Session, replay_and_report, request_bar};
 use tandem_e2e::runner::image::ImageTable;
@@ -46,6 +47,8 @@ enum Command {
     /// Cluster up, helm install, sample stack, replay with scale-up and rolling restart, teardown
     /// order check, report, cluster down (exit 1 if any check fails).
     Demo(DemoArgs),
+    /// Prints (and rewrites) the routing A/B table of a `demo --routing-ab` output directory.
+    RoutingTable(RoutingTableArgs),
     /// The operator at scale on kwok nodes: N stacks per cluster, measured; then one pool scaled
     /// 1 → 64 groups and rolled (report: scale.json, scale.md, SVG plots; exit 1 if a check fails).
     Scale(ScaleArgs),
@@ -205,6 +208,19 @@ struct DemoArgs {
     /// Simulated engine container on the engine API.
     #[arg(long)]
     builtin_engine: bool,
+    /// Prefill routing A/B (issue 16 item 2): the whole demo twice, each on a fresh cluster and
+    /// stack, first with `TANDEM_DECODE_ROUTING=round-robin`, then `affinity`; reports in
+    /// `--out`/round-robin and `--out`/affinity, the side-by-side table on stdout and in
+    /// `--out`/routing-ab.md (and .json).
+    #[arg(long)]
+    routing_ab: bool,
+}
+
+#[derive(Args)]
+struct RoutingTableArgs {
+    /// The `--out` of a `demo --routing-ab` run (holding round-robin/ and affinity/).
+    #[arg(long, default_value = "tandem-demo-out")]
+    out: PathBuf,
 }
 
 #[derive(Subcommand)]
@@ -346,6 +362,17 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Runner(args) => runner(args).await,
         Command::Replay(args) => replay(args).await,
         Command::Demo(args) => demo(args).await,
+        Command::RoutingTable(args) => {
+            let ab = RoutingAb::load(&args.out, &format!("{}", args.out.display()));
+            ab.write(&args.out)
+                .with_context(|| format!("writing into {}", args.out.display()))?;
+            print!("{ab}");
+            Ok(if ab.missing.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
         Command::Scale(args) => scale(args).await,
     }
 }
@@ -460,11 +487,80 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
         wait_timeout: Duration::from_secs(args.wait_timeout_s),
         builtin_engine: args.builtin_engine,
     };
+    if args.routing_ab {
+        return routing_ab(opts).await;
+    }
     let summary = tandem_e2e::demo::run(&opts).await?;
     Ok(if summary.passed() {
         ExitCode::SUCCESS
     } else {
         eprintln!("[demo] FAILED: see the checks above");
+        ExitCode::FAILURE
+    })
+}
+
+/// `demo --routing-ab`: the demo once per policy of [`AB_POLICIES`], each with its own cluster
+/// state dir and report dir, then the table. A run that fails (a phase or a check) does not stop
+/// the other; the exit code is success only when both ran and passed.
+async fn routing_ab(base: DemoOptions) -> anyhow::Result<ExitCode> {
+    if let Some(kv) = base
+        .pod_env
+        .iter()
+        .find(|kv| kv.starts_with(&format!("{ROUTING_ENV}=")))
+    {
+        anyhow::bail!("--routing-ab sets {ROUTING_ENV} itself; drop --pod-env {kv}");
+    }
+    let state_base = tandem_e2e::demo::cluster_config(&base).state_dir;
+    let mut all_ok = true;
+    for (label, value) in AB_POLICIES {
+        let mut opts = base.clone();
+        opts.out = base.out.join(label);
+        opts.pod_env.push(format!("{ROUTING_ENV}={value}"));
+        opts.state_dir = Some(state_base.with_file_name(format!(
+            "{}-{label}",
+            state_base
+                .file_name()
+                .map_or_else(|| "cluster".into(), |n| n.to_string_lossy())
+        )));
+        eprintln!(
+            "[routing-ab] {label}: demo with {ROUTING_ENV}={value}, report in {}",
+            opts.out.display()
+        );
+        match tandem_e2e::demo::run(&opts).await {
+            Ok(s) => all_ok &= s.passed(),
+            Err(e) => {
+                eprintln!("[routing-ab] {label}: {:#}", anyhow::Error::from(e));
+                all_ok = false;
+            }
+        }
+    }
+    let setting = format!(
+        "{}, {} requests, time scale {}, samples {}, pod env {:?}",
+        base.trace.as_ref().map_or_else(
+            || "generated workload".to_owned(),
+            |t| t.display().to_string()
+        ),
+        base.requests
+            .map_or_else(|| "default".to_owned(), |n| n.to_string()),
+        base.time_scale,
+        base.samples.as_ref().map_or_else(
+            || "manifests/samples".to_owned(),
+            |d| d.display().to_string()
+        ),
+        tandem_e2e::demo::effective_pod_env(&base.pod_env),
+    );
+    let ab = RoutingAb::load(&base.out, &setting);
+    ab.write(&base.out)
+        .with_context(|| format!("writing into {}", base.out.display()))?;
+    println!("{ab}");
+    eprintln!(
+        "[routing-ab] table in {}",
+        base.out.join("routing-ab.md").display()
+    );
+    Ok(if all_ok && ab.missing.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("[routing-ab] a run failed or is missing: see its report");
         ExitCode::FAILURE
     })
 }

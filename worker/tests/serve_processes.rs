@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use serve_support::*;
-use tandem_worker::config::{TransportChoice, WorkerRole};
+use tandem_worker::config::{CONFIG_FILE, TransportChoice, WorkerRole};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_and_plain_completions_through_prefill_and_decode() {
@@ -395,6 +395,69 @@ async fn decode_refuses_a_prefill_of_another_revision() {
     )
     .await;
     assert_eq!(code, 200);
+}
+
+/// `TANDEM_DECODE_ROUTING` (issue 16 item 2): a decode reports the routing policy it was started
+/// with in `/report.routing` (affinity by default), and a bad value refuses the start, naming the
+/// variable and the values it takes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_reports_its_routing_policy_and_refuses_a_bad_one() {
+    let w = World::new(149);
+    w.publish(&[2]);
+    let _p = w.spawn(2, &config(WorkerRole::Prefill, "r1", w.ports), &[]);
+    let mut decodes = Vec::new();
+    for (host, value, want) in [
+        (
+            7,
+            None,
+            serde_json::json!({"policy": "affinity", "max_skew": 0}),
+        ),
+        (
+            8,
+            Some("round-robin"),
+            serde_json::json!({"policy": "round-robin"}),
+        ),
+        (
+            9,
+            Some("affinity:3"),
+            serde_json::json!({"policy": "affinity", "max_skew": 3}),
+        ),
+    ] {
+        let env: Vec<(&str, &str)> = value
+            .map(|v| vec![("TANDEM_DECODE_ROUTING", v)])
+            .unwrap_or_default();
+        decodes.push(w.spawn(host, &config(WorkerRole::Decode, "r1", w.ports), &env));
+        let (code, r) = get_json(w.addr(host, w.ports.health), "/report").await;
+        assert_eq!((code, &r["routing"]), (200, &want), "{value:?}: {r}");
+    }
+
+    // A bad value: the process exits non-zero before serving, and says why on stderr.
+    let root = w.root(10);
+    std::fs::create_dir_all(root.join("etc/tandem")).unwrap();
+    std::fs::write(
+        root.join("etc/tandem").join(CONFIG_FILE),
+        serde_json::to_vec(&config(WorkerRole::Decode, "r1", w.ports)).unwrap(),
+    )
+    .unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["decode", "--config", &format!("/etc/tandem/{CONFIG_FILE}")])
+        .env("TANDEM_ROOT", &root)
+        .env("TANDEM_HOSTS_FILE", w.hosts())
+        .env("POD_IP", w.ip(10))
+        .env("TANDEM_DECODE_ROUTING", "affinty")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(
+        stderr.contains("TANDEM_DECODE_ROUTING=\"affinty\"") && stderr.contains("round-robin"),
+        "{stderr}"
+    );
 }
 
 /// Two prefill peers, the first (picked first) slow; kills it while it computes a request sent

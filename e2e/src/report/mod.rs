@@ -8,11 +8,14 @@
 //! * [`events`]: scale/restart/pod events on the replay clock.
 //! * [`summary`]: the pure aggregation into [`summary::Summary`] (`results.json`).
 //! * [`plots`]: the PNGs.
+//! * [`routing`]: rooms per prefill pod, the decodes' routing policy, and the round-robin /
+//!   affinity A/B table (`tandem-e2e demo --routing-ab`).
 //! * [`session`]: one replay with sampling and the report (`tandem-e2e replay`).
 
 pub mod events;
 pub mod percentile;
 pub mod plots;
+pub mod routing;
 pub mod sampler;
 pub mod session;
 pub mod summary;

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::events::{Event, RESTART};
 use super::percentile::{Percentiles, summarize};
+use super::routing::{PrefillBalance, decode_routing, prefill_balance};
 use super::workers::{Counters, Sample, incarnations, per_round_increase, totals};
 use crate::demo::teardown::TeardownReport;
 use crate::replay::{Outcome, RequestResult};
@@ -320,6 +321,12 @@ pub struct Summary {
     pub output_tokens_per_s: f64,
     /// The workload's ceiling with an unbounded cache.
     pub unbounded_hit_ratio: f64,
+    /// The unbounded-cache ceiling of the requests [`Summary::hit_ratio`] counts (first-prefill
+    /// completions; their per-request ceilings over their prompt tokens); `None` when the per-request
+    /// ceilings are unknown. Which requests were retried differs between runs, so two runs'
+    /// `hit_ratio`s are each measured against this, not against the whole workload's.
+    #[serde(default)]
+    pub unbounded_hit_ratio_counted: Option<f64>,
     /// Measured prefix hit ratio, whole replay, first-attempt completions (see [`HitRatio`]).
     pub hit_ratio: HitRatio,
     /// Prefix hit ratio of the completed requests that were retried (by the client or by the decode
@@ -349,6 +356,12 @@ pub struct Summary {
     pub corrupt_chunks_in_responses: u64,
     /// `l3_pages_loaded_back` of the incarnations that started after the first restart event.
     pub l3_pages_loaded_back_after_restart: Option<u64>,
+    /// Rooms per prefill pod and their imbalance ([`PrefillBalance`]).
+    #[serde(default)]
+    pub prefill_balance: PrefillBalance,
+    /// Routing policies the decodes reported (`/report.routing`: `round-robin`, `affinity:SKEW`).
+    #[serde(default)]
+    pub decode_routing: Vec<String>,
     /// Prefill incarnations that served through the engine API.
     #[serde(default)]
     pub engine_workers: Vec<EngineWorker>,
@@ -417,6 +430,20 @@ fn hit_ratio_of<'a>(first: bool, results: impl IntoIterator<Item = &'a RequestRe
 /// Hit ratio of the requests among `results` served by their first prefill (see [`HitRatio`]).
 fn hit_ratio<'a>(results: impl IntoIterator<Item = &'a RequestResult>) -> HitRatio {
     hit_ratio_of(true, results)
+}
+
+/// The unbounded-cache ceiling of the first-prefill completions among `done` (see
+/// [`Summary::unbounded_hit_ratio_counted`]); `None` without per-request ceilings or requests.
+fn counted_ceiling(ceiling: &[u64], done: &[&RequestResult]) -> Option<f64> {
+    if ceiling.is_empty() {
+        return None;
+    }
+    let (mut hit, mut prompt) = (0u64, 0u64);
+    for r in done.iter().filter(|r| first_prefill(r)) {
+        hit += ceiling.get(r.index).copied().unwrap_or(0);
+        prompt += u64::from(r.input_tokens);
+    }
+    (prompt > 0).then(|| hit as f64 / prompt as f64)
 }
 
 /// Window length for the over-time series: about 40 windows, at least 1 s.
@@ -556,6 +583,7 @@ pub fn summarize_run(input: ReportInput<'_>) -> Summary {
         requests_per_s: done.len() as f64 / secs,
         output_tokens_per_s: out_tokens as f64 / secs,
         unbounded_hit_ratio: input.unbounded_hit_ratio,
+        unbounded_hit_ratio_counted: counted_ceiling(input.ceiling_hit_tokens, &done),
         hit_ratio: hit_ratio(done.iter().copied()),
         hit_ratio_retried: hit_ratio_of(false, done.iter().copied()),
         first_prefill_above_ceiling: done
@@ -581,6 +609,8 @@ pub fn summarize_run(input: ReportInput<'_>) -> Summary {
         corrupt_chunks_in_responses: corrupt_chunks,
         l3_pages_loaded_back_after_restart: loaded_after,
         engine_workers,
+        prefill_balance: prefill_balance(res),
+        decode_routing: decode_routing(input.samples),
         events: input.events.to_vec(),
         teardown: input.teardown,
         checks: Vec::new(),
@@ -731,9 +761,12 @@ impl fmt::Display for Summary {
         )?;
         writeln!(
             f,
-            "prefix hits   {} (first prefills); unbounded-cache ceiling {:.3}",
+            "prefix hits   {} (first prefills); unbounded-cache ceiling {:.3}{}",
             ratio(&self.hit_ratio),
-            self.unbounded_hit_ratio
+            self.unbounded_hit_ratio,
+            self.unbounded_hit_ratio_counted
+                .map(|c| format!(" ({c:.3} for the requests counted)"))
+                .unwrap_or_default()
         )?;
         if self.first_prefill_above_ceiling > 0 {
             writeln!(
@@ -758,6 +791,22 @@ impl fmt::Display for Summary {
                 "  before restart {}\n  after restart  {}",
                 ratio(b),
                 ratio(a)
+            )?;
+        }
+        let b = &self.prefill_balance;
+        if !b.rooms_per_pod.is_empty() || !self.decode_routing.is_empty() {
+            writeln!(
+                f,
+                "routing       decodes report {}; rooms per prefill pod {:?}; imbalance max/mean \
+                 {:.2} per 30 s window (worst {:.2})",
+                if self.decode_routing.is_empty() {
+                    "no policy".to_owned()
+                } else {
+                    self.decode_routing.join(", ")
+                },
+                b.rooms_per_pod,
+                b.imbalance,
+                b.imbalance_max
             )?;
         }
         writeln!(
@@ -992,6 +1041,9 @@ mod tests {
         assert!(text.contains("1 failed") && text.contains("before restart"));
         assert!(text.contains("retried (client or prefill)"), "{text}");
         assert_eq!(s.first_prefill_above_ceiling, 1);
+        // The ceiling of the requests counted: #0 and #2, (500 + 300) / 2000.
+        assert_eq!(s.unbounded_hit_ratio_counted, Some(0.4));
+        assert!(text.contains("(0.400 for the requests counted)"), "{text}");
         assert!(text.contains("1 first-prefill requests hit more"), "{text}");
     }
 

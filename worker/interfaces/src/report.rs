@@ -175,7 +175,7 @@ pub enum ReportPhase {
 }
 
 /// A worker's `/report` body (worker/interfaces/README.md §4). Readers ignore fields they do not
-/// know: a role adds its own (decode: `peers`, `refused_peers`, `kv_pages`, `spec_guard`), and
+/// know: a role adds its own (decode: `routing`, `peers`, `refused_peers`, `kv_pages`, `spec_guard`), and
 /// every field has a default so an older or partial document still parses.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -211,6 +211,10 @@ pub struct WorkerReport {
     /// simulated engine's `engine_summary`; README §4), kept as sent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub engine: Option<serde_json::Value>,
+    /// Decode workers: the routing policy over prefill peers in use (`{"policy": "round-robin"}`
+    /// or `{"policy": "affinity", "max_skew": N}`; `TANDEM_DECODE_ROUTING`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routing: Option<serde_json::Value>,
 }
 
 #[cfg(test)]

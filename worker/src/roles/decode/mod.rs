@@ -4,7 +4,7 @@
 //! door; the per-request path (peers, rooms, the KV deadline, retries, simulated decoding and the
 //! speculative-decoding guard of contract 8) is [`engine`].
 //!
-//! `/report` adds `peers`, `refused_peers`, `kv_pages` `{free, held, quarantined}` (pages of the
+//! `/report` adds `routing` (the policy in use, [`DecodeOptions::routing`]), `peers`, `refused_peers`, `kv_pages` `{free, held, quarantined}` (pages of the
 //! receive region) and `spec_guard` `{enabled, anomalies_by_reason}` to worker/interfaces/README.md §4.
 //!
 //! Readiness: ready only while at least one same-revision prefill peer is connected; `/report`
@@ -84,6 +84,9 @@ pub fn run(args: Args) -> Result<(), RoleError> {
         if let Ok(v) = std::env::var("TANDEM_DECODE_GATE_PROOF") {
             opts.gate_proof = GateProof::parse(&v).map_err(RoleError::Failed)?;
         }
+        if let Ok(v) = std::env::var(routing::ROUTING_ENV) {
+            opts.routing = routing::Routing::parse(&v).map_err(RoleError::Failed)?;
+        }
         let server = match DecodeServer::start(&cfg, knobs, opts).await {
             Ok(s) => s,
             // Fail closed, visibly: not Ready, the typed refusal in /readyz, /report, /metrics.
@@ -137,6 +140,11 @@ pub struct DecodeOptions {
     /// `on` (default) or `off`. On, a turn that names `session_kv_hashes` is pushed to the prefill
     /// of its next turn ([`snapshot_push`]).
     pub snapshot_sync: bool,
+    /// How rooms are spread over the prefill peers (issue 16 item 2): `TANDEM_DECODE_ROUTING`
+    /// `affinity` (default: prefix affinity within [`routing::DEFAULT_MAX_SKEW`] rooms of the
+    /// least-loaded peer), `affinity:SKEW` or `round-robin`; read by [`run`], which refuses a bad
+    /// value. `/report` shows it as `routing`.
+    pub routing: routing::Routing,
 }
 
 /// The release gate's proof rule for an aborted room's pages (DESIGN contract 3, seed 004).
@@ -209,8 +217,8 @@ impl DecodeOptions {
     /// `TANDEM_DECODE_RETRY_BUDGET` (default 2), `TANDEM_DECODE_KV_DEADLINE_MS` (default
     /// 30000) and `TANDEM_DECODE_KV_DEADLINE_US_PER_TOKEN` (default 0); the rest as documented on
     /// the fields. [`run`] then takes the KV deadline from the config where the environment does
-    /// not set it ([`kv_deadline_of`]). `TANDEM_DECODE_GATE_PROOF` (`fence` | `ack-only`) is read by [`run`], which
-    /// refuses a bad value.
+    /// not set it ([`kv_deadline_of`]). `TANDEM_DECODE_GATE_PROOF` (`fence` | `ack-only`) and
+    /// `TANDEM_DECODE_ROUTING` are read by [`run`], which refuses a bad value.
     pub fn from_env() -> Self {
         let num = |k: &str| {
             std::env::var(k)
@@ -240,6 +248,7 @@ impl DecodeOptions {
             ),
             snapshot_sync: std::env::var("TANDEM_DECODE_SNAPSHOT_SYNC")
                 .map_or(true, |v| v.trim() != "off"),
+            routing: routing::Routing::default(),
         }
     }
 }
@@ -377,7 +386,10 @@ impl DecodeServer {
             },
             Resolver::from_env(),
             state.counters.clone(),
+            opts.routing,
         );
+        state.set_section("routing", opts.routing.report());
+        tracing::info!(routing = %opts.routing, "prefill peers chosen by this routing policy");
         let spec_guard = match (&cfg.speculative, &cfg.spec_guard) {
             (Some(_), Some(g)) => Some(g.clone()),
             (None, Some(_)) => {

@@ -77,12 +77,13 @@ impl Drop for RoutedLink {
 }
 
 impl PeerSet {
-    /// An empty set; call [`PeerSet::refresh`] (or [`PeerSet::spawn_refresh`]) to fill it.
+    /// An empty set routing by `routing`; call [`PeerSet::refresh`] (or [`PeerSet::spawn_refresh`]) to fill it.
     pub fn new(
         node: Arc<DecodeNode>,
         target: PeerTarget,
         resolver: Resolver,
         counters: Counters,
+        routing: Routing,
     ) -> Arc<Self> {
         Arc::new(Self {
             node,
@@ -93,7 +94,7 @@ impl PeerSet {
             refused: Mutex::new(BTreeMap::new()),
             last_error: Mutex::new(None),
             next: AtomicUsize::new(0),
-            routing: Routing::default(),
+            routing,
             affinity: Mutex::new(AffinityTable::new(routing::DEFAULT_BLOCKS_PER_PEER)),
             in_flight: Arc::new(Mutex::new(BTreeMap::new())),
         })
@@ -183,6 +184,11 @@ impl PeerSet {
                 }
             }
         })
+    }
+
+    /// The routing policy in use.
+    pub fn routing(&self) -> Routing {
+        self.routing
     }
 
     /// Live links now.

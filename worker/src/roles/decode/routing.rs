@@ -61,6 +61,65 @@ impl Default for Routing {
     }
 }
 
+/// The decode's knob for [`Routing`] (read at start; a bad value refuses to start).
+pub const ROUTING_ENV: &str = "TANDEM_DECODE_ROUTING";
+
+impl Routing {
+    /// Parses the value of [`ROUTING_ENV`]: `round-robin`, `affinity` (skew
+    /// [`DEFAULT_MAX_SKEW`]) or `affinity:SKEW` (rooms in flight above the least-loaded peer's that
+    /// affinity may accept, a non-negative integer).
+    ///
+    /// # Errors
+    /// The value and what is expected, in one line.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let bad = |why: &str| {
+            format!(
+                "{ROUTING_ENV}={s:?}: {why}; expected \"round-robin\", \"affinity\" or \
+                 \"affinity:SKEW\" (SKEW a non-negative integer)"
+            )
+        };
+        match s.trim() {
+            "round-robin" => Ok(Self::RoundRobin),
+            "affinity" => Ok(Self::default()),
+            other => match other.strip_prefix("affinity:") {
+                Some(skew) => skew
+                    .trim()
+                    .parse::<u32>()
+                    .map(|max_skew| Self::PrefixAffinity { max_skew })
+                    .map_err(|e| bad(&format!("bad skew: {e}"))),
+                None => Err(bad("unknown policy")),
+            },
+        }
+    }
+
+    /// The policy's name as [`Routing::parse`] reads it (`round-robin`, `affinity`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::RoundRobin => "round-robin",
+            Self::PrefixAffinity { .. } => "affinity",
+        }
+    }
+
+    /// The policy as `/report` shows it: `{"policy": NAME}`, plus `max_skew` for affinity.
+    pub fn report(self) -> serde_json::Value {
+        match self {
+            Self::RoundRobin => serde_json::json!({"policy": self.name()}),
+            Self::PrefixAffinity { max_skew } => {
+                serde_json::json!({"policy": self.name(), "max_skew": max_skew})
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Routing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::RoundRobin => f.write_str("round-robin"),
+            Self::PrefixAffinity { max_skew } => write!(f, "affinity:{max_skew}"),
+        }
+    }
+}
+
 /// One live peer as the chooser sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Candidate<'a> {
@@ -192,6 +251,43 @@ mod tests {
     }
 
     const AFFINITY: Routing = Routing::PrefixAffinity { max_skew: 2 };
+
+    #[test]
+    fn the_knob_parses_both_policies_and_refuses_the_rest() {
+        assert_eq!(Routing::parse("round-robin"), Ok(Routing::RoundRobin));
+        assert_eq!(Routing::parse(" affinity "), Ok(Routing::default()));
+        assert_eq!(
+            Routing::parse("affinity:3"),
+            Ok(Routing::PrefixAffinity { max_skew: 3 })
+        );
+        for r in [Routing::RoundRobin, Routing::PrefixAffinity { max_skew: 4 }] {
+            assert_eq!(Routing::parse(&r.to_string()), Ok(r), "round trip of {r}");
+        }
+        for bad in [
+            "",
+            "rr",
+            "Affinity",
+            "affinity:",
+            "affinity:-1",
+            "affinity:x",
+            "round-robin:1",
+        ] {
+            let e = Routing::parse(bad).unwrap_err();
+            assert!(e.starts_with("TANDEM_DECODE_ROUTING="), "{e}");
+            assert!(
+                e.contains("round-robin") && e.contains("affinity:SKEW"),
+                "{e}"
+            );
+        }
+        assert_eq!(
+            Routing::RoundRobin.report(),
+            serde_json::json!({"policy": "round-robin"})
+        );
+        assert_eq!(
+            Routing::PrefixAffinity { max_skew: 1 }.report(),
+            serde_json::json!({"policy": "affinity", "max_skew": 1})
+        );
+    }
 
     #[test]
     fn a_session_returns_to_the_peer_that_holds_its_prefix() {
