@@ -93,32 +93,16 @@ mod tests {
         ));
     }
 
-    /// `kvDeadline` (seed 004's prefill queueing deadline): bounded, decode only; the decode role
-    /// takes it unless the environment overrides a half.
+    /// `kvDeadline` (seed 004's prefill queueing deadline): bounded and decode only (the decode
+    /// role's reading of it is tested beside `roles::decode::kv_deadline_of`).
     #[test]
-    fn the_kv_deadline_is_checked_and_read_by_the_decode() {
-        use crate::roles::decode::{DEFAULT_KV_DEADLINE, kv_deadline_of};
-        use std::time::Duration;
+    fn the_kv_deadline_is_bounded_and_decode_only() {
         let mut c = WorkerConfig::load(&sample("decode-worker.json")).unwrap();
-        assert_eq!(
-            kv_deadline_of(&c, |_| None),
-            (DEFAULT_KV_DEADLINE, Duration::ZERO)
-        );
         c.kv_deadline = Some(KvDeadline {
             milliseconds: 3_000,
             per_token_microseconds: 50,
         });
         c.check().unwrap();
-        assert_eq!(
-            kv_deadline_of(&c, |_| None),
-            (Duration::from_millis(3_000), Duration::from_micros(50))
-        );
-        let env = |k: &str| (k == "TANDEM_DECODE_KV_DEADLINE_MS").then(|| "250".to_owned());
-        assert_eq!(
-            kv_deadline_of(&c, env),
-            (Duration::from_millis(250), Duration::from_micros(50)),
-            "the environment overrides its half only"
-        );
         for bad in [
             KvDeadline {
                 milliseconds: 99,

@@ -678,3 +678,34 @@ impl DecodeServer {
         report
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::KvDeadline;
+
+    /// The config's `kvDeadline` is the room deadline unless the environment overrides a half.
+    #[test]
+    fn the_kv_deadline_comes_from_the_config_unless_the_environment_overrides_it() {
+        let text = include_str!("../../../interfaces/samples/decode-worker.json");
+        let mut c: WorkerConfig = serde_json::from_str(text).unwrap();
+        assert_eq!(
+            kv_deadline_of(&c, |_| None),
+            (DEFAULT_KV_DEADLINE, Duration::ZERO)
+        );
+        c.kv_deadline = Some(KvDeadline {
+            milliseconds: 3_000,
+            per_token_microseconds: 50,
+        });
+        assert_eq!(
+            kv_deadline_of(&c, |_| None),
+            (Duration::from_millis(3_000), Duration::from_micros(50))
+        );
+        let env = |k: &str| (k == "TANDEM_DECODE_KV_DEADLINE_MS").then(|| "250".to_owned());
+        assert_eq!(
+            kv_deadline_of(&c, env),
+            (Duration::from_millis(250), Duration::from_micros(50)),
+            "the environment overrides its half only"
+        );
+    }
+}
