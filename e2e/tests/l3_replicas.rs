@@ -48,7 +48,10 @@ use k8s_openapi::api::core::v1::{PersistentVolume, Pod};
 use kube::Api;
 use rustix::process::Signal;
 use serde_json::Value;
-use support::{Harness, HarnessConfig, install, poll, run_suite, wait_condition};
+use support::{
+    Harness, HarnessConfig, install, pod_ip, pod_name, pod_uid, poll, report_client, run_suite,
+    wait_condition,
+};
 use tandem_crds::labels::{POOL, ROLE, ROLE_CACHE, ROLE_DECODE, ROLE_PREFILL};
 use tandem_crds::ports::{FRONT_DOOR_PORT, HEALTH_PORT, L3_PORT};
 use tandem_e2e::replay::driver::{ReplayConfig, RequestResult, replay};
@@ -119,7 +122,7 @@ async fn scenario(h: &Harness) -> Result<(), String> {
         at(t0),
         stores
             .iter()
-            .map(|p| format!("{} {}", name(p), ip(p).unwrap_or_default()))
+            .map(|p| format!("{} {}", pod_name(p), pod_ip(p).unwrap_or_default()))
             .collect::<Vec<_>>()
             .join(", ")
     );
@@ -334,10 +337,7 @@ impl<'a> Stack<'a> {
     fn new(h: &'a Harness) -> Self {
         Self {
             h,
-            http: reqwest::Client::builder()
-                .timeout(Duration::from_secs(3))
-                .build()
-                .unwrap_or_default(),
+            http: report_client(),
         }
     }
 
@@ -349,7 +349,7 @@ impl<'a> Stack<'a> {
             .into_iter()
             .filter(|p| p.metadata.deletion_timestamp.is_none())
             .collect();
-        pods.sort_by_key(name);
+        pods.sort_by_key(pod_name);
         Ok(pods)
     }
 
@@ -376,12 +376,12 @@ impl<'a> Stack<'a> {
         self.stores()
             .await?
             .into_iter()
-            .find(|p| name(p) == pod)
+            .find(|p| pod_name(p) == pod)
             .ok_or_else(|| format!("no live pod {pod}"))
     }
 
     async fn report_of(&self, pod: &Pod) -> Result<Value, String> {
-        let url = format!("http://{}:{HEALTH_PORT}/report", ip(pod)?);
+        let url = format!("http://{}:{HEALTH_PORT}/report", pod_ip(pod)?);
         let r = self
             .http
             .get(&url)
@@ -425,21 +425,6 @@ impl<'a> Stack<'a> {
 /// publishes ready replicas only), as the operator writes it into the workers' config.
 fn store_service() -> String {
     format!("{TIER}-store.{NS}.svc")
-}
-
-fn ip(p: &Pod) -> Result<String, String> {
-    p.status
-        .as_ref()
-        .and_then(|s| s.pod_ip.clone())
-        .ok_or_else(|| format!("{}: no pod IP", name(p)))
-}
-
-fn name(p: &Pod) -> String {
-    p.metadata.name.clone().unwrap_or_default()
-}
-
-fn uid(p: &Pod) -> String {
-    p.metadata.uid.clone().unwrap_or_default()
 }
 
 /// Restarts of every container of `p` (init and native sidecars included).
@@ -502,7 +487,7 @@ async fn ramped_write_share(h: &Harness, s: &Stack<'_>, t0: Instant) -> Result<(
     // taking writes, and the whole hot set written (so the replica restarted below loses pages
     // that are looked up again); the prefill runs with the suite's ramp.
     let stores = s.stores().await?;
-    let ips: Vec<String> = stores.iter().map(ip).collect::<Result<_, _>>()?;
+    let ips: Vec<String> = stores.iter().map(pod_ip).collect::<Result<_, _>>()?;
     let settled = poll(Duration::from_secs(3 * RAMP_S + 30), || async {
         let r = s.prefill_report().await.ok()?;
         let all = ips.iter().all(|i| {
@@ -541,11 +526,11 @@ async fn ramped_write_share(h: &Harness, s: &Stack<'_>, t0: Instant) -> Result<(
 
     // Restart replica 0 empty: frozen, its volume emptied, killed; the runner restarts it.
     let victim = stores[0].clone();
-    let (vname, vip) = (name(&victim), ip(&victim)?);
+    let (vname, vip) = (pod_name(&victim), pod_ip(&victim)?);
     let dir = volume_of(h, &vname).await?;
     let before = s.report_of(&victim).await?;
     let runner = h.cluster.config.runner_dir();
-    let frozen = container_process(&runner, &uid(&victim), "store")
+    let frozen = container_process(&runner, &pod_uid(&victim), "store")
         .ok_or_else(|| format!("{vname}: no running store process"))?;
     frozen.signal(Signal::STOP, true);
     let mut wiped = 0;
@@ -559,7 +544,7 @@ async fn ramped_write_share(h: &Harness, s: &Stack<'_>, t0: Instant) -> Result<(
         .map_err(|e| format!("{}: {e}", p.display()))?;
         wiped += 1;
     }
-    let killed = kill_container(&runner, &uid(&victim), "store").map_err(|e| e.to_string())?;
+    let killed = kill_container(&runner, &pod_uid(&victim), "store").map_err(|e| e.to_string())?;
     let t_kill = Instant::now();
     let back = poll(Duration::from_secs(60), || async {
         let pod = s.store(&vname).await.ok()?;
@@ -570,7 +555,9 @@ async fn ramped_write_share(h: &Harness, s: &Stack<'_>, t0: Instant) -> Result<(
     .await
     .ok_or_else(|| format!("{vname} did not come back warm and empty within 60 s"))?;
     let t_back = Instant::now();
-    if uid(&s.store(&vname).await?) != uid(&victim) || ip(&s.store(&vname).await?)? != vip {
+    if pod_uid(&s.store(&vname).await?) != pod_uid(&victim)
+        || pod_ip(&s.store(&vname).await?)? != vip
+    {
         return Err(format!(
             "{vname} was restarted in a new pod or on a new address"
         ));
@@ -697,7 +684,7 @@ async fn new_address(h: &Harness, s: &Stack<'_>, t0: Instant) -> Result<(), Stri
     let reattaches = p_report["l3"]["reattach"]["count"].as_u64().unwrap_or(0);
     let stores = s.stores().await?;
     let mover = stores[1].clone();
-    let (mname, old_ip) = (name(&mover), ip(&mover)?);
+    let (mname, old_ip) = (pod_name(&mover), pod_ip(&mover)?);
     let listed_before = s.store_addresses();
     h.kubectl(&["delete", "pod", &mname, "--wait=false"])?;
     let t_delete = Instant::now();
@@ -717,11 +704,11 @@ async fn new_address(h: &Harness, s: &Stack<'_>, t0: Instant) -> Result<(), Stri
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let moved = s.store(&mname).await?;
-    if ip(&moved)? != new_ip || uid(&moved) == uid(&mover) || new_ip == old_ip {
+    if pod_ip(&moved)? != new_ip || pod_uid(&moved) == pod_uid(&mover) || new_ip == old_ip {
         return Err(format!(
             "the new address {new_ip} is not {mname}'s new pod ({} {})",
-            uid(&moved),
-            ip(&moved).unwrap_or_default()
+            pod_uid(&moved),
+            pod_ip(&moved).unwrap_or_default()
         ));
     }
     // The prefill's reattachment to it.
@@ -746,8 +733,8 @@ async fn new_address(h: &Harness, s: &Stack<'_>, t0: Instant) -> Result<(), Stri
     // Same prefill and decode pods, no container restarted, the same prefill process.
     let prefill_now = s.worker(ROLE_PREFILL).await?;
     let decode_now = s.worker(ROLE_DECODE).await?;
-    let same = uid(&prefill_now) == uid(&prefill)
-        && uid(&decode_now) == uid(&decode)
+    let same = pod_uid(&prefill_now) == pod_uid(&prefill)
+        && pod_uid(&decode_now) == pod_uid(&decode)
         && restarts(&prefill_now) == restarts(&prefill)
         && restarts(&decode_now) == restarts(&decode)
         && report["incarnation"] == incarnation;
@@ -785,13 +772,13 @@ async fn new_address(h: &Harness, s: &Stack<'_>, t0: Instant) -> Result<(), Stri
         return Err(format!(
             "following the moved replica restarted something: prefill {} → {} (restarts {} → \
              {}, incarnation {incarnation} → {}), decode {} → {} (restarts {} → {})",
-            uid(&prefill),
-            uid(&prefill_now),
+            pod_uid(&prefill),
+            pod_uid(&prefill_now),
             restarts(&prefill),
             restarts(&prefill_now),
             report["incarnation"],
-            uid(&decode),
-            uid(&decode_now),
+            pod_uid(&decode),
+            pod_uid(&decode_now),
             restarts(&decode),
             restarts(&decode_now)
         ));

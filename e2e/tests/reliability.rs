@@ -49,7 +49,10 @@ use k8s_openapi::api::core::v1::{PersistentVolume, Pod};
 use kube::Api;
 use kube::runtime::watcher;
 use serde_json::{Value, json};
-use support::{Harness, HarnessConfig, install, poll, ready, run_suite, wait_condition};
+use support::{
+    Harness, HarnessConfig, install, pod_ip, pod_name, pod_uid, poll, ready, report_client,
+    run_suite, wait_condition,
+};
 use tandem_crds::labels::{POOL, ROLE, ROLE_CACHE, ROLE_DECODE, ROLE_PREFILL};
 use tandem_crds::ports::{CONTROL_PORT, FRONT_DOOR_PORT, HEALTH_PORT};
 use tandem_e2e::replay::driver::{ReplayConfig, ReplayProgress, RequestResult, replay};
@@ -295,10 +298,7 @@ impl<'a> Stack<'a> {
     fn new(h: &'a Harness) -> Self {
         Self {
             h,
-            http: reqwest::Client::builder()
-                .timeout(Duration::from_secs(3))
-                .build()
-                .unwrap_or_default(),
+            http: report_client(),
         }
     }
 
@@ -337,7 +337,7 @@ impl<'a> Stack<'a> {
     async fn front(&self) -> Result<String, String> {
         Ok(format!(
             "http://{}:{FRONT_DOOR_PORT}",
-            ip(&self.pod(ROLE_DECODE).await?)?
+            pod_ip(&self.pod(ROLE_DECODE).await?)?
         ))
     }
 
@@ -402,23 +402,8 @@ fn replay_config() -> ReplayConfig {
     }
 }
 
-fn ip(p: &Pod) -> Result<String, String> {
-    p.status
-        .as_ref()
-        .and_then(|s| s.pod_ip.clone())
-        .ok_or_else(|| format!("{}: no pod IP", name(p)))
-}
-
-fn name(p: &Pod) -> String {
-    p.metadata.name.clone().unwrap_or_default()
-}
-
-fn uid(p: &Pod) -> String {
-    p.metadata.uid.clone().unwrap_or_default()
-}
-
 fn report_url(p: &Pod) -> Result<String, String> {
-    Ok(format!("http://{}:{HEALTH_PORT}/report", ip(p)?))
+    Ok(format!("http://{}:{HEALTH_PORT}/report", pod_ip(p)?))
 }
 
 /// Restarts of container `c` of `p`.
@@ -622,10 +607,10 @@ async fn volume_full(h: &Harness, s: &Stack<'_>, t0: Instant) -> Result<PathBuf,
         "jsonpath={.status.conditions[?(@.type==\"Degraded\")].reason}|{.status.conditions[?(@.type==\"Degraded\")].message}",
     ])?;
     let (reason, message) = reason.split_once('|').unwrap_or((&reason, ""));
-    if reason != "StoreVolumeFull" || !message.contains(&name(&cache)) {
+    if reason != "StoreVolumeFull" || !message.contains(&pod_name(&cache)) {
         return Err(format!(
             "CacheTier Degraded must say StoreVolumeFull naming {}: {reason} {message}",
-            name(&cache)
+            pod_name(&cache)
         ));
     }
     let events = h.kubectl(&[
@@ -640,7 +625,7 @@ async fn volume_full(h: &Harness, s: &Stack<'_>, t0: Instant) -> Result<PathBuf,
         return Err("no StoreVolumeFull event on the CacheTier".into());
     }
     let now = s.pod(ROLE_CACHE).await?;
-    if restarts(&now, "store") != restarts(&cache, "store") || uid(&now) != uid(&cache) {
+    if restarts(&now, "store") != restarts(&cache, "store") || pod_uid(&now) != pod_uid(&cache) {
         return Err("the store replica restarted while its volume was full".into());
     }
     println!(
@@ -717,7 +702,7 @@ async fn prefill_restart(
     let h = s.h;
     let prefill = s.pod(ROLE_PREFILL).await?;
     let decode = s.pod(ROLE_DECODE).await?;
-    let peer = format!("{}:{CONTROL_PORT}", ip(&prefill)?);
+    let peer = format!("{}:{CONTROL_PORT}", pod_ip(&prefill)?);
     let old = s.report_of(&prefill).await?["incarnation"]
         .as_u64()
         .filter(|n| *n != 0)
@@ -730,10 +715,10 @@ async fn prefill_restart(
         ));
     }
     let recorder = Recorder::start(s.http.clone(), report_url(&decode)?);
-    let pod_ready = ReadyWatch::start(h, &name(&decode));
+    let pod_ready = ReadyWatch::start(h, &pod_name(&decode));
     let (mut progress, task) = s.traffic_in_background(workload(3, 40)).await?;
     let in_flight = s.in_flight(&mut progress, 3).await?;
-    let killed = kill_container(&h.cluster.config.runner_dir(), &uid(&prefill), "worker")
+    let killed = kill_container(&h.cluster.config.runner_dir(), &pod_uid(&prefill), "worker")
         .map_err(|e| e.to_string())?;
     let t_kill = Instant::now();
     // The runner restarts it: a new incarnation on the same IP answers.
@@ -779,7 +764,7 @@ async fn prefill_restart(
         ));
     }
     let now = s.pod(ROLE_PREFILL).await?;
-    if uid(&now) != uid(&prefill) || ip(&now)? != ip(&prefill)? {
+    if pod_uid(&now) != pod_uid(&prefill) || pod_ip(&now)? != pod_ip(&prefill)? {
         return Err("the prefill was not restarted in place (pod or IP changed)".into());
     }
     let d = s.report_of(&decode).await?;
@@ -876,10 +861,10 @@ async fn decode_restart(s: &Stack<'_>, t0: Instant) -> Result<(), String> {
     let aborted_before = s.report_of(&prefill).await?["counters"]["rooms_aborted"]
         .as_u64()
         .unwrap_or(0);
-    let pod_ready = ReadyWatch::start(h, &name(&decode));
+    let pod_ready = ReadyWatch::start(h, &pod_name(&decode));
     let (mut progress, task) = s.traffic_in_background(workload(4, 40)).await?;
     let in_flight = s.in_flight(&mut progress, 3).await?;
-    let killed = kill_container(&h.cluster.config.runner_dir(), &uid(&decode), "worker")
+    let killed = kill_container(&h.cluster.config.runner_dir(), &pod_uid(&decode), "worker")
         .map_err(|e| e.to_string())?;
     let t_kill = Instant::now();
     let new = poll(Duration::from_secs(60), || async {
@@ -903,7 +888,7 @@ async fn decode_restart(s: &Stack<'_>, t0: Instant) -> Result<(), String> {
     }
     let pod = pod_follows(pod_ready, t_kill, t_ready).await?;
     let now = s.pod(ROLE_DECODE).await?;
-    if uid(&now) != uid(&decode) || ip(&now)? != ip(&decode)? {
+    if pod_uid(&now) != pod_uid(&decode) || pod_ip(&now)? != pod_ip(&decode)? {
         return Err("the decode was not restarted in place (pod or IP changed)".into());
     }
     let d = s.report_of(&now).await?;
@@ -949,7 +934,7 @@ async fn store_restart_and_recovery(
     let cache = s.pod(ROLE_CACHE).await?;
     let before = s.report_of(&cache).await?;
     let objects = before["objects"].as_u64().unwrap_or(0);
-    let killed = kill_container(&h.cluster.config.runner_dir(), &uid(&cache), "store")
+    let killed = kill_container(&h.cluster.config.runner_dir(), &pod_uid(&cache), "store")
         .map_err(|e| e.to_string())?;
     let t_kill = Instant::now();
     let after = poll(Duration::from_secs(60), || async {
@@ -989,7 +974,7 @@ async fn store_restart_and_recovery(
     // degrades with "resolves to no replica" and keeps their pages in L2 only), so nothing would
     // be put and nothing refused.
     let hosts = h.cluster.config.runner_dir().join("hosts");
-    let store_ip = ip(&cache)?;
+    let store_ip = pod_ip(&cache)?;
     poll(Duration::from_secs(60), || async {
         let pod = s.pod(ROLE_CACHE).await.ok()?;
         let text = std::fs::read_to_string(&hosts).ok()?;

@@ -379,3 +379,29 @@ pub fn ready(p: &Pod) -> bool {
         .and_then(|s| s.conditions.as_ref())
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
+
+/// The pod's name ("" when unset).
+pub fn pod_name(p: &Pod) -> String {
+    p.metadata.name.clone().unwrap_or_default()
+}
+
+/// The pod's UID ("" when unset): tells a recreated pod of the same name apart.
+pub fn pod_uid(p: &Pod) -> String {
+    p.metadata.uid.clone().unwrap_or_default()
+}
+
+/// The pod's IP, or an error naming the pod when it has none yet.
+pub fn pod_ip(p: &Pod) -> Result<String, String> {
+    p.status
+        .as_ref()
+        .and_then(|s| s.pod_ip.clone())
+        .ok_or_else(|| format!("{}: no pod IP", pod_name(p)))
+}
+
+/// An HTTP client for the workers' health ports (`/report`, `/readyz`): every call bounded by 3 s.
+pub fn report_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(3))
+        .build()
+        .unwrap_or_default()
+}
