@@ -607,8 +607,8 @@ async fn sigterm_turns_readiness_off_finishes_in_flight_work_and_exits_zero() {
 }
 
 /// The Standalone sidecar: `store-client --config` owns its socket on the pod's shared `/dev/shm`
-/// (under `$TANDEM_ROOT`), serves health on `ports.health + 1`, and exits 0 on SIGTERM leaving no
-/// socket behind.
+/// (under `$TANDEM_ROOT`), serves health on `ports.health + 1`, and exits 0 on SIGTERM through its
+/// ordered teardown, leaving no socket behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_client_sidecar_serves_from_the_worker_config() {
     use tandem_worker::memory::AllocatorDomain;
@@ -647,4 +647,15 @@ async fn store_client_sidecar_serves_from_the_worker_config() {
         .expect("store client exits");
     assert!(st.success(), "{st:?}");
     assert!(!socket.exists(), "socket removed at shutdown");
+    // The sidecar stops through the ordered teardown (DESIGN contract 9), every step clean.
+    w.assert_clean_teardown(
+        2,
+        &[
+            "StopAdmission",
+            "JoinThreads",
+            "Deregister",
+            "DestroyTransports",
+            "FreeMemory",
+        ],
+    );
 }

@@ -1,7 +1,9 @@
 //! The `store-client` role: a standalone store client that creates and owns the shared-memory
 //! segments of its workers (DESIGN §2 `clientMode: Standalone`; server in
-//! [`crate::store_client::server`]). SIGTERM or SIGINT stops it and destroys every segment, so
-//! nothing of ours is left in /dev/shm (DESIGN contract 9).
+//! [`crate::store_client::server`]). SIGTERM or SIGINT runs its ordered teardown (DESIGN
+//! contract 9; `teardown` below): connections joined, registrations dropped, socket removed, every
+//! segment destroyed, so nothing of ours is left in /dev/shm; the report is printed as the last
+//! stdout line `teardown {…}` like the serving roles'.
 //!
 //! Its health port (`ports.health + 1`) says what it holds: `/report` adds `store_client`
 //! ([`ServerStats`]: `connections_open`, `segments`, `segment_bytes`, `registrations`,
@@ -79,7 +81,9 @@ pub fn run(args: Args) -> Result<(), RoleError> {
     };
     let server = StoreClientServer::bind(config).map_err(|e| RoleError::Failed(e.to_string()))?;
     let stop = server.stop_flag();
-    let runtime = tokio::runtime::Builder::new_current_thread()
+    // One runtime thread keeps the health port served while the teardown runs on this thread.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
         .enable_all()
         .build()
         .map_err(|e| RoleError::Failed(format!("tokio runtime: {e}")))?;
@@ -114,26 +118,100 @@ pub fn run(args: Args) -> Result<(), RoleError> {
         .map_err(|e| RoleError::Failed(format!("binding the health port: {e}")))?;
     tracing::info!(%local, "store client health serving");
     state.set_ready(Ok(()));
+    let handle = runtime.handle().clone();
     let waiter = std::thread::spawn(move || {
-        runtime.block_on(async {
+        handle.block_on(async {
             tokio::select! {
                 _ = term.recv() => tracing::info!("SIGTERM: stopping store client"),
                 _ = int.recv() => tracing::info!("SIGINT: stopping store client"),
             }
         });
-        state.begin_drain();
-        http.abort();
         stop.store(true, Ordering::Release);
     });
     tracing::info!(socket = %server.socket_path().display(), "store client ready");
     println!("listening on {}", server.socket_path().display());
-    // `serve` returns Ok only after the waiter set the stop flag, so joining it cannot block.
-    let report = server
-        .serve()
-        .map_err(|e| RoleError::Failed(e.to_string()))?;
+    // Returns only after the waiter set the stop flag, so joining it cannot block.
+    let stopped = server.accept_until_stopped();
     let _ = waiter.join();
-    tracing::info!(?report, "store client stopped; segments destroyed");
+    let report = teardown(state, http, stopped).run();
+    super::print_teardown(&report);
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
     Ok(())
+}
+
+/// The sidecar's shutdown as a contract-9 plan (DESIGN §5; printed like the serving roles' by
+/// [`super::print_teardown`]): StopAdmission (readiness 503; the socket already accepts no one) →
+/// JoinThreads (every worker connection closed; a worker's segments go with it) → Deregister
+/// (registrations still held dropped) → DestroyTransports (socket file removed, health port
+/// closed) → FreeMemory (every segment destroyed, so nothing of ours is left in /dev/shm). In a
+/// pod the sidecar is stopped after the worker (native sidecars stop in reverse order), so the
+/// connections are normally closed already.
+fn teardown(
+    state: std::sync::Arc<ServeState>,
+    http: tokio::task::JoinHandle<()>,
+    stopped: crate::store_client::server::StoppedServer,
+) -> std::sync::Arc<crate::teardown::Teardown> {
+    use crate::teardown::{Teardown, TeardownPhase as Phase};
+    let plan = Teardown::new();
+    let stopped = std::sync::Arc::new(std::sync::Mutex::new(Some(stopped)));
+    let with = |f: fn(&mut crate::store_client::server::StoppedServer) -> Result<(), String>| {
+        let s = std::sync::Arc::clone(&stopped);
+        move || {
+            let mut g = s.lock().unwrap_or_else(|p| p.into_inner());
+            g.as_mut().map_or(Ok(()), f)
+        }
+    };
+    plan.register(
+        Phase::StopAdmission,
+        "readiness 503; no new worker connection",
+        move || {
+            state.begin_drain();
+            Ok(())
+        },
+    );
+    plan.register(
+        Phase::JoinThreads,
+        "worker connections closed",
+        with(|s| s.join_connections()),
+    );
+    plan.register(
+        Phase::Deregister,
+        "registrations dropped",
+        with(|s| {
+            let n = s.drop_registrations();
+            tracing::info!(registrations = n, "store client: registrations dropped");
+            Ok(())
+        }),
+    );
+    let socket = with(|s| s.remove_socket());
+    plan.register(
+        Phase::DestroyTransports,
+        "socket removed; health port closed",
+        move || {
+            let r = socket();
+            http.abort();
+            r
+        },
+    );
+    let s = std::sync::Arc::clone(&stopped);
+    plan.register(Phase::FreeMemory, "segments destroyed", move || {
+        let Some(mut server) = s.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+            return Ok(());
+        };
+        let n = server.destroy_segments();
+        match server.finish() {
+            Ok(report) => {
+                tracing::info!(
+                    ?report,
+                    destroyed = n,
+                    "store client stopped; segments destroyed"
+                );
+                Ok(())
+            }
+            Err(e) => Err(format!("the accept loop had failed: {e}")),
+        }
+    });
+    plan
 }
 
 /// The store client's `/metrics` (mirrors of [`ServerStats`] at every scrape).

@@ -246,11 +246,25 @@ impl StoreClientServer {
     }
 
     /// Accepts workers until the stop flag is set, then tears down: joins connection threads, destroys
-    /// every segment and removes the socket file. Blocking.
+    /// every segment and removes the socket file. Blocking. The same steps as
+    /// [`StoreClientServer::accept_until_stopped`] followed by every [`StoppedServer`] step in order.
     ///
     /// # Errors
     /// [`ServerError::Socket`] when accepting fails for a reason other than an interrupted call.
     pub fn serve(self) -> Result<ServeReport, ServerError> {
+        let mut stopped = self.accept_until_stopped();
+        let _ = stopped.join_connections();
+        stopped.drop_registrations();
+        let _ = stopped.remove_socket();
+        stopped.destroy_segments();
+        stopped.finish()
+    }
+
+    /// Accepts workers until the stop flag is set; each connection is served on its own thread.
+    /// Returns the stopped server whose teardown steps the caller runs, in the order of DESIGN
+    /// contract 9 (the `store-client` role runs them as a [`crate::teardown::Teardown`] plan). Nothing
+    /// is accepted after this returns; connection threads see the stop flag within 100 ms.
+    pub fn accept_until_stopped(self) -> StoppedServer {
         let mut report = ServeReport::default();
         let mut workers: Vec<JoinHandle<usize>> = Vec::new();
         let result = loop {
@@ -276,16 +290,87 @@ impl StoreClientServer {
                 Err(e) => break Err(e),
             }
         };
+        // Connection threads stop too, whatever ended the accept loop.
         self.shared.stop.store(true, Ordering::Release);
-        let mut released_by_connections = 0;
-        for w in workers {
-            released_by_connections += w.join().unwrap_or(0);
+        StoppedServer {
+            listener: Some(self.listener),
+            shared: self.shared,
+            workers,
+            report,
+            accept_error: result.err(),
         }
+    }
+}
+
+/// A server that accepts nothing more, with its teardown steps still to run (DESIGN contract 9):
+/// [`StoppedServer::join_connections`] (JoinThreads), [`StoppedServer::drop_registrations`]
+/// (Deregister), [`StoppedServer::remove_socket`] (DestroyTransports),
+/// [`StoppedServer::destroy_segments`] (FreeMemory), then [`StoppedServer::finish`]. Each step is
+/// idempotent; a step skipped is done by `finish`, so no segment outlives the server.
+#[derive(Debug)]
+pub struct StoppedServer {
+    listener: Option<OwnedFd>,
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<usize>>,
+    report: ServeReport,
+    accept_error: Option<rustix::io::Errno>,
+}
+
+impl StoppedServer {
+    /// Joins every connection thread (each exits within 100 ms of the stop flag; a worker's
+    /// segments go with its connection).
+    ///
+    /// # Errors
+    /// The number of connection threads that panicked (their segments are released by
+    /// [`StoppedServer::destroy_segments`]).
+    pub fn join_connections(&mut self) -> Result<(), String> {
+        let mut panicked = 0usize;
+        for w in self.workers.drain(..) {
+            match w.join() {
+                Ok(released) => self.report.segments_released += released,
+                Err(_) => panicked += 1,
+            }
+        }
+        if panicked == 0 {
+            Ok(())
+        } else {
+            Err(format!("{panicked} connection thread(s) panicked"))
+        }
+    }
+
+    /// Drops every registration still held; returns how many.
+    pub fn drop_registrations(&mut self) -> usize {
         let mut state = self.shared.state();
-        report.registrations_dropped = state.registrations.len();
-        report.segments_released = released_by_connections + state.segments.len();
+        let n = state.registrations.len();
         state.registrations.clear();
-        for (_, owned) in std::mem::take(&mut state.segments) {
+        self.report.registrations_dropped += n;
+        n
+    }
+
+    /// Closes the listening socket and removes its file, so no worker can connect to a server
+    /// that is going away.
+    ///
+    /// # Errors
+    /// The file could not be removed (already gone is not an error).
+    pub fn remove_socket(&mut self) -> Result<(), String> {
+        drop(self.listener.take());
+        match std::fs::remove_file(&self.shared.config.socket) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(format!(
+                "removing {}: {e}",
+                self.shared.config.socket.display()
+            )),
+        }
+    }
+
+    /// Destroys every segment still owned (POSIX shm names unlinked; memfds closed); returns how
+    /// many.
+    pub fn destroy_segments(&mut self) -> usize {
+        let mut state = self.shared.state();
+        let owned = std::mem::take(&mut state.segments);
+        let n = owned.len();
+        for (_, owned) in owned {
             #[cfg(feature = "negative-controls")]
             if self.shared.config.leak_segments_for_test {
                 owned.segment.leak_name_for_test();
@@ -294,12 +379,26 @@ impl StoreClientServer {
         }
         state.used_bytes = 0;
         drop(state);
-        let _ = std::fs::remove_file(&self.shared.config.socket);
-        result.map_err(|e| ServerError::Socket {
-            path: self.shared.config.socket.clone(),
-            source: e.into(),
-        })?;
-        Ok(report)
+        self.report.segments_released += n;
+        n
+    }
+
+    /// What the server did; runs any step not run yet first.
+    ///
+    /// # Errors
+    /// [`ServerError::Socket`] when the accept loop had ended on an error.
+    pub fn finish(mut self) -> Result<ServeReport, ServerError> {
+        let _ = self.join_connections();
+        self.drop_registrations();
+        let _ = self.remove_socket();
+        self.destroy_segments();
+        match self.accept_error {
+            Some(e) => Err(ServerError::Socket {
+                path: self.shared.config.socket.clone(),
+                source: e.into(),
+            }),
+            None => Ok(self.report),
+        }
     }
 }
 
