@@ -60,10 +60,14 @@ fn demo_replays_a_trace_slice_through_scale_and_rolling_restart() {
         "0.5",
     ])
     // Retry budget 8 (backoff 0.1 s doubling to 2 s: ~9 s of retries): on this 2-core debug build
-    // the rolling restart leaves the new revision with one Ready prefill group for both new
+    // the rolling restart used to leave the new revision with one Ready prefill group for both new
     // decodes for ~25 s (each prefill group takes ~30 s to load back from L3), and old decodes
     // briefly without a peer of their revision; with budget 6 (~5 s) a CI run lost 2 of 200 in
-    // that window (issue 17 note). Corruption and systematic loss still fail the run.
+    // that window (issue 17 note). The operator's prefill gate now holds each decode restart to
+    // its P:D share of new prefill groups (8:2: 4, then 7), which moves the decode restarts ~100 s
+    // after `restart.id`, past the end of this replay (measured: decode restarts at 159 s and
+    // 181 s, replay done at 143 s); the budget is kept until a run shows the restarts under load
+    // without it. Corruption and systematic loss still fail the run.
     .args(["--concurrency-limit", "8", "--retry-budget", "8"])
     .arg("--builtin-engine")
     .arg("--state-dir")

@@ -16,8 +16,10 @@
 //!    to the last counts that were scheduled; nothing above the node's capacity stays.
 //! 4. Suite 5: a `restart.id` change → groups restart one at a time per pool in the documented
 //!    order (asserted from a pod watch: no group starts terminating before the previous group of
-//!    its pool is Ready on the new revision; a prefill group goes first; no decode group goes
-//!    before a new-revision prefill group is Ready), and every pod ends on the new revision.
+//!    its pool is Ready on the new revision; a prefill group goes first; the k-th decode group goes
+//!    only after `max(1, min(⌈(k+1)·P/D⌉, P−1))` prefill groups are Ready on the new revision, the
+//!    operator's prefill gate), and every pod ends on the new revision; it prints the rollout's
+//!    duration.
 //! 5. Suite 2: `helm upgrade` with a changed value → the operator Deployment rolls and the stack
 //!    stays Ready.
 //! 6. Suite 6: deleting the stack → pods go in the teardown order of DESIGN §5 (decode, then
@@ -637,6 +639,7 @@ async fn rolling_restart(h: &Harness) -> Result<(), String> {
         "-p",
         r#"{"spec":{"restart":{"id":"e2e-rollout-1"}}}"#,
     ])?;
+    let started = Instant::now();
     // Done when both pools report every group updated and Ready on a new revision.
     let done = poll(Duration::from_secs(420), || async {
         let d = h.kubectl(&["get", "decodepool", DECODE, "-o", "jsonpath={.status.currentRevision} {.status.updatedReplicas} {.status.readyReplicas} {.status.replicas}"]).ok()?;
@@ -658,14 +661,29 @@ async fn rolling_restart(h: &Harness) -> Result<(), String> {
             log.len()
         ));
     }
+    println!(
+        "rolling restart: both pools on the new revision {:.1} s after the restart.id patch",
+        started.elapsed().as_secs_f64()
+    );
     check_one_group_at_a_time(&log, &old_revision, &leaving_before)
+}
+
+/// Prefill groups Ready on the new revision that the k-th decode group to restart (0-based)
+/// waits for, P prefill and D decode groups: `max(1, min(⌈(k+1)·P/D⌉, P−1))` (issue 17; written
+/// here from the rule, not taken from the operator, so the suite checks the operator against it).
+fn prefill_needed(k: usize, p: usize, d: usize) -> usize {
+    ((k + 1) * p)
+        .div_ceil(d.max(1))
+        .min(p.saturating_sub(1))
+        .max(1)
 }
 
 /// From the watch log, the documented order (`operator/src/rollout.rs`, DESIGN §5): within each
 /// pool a group starts terminating only after the group before it has a Ready pod on a revision
 /// other than `old` (one group at a time per pool); the first group to go is a prefill group; and
-/// no decode group goes before a prefill group of the new revision is Ready (pairing stays within
-/// one revision, so a restarted decode always has a peer). Groups in `leaving` were already
+/// the k-th decode group goes only after [`prefill_needed`] prefill groups are Ready on the new
+/// revision (pairing stays within one revision: the new decode groups share the new prefill
+/// groups at the pools' ratio, and a restarted decode always has a peer). Groups in `leaving` were already
 /// terminating before the rollout began (a scale-in still draining) and are not part of it.
 fn check_one_group_at_a_time(
     log: &[Seen],
@@ -714,23 +732,36 @@ fn check_one_group_at_a_time(
             }
         }
     }
-    let first_prefill_ready = ready_new
+    let mut prefill_ready: Vec<Instant> = ready_new
         .iter()
         .filter(|((p, _), _)| p == PREFILL)
         .map(|(_, at)| *at)
-        .min()
-        .ok_or("no prefill group came back Ready on the new revision")?;
-    let first_decode_going = order
+        .collect();
+    prefill_ready.sort();
+    let decode_going: Vec<Instant> = order
         .iter()
-        .find(|((p, _), _)| p == DECODE)
+        .filter(|((p, _), _)| p == DECODE)
         .map(|(_, at)| **at)
-        .ok_or("no decode group was restarted")?;
-    if first_decode_going < first_prefill_ready {
-        return Err(
-            "a decode group restarted before any prefill group of the new revision was Ready"
-                .into(),
-        );
+        .collect();
+    let (p, d) = (
+        order.iter().filter(|((p, _), _)| p == PREFILL).count(),
+        decode_going.len(),
+    );
+    for (k, going) in decode_going.iter().enumerate() {
+        let needed = prefill_needed(k, p, d);
+        let ready_before = prefill_ready.iter().filter(|at| *at <= going).count();
+        if ready_before < needed {
+            return Err(format!(
+                "decode group #{k} of {d} restarted with {ready_before} prefill group(s) of {p} \
+                 Ready on the new revision; the gate needs {needed}: {order:?}"
+            ));
+        }
     }
+    println!(
+        "rolling restart order ok: P {p}, D {d}; prefill groups Ready on the new revision \
+         needed per decode group {:?}",
+        (0..d).map(|k| prefill_needed(k, p, d)).collect::<Vec<_>>()
+    );
     Ok(())
 }
 
@@ -1106,6 +1137,59 @@ fn column(table: &str, header: &str) -> Option<String> {
         .min(row.len());
     row.get(starts[k].min(row.len())..end)
         .map(|v| v.trim().to_owned())
+}
+
+/// The suite's oracle for the prefill gate (issue 17) on the stack's P:D at suite 5 (4:2), and
+/// the order check fed a rollout that breaks it.
+#[test]
+fn the_rollout_check_holds_decode_to_its_share_of_new_prefill_groups() {
+    assert_eq!(prefill_needed(0, 4, 2), 2);
+    assert_eq!(prefill_needed(1, 4, 2), 3);
+    assert_eq!(prefill_needed(0, 4, 1), 3);
+    assert_eq!(prefill_needed(0, 1, 3), 1);
+    assert_eq!(prefill_needed(2, 6, 3), 5);
+    let t0 = Instant::now();
+    let ev = |t: u64, pool: &str, g: u32, rev: &str, terminating: bool| Seen {
+        at: t0 + Duration::from_secs(t),
+        pool: pool.into(),
+        group: g.to_string(),
+        revision: rev.into(),
+        terminating,
+        ready: !terminating,
+    };
+    // Prefill g0..g3 go one at a time, each Ready on "b" 10 s later.
+    let mut log: Vec<Seen> = (0..4)
+        .flat_map(|g| {
+            let t = 10 * u64::from(g);
+            [
+                ev(t, PREFILL, g, "a", true),
+                ev(t + 9, PREFILL, g, "b", false),
+            ]
+        })
+        .collect();
+    // Decode g0 after 2 new prefill groups (t = 19), g1 after 3 (t = 29).
+    let good: Vec<Seen> = [
+        ev(20, DECODE, 0, "a", true),
+        ev(25, DECODE, 0, "b", false),
+        ev(30, DECODE, 1, "a", true),
+        ev(35, DECODE, 1, "b", false),
+    ]
+    .into();
+    let mut ok = log.clone();
+    ok.extend(good);
+    ok.sort_by_key(|s| s.at);
+    let none = BTreeSet::new();
+    assert_eq!(check_one_group_at_a_time(&ok, "a", &none), Ok(()));
+    // Decode g0 once the first new prefill group is Ready: the issue-17 window.
+    log.extend([
+        ev(12, DECODE, 0, "a", true),
+        ev(15, DECODE, 0, "b", false),
+        ev(30, DECODE, 1, "a", true),
+        ev(35, DECODE, 1, "b", false),
+    ]);
+    log.sort_by_key(|s| s.at);
+    let err = check_one_group_at_a_time(&log, "a", &none).unwrap_err();
+    assert!(err.contains("the gate needs 2"), "{err}");
 }
 
 #[test]

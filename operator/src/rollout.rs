@@ -14,10 +14,19 @@
 //!    their L3 loadback (or when policy lets them serve while warming).
 //! 4. Next group, until every group is at the target revision and Ready (**Idle**).
 //!
-//! A decode pool starts a group only when its PrefillPool already has a Ready group of the same
-//! revision (`gate_open`): every new decode pod then finds a same-revision prefill peer, and the
-//! workers refuse to pair across revisions. While the gate is closed the phase is
-//! **WaitingForPrefill**.
+//! A decode pool restarts a group only when enough groups of its PrefillPool are already
+//! Updated at the same (pair) revision ([`PrefillGate`]): the workers refuse to pair across
+//! revisions, so the new-revision decode groups share the new-revision prefill groups, and one
+//! Ready prefill group is not enough for all of them (a CI demo lost requests with every new
+//! decode group paired to the single new prefill group). The k-th decode group to restart
+//! (0-based, k = decode groups already Updated) needs
+//! `required(k) = max(1, min(⌈(k+1)·P/D⌉, P−1))` Updated prefill groups, P and D the applied
+//! prefill and decode group counts: the new revision keeps the pool's P:D ratio as it grows,
+//! capped at P−1 so the decode rollout can go on while the last prefill group restarts, and never
+//! below 1 so every new decode pod has a peer. While the gate is closed the phase is
+//! **WaitingForPrefill**. Prefill groups restart one at a time without a gate, so the prefill
+//! rollout always ends with all P groups Updated ≥ `required(k)` for every k: the decode rollout
+//! cannot deadlock, whatever P, D, or a scaling during the rollout.
 
 /// One pod as the rollout sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,7 +104,8 @@ impl GroupObservation {
 pub mod phase {
     /// No group is at an old revision.
     pub const IDLE: &str = "Idle";
-    /// A decode pool waits for a Ready prefill group of the target revision.
+    /// A decode pool waits for enough Updated prefill groups of the target revision
+    /// ([`PrefillGate`]).
     pub const WAITING_FOR_PREFILL: &str = "WaitingForPrefill";
     /// Old pods of the current group are terminating (routing stopped, draining, flushing).
     pub const DRAINING: &str = "Draining";
@@ -130,16 +140,71 @@ pub struct RolloutPlan {
     pub updated_groups: u32,
     /// Next step.
     pub action: RolloutAction,
+    /// In [`phase::WAITING_FOR_PREFILL`] only: the prefill groups the gate wants and has.
+    pub prefill_wait: Option<PrefillWait>,
+}
+
+/// Why a decode pool waits ([`phase::WAITING_FOR_PREFILL`]): prefill groups Updated at the pair
+/// revision, needed and present.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillWait {
+    /// [`PrefillGate::required_for`] the next decode group.
+    pub needed: u32,
+    /// [`PrefillGate::updated_prefill`].
+    pub updated: u32,
+}
+
+/// The gate of a decode pool's rolling restart: how many of its PrefillPool's groups must be
+/// Updated (every pod at the pair revision, Ready) before the next decode group restarts.
+///
+/// The k-th decode group to restart (0-based; k = decode groups already Updated at the target)
+/// needs `required(k) = max(1, min(⌈(k+1)·P/D⌉, P−1))` Updated prefill groups, P =
+/// `prefill_groups`, D = `decode_groups` (the applied counts of the P:D scaling transaction):
+/// - `⌈(k+1)·P/D⌉`: after the restart the new revision has k+1 decode groups and at least its
+///   P:D share of prefill groups, so no new prefill group serves more decode groups than the
+///   pool's ratio (workers pair only within one revision);
+/// - `P−1`: the last prefill group's restart does not hold up the decode rollout;
+/// - `1`: a new decode group always has a same-revision peer (also when P = 1).
+///
+/// The prefill rollout is not gated, so it ends with `updated_prefill = P ≥ required(k)` for any
+/// k: the gate never deadlocks (P > D, P < D, or counts changing mid-rollout alike). With P = 0
+/// the gate stays closed (there is no peer to pair with); D = 0 is read as D = 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillGate {
+    /// Prefill groups `0..prefill_groups` that are Updated at the pair revision.
+    pub updated_prefill: u32,
+    /// P: the applied prefill group count.
+    pub prefill_groups: u32,
+    /// D: the applied decode group count.
+    pub decode_groups: u32,
+}
+
+impl PrefillGate {
+    /// Updated prefill groups the k-th decode group to restart (0-based) needs:
+    /// `max(1, min(⌈(k+1)·P/D⌉, P−1))`.
+    pub fn required_for(&self, k: u32) -> u32 {
+        let p = u64::from(self.prefill_groups);
+        let d = u64::from(self.decode_groups.max(1));
+        let share = (u64::from(k) + 1).saturating_mul(p).div_ceil(d);
+        let required = share.min(p.saturating_sub(1)).max(1);
+        u32::try_from(required).unwrap_or(u32::MAX)
+    }
+
+    /// The k-th decode group to restart may start now.
+    pub fn allows(&self, k: u32) -> bool {
+        self.updated_prefill >= self.required_for(k)
+    }
 }
 
 /// Decides the next rollout step of a pool whose groups are `groups` (ascending index) towards
-/// `target`. `gate_open` is false for a decode pool whose PrefillPool has no Ready group at
-/// `target` yet (always true for prefill).
+/// `target`. `gate` is a decode pool's [`PrefillGate`]: the next stale group restarts only when
+/// it [allows](PrefillGate::allows) k = the groups already Updated; `None` (a PrefillPool) never
+/// waits.
 ///
 /// At most one group is in flight at a time: while any group drains, restarts or loads back, no
 /// other group is touched. A group created by a scale-up that is still coming up counts as in
 /// flight only if the pool has a stale group (otherwise there is no rollout, just `Progressing`).
-pub fn plan(groups: &[GroupObservation], target: &str, gate_open: bool) -> RolloutPlan {
+pub fn plan(groups: &[GroupObservation], target: &str, gate: Option<PrefillGate>) -> RolloutPlan {
     let states: Vec<(u32, GroupState)> =
         groups.iter().map(|g| (g.index, g.state(target))).collect();
     let updated_groups = states
@@ -156,6 +221,7 @@ pub fn plan(groups: &[GroupObservation], target: &str, gate_open: bool) -> Rollo
             group: None,
             updated_groups,
             action: RolloutAction::Wait,
+            prefill_wait: None,
         };
     }
     if let Some((i, s)) = states.iter().find(|(_, s)| {
@@ -174,6 +240,7 @@ pub fn plan(groups: &[GroupObservation], target: &str, gate_open: bool) -> Rollo
             group: Some(*i),
             updated_groups,
             action: RolloutAction::Wait,
+            prefill_wait: None,
         };
     }
     let Some(stale) = groups.iter().find(|g| g.state(target) == GroupState::Stale) else {
@@ -182,14 +249,19 @@ pub fn plan(groups: &[GroupObservation], target: &str, gate_open: bool) -> Rollo
             group: None,
             updated_groups,
             action: RolloutAction::Wait,
+            prefill_wait: None,
         };
     };
-    if !gate_open {
+    if let Some(g) = gate.filter(|g| !g.allows(updated_groups)) {
         return RolloutPlan {
             phase: phase::WAITING_FOR_PREFILL,
             group: Some(stale.index),
             updated_groups,
             action: RolloutAction::Wait,
+            prefill_wait: Some(PrefillWait {
+                needed: g.required_for(updated_groups),
+                updated: g.updated_prefill,
+            }),
         };
     }
     RolloutPlan {
@@ -205,6 +277,7 @@ pub fn plan(groups: &[GroupObservation], target: &str, gate_open: bool) -> Rollo
                 .map(|p| p.name.clone())
                 .collect(),
         },
+        prefill_wait: None,
     }
 }
 
@@ -239,14 +312,14 @@ mod tests {
 
     #[test]
     fn all_at_target_is_idle() {
-        let p = plan(&[settled(0, "b"), settled(1, "b")], "b", true);
+        let p = plan(&[settled(0, "b"), settled(1, "b")], "b", None);
         assert_eq!((p.phase, p.updated_groups), (phase::IDLE, 2));
         assert_eq!(p.action, RolloutAction::Wait);
     }
 
     #[test]
     fn restarts_the_lowest_stale_group_whole() {
-        let p = plan(&[settled(0, "a"), settled(1, "a")], "b", true);
+        let p = plan(&[settled(0, "a"), settled(1, "a")], "b", None);
         assert_eq!(
             p.action,
             RolloutAction::RestartGroup {
@@ -262,23 +335,23 @@ mod tests {
         // g0 terminating: wait, even though g1 is stale.
         let mut g0 = settled(0, "a");
         g0.pods[0].terminating = true;
-        let p = plan(&[g0, settled(1, "a")], "b", true);
+        let p = plan(&[g0, settled(1, "a")], "b", None);
         assert_eq!((p.phase, p.group), (phase::DRAINING, Some(0)));
         assert_eq!(p.action, RolloutAction::Wait);
         // g0 recreated partially.
         let g0 = group(0, vec![pod(0, 0, "b", false)]);
-        let p = plan(&[g0, settled(1, "a")], "b", true);
+        let p = plan(&[g0, settled(1, "a")], "b", None);
         assert_eq!(
             (p.phase, p.action.clone()),
             (phase::RESTARTING, RolloutAction::Wait)
         );
         // g0 complete, loading back.
         let g0 = group(0, vec![pod(0, 0, "b", true), pod(0, 1, "b", false)]);
-        let p = plan(&[g0, settled(1, "a")], "b", true);
+        let p = plan(&[g0, settled(1, "a")], "b", None);
         assert_eq!((p.phase, p.group), (phase::LOADING_BACK, Some(0)));
         assert_eq!(p.action, RolloutAction::Wait);
         // g0 ready at b: now g1.
-        let p = plan(&[settled(0, "b"), settled(1, "a")], "b", true);
+        let p = plan(&[settled(0, "b"), settled(1, "a")], "b", None);
         assert_eq!(p.updated_groups, 1);
         assert!(matches!(
             p.action,
@@ -288,16 +361,38 @@ mod tests {
 
     #[test]
     fn decode_waits_for_a_same_revision_prefill_group() {
-        let p = plan(&[settled(0, "a")], "b", false);
+        let closed = PrefillGate {
+            updated_prefill: 0,
+            prefill_groups: 1,
+            decode_groups: 1,
+        };
+        let p = plan(&[settled(0, "a")], "b", Some(closed));
         assert_eq!(p.phase, phase::WAITING_FOR_PREFILL);
         assert_eq!(p.action, RolloutAction::Wait);
+        assert_eq!(
+            p.prefill_wait,
+            Some(PrefillWait {
+                needed: 1,
+                updated: 0
+            })
+        );
+        let open = PrefillGate {
+            updated_prefill: 1,
+            ..closed
+        };
+        let p = plan(&[settled(0, "a")], "b", Some(open));
+        assert!(matches!(
+            p.action,
+            RolloutAction::RestartGroup { group: 0, .. }
+        ));
+        assert_eq!(p.prefill_wait, None);
     }
 
     #[test]
     fn only_old_pods_of_a_mixed_group_are_deleted() {
         // A pod the StatefulSet recreated from the new template is already at b.
         let g = group(0, vec![pod(0, 0, "b", true), pod(0, 1, "a", true)]);
-        let p = plan(&[g], "b", true);
+        let p = plan(&[g], "b", None);
         assert_eq!(
             p.action,
             RolloutAction::RestartGroup {
@@ -314,7 +409,7 @@ mod tests {
         let mut groups: Vec<GroupObservation> = (0..4).map(|i| settled(i, "a")).collect();
         let mut order = Vec::new();
         for _ in 0..100 {
-            let p = plan(&groups, "b", true);
+            let p = plan(&groups, "b", None);
             let not_ready = groups.iter().filter(|g| !g.ready()).count();
             assert!(not_ready <= 1, "two groups down at once: {groups:?}");
             match p.action {
@@ -325,11 +420,11 @@ mod tests {
                     for pd in &mut g.pods {
                         pd.terminating = true;
                     }
-                    assert_eq!(plan(&groups, "b", true).phase, phase::DRAINING);
+                    assert_eq!(plan(&groups, "b", None).phase, phase::DRAINING);
                     let g = &mut groups[group as usize];
                     g.pods = vec![pod(group, 0, "b", false), pod(group, 1, "b", false)];
                     // The last group's loadback is reported by `Progressing`, not the rollout.
-                    let ph = plan(&groups, "b", true).phase;
+                    let ph = plan(&groups, "b", None).phase;
                     assert!(
                         ph == phase::LOADING_BACK || (group == 3 && ph == phase::IDLE),
                         "{ph}"
@@ -344,5 +439,205 @@ mod tests {
             }
         }
         assert_eq!(order, vec![0, 1, 2, 3]);
+    }
+
+    fn gate(updated_prefill: u32, prefill_groups: u32, decode_groups: u32) -> PrefillGate {
+        PrefillGate {
+            updated_prefill,
+            prefill_groups,
+            decode_groups,
+        }
+    }
+
+    /// `required(k)` for k = 0..D, per P:D.
+    fn required(p: u32, d: u32) -> Vec<u32> {
+        (0..d).map(|k| gate(0, p, d).required_for(k)).collect()
+    }
+
+    #[test]
+    fn required_prefill_groups_follow_the_ratio_capped_at_p_minus_one() {
+        // P = 1: one peer is all there is.
+        assert_eq!(required(1, 1), vec![1]);
+        assert_eq!(required(1, 2), vec![1, 1]);
+        assert_eq!(required(1, 4), vec![1, 1, 1, 1]);
+        // 2:1: ⌈2/1⌉ = 2, capped at P−1 = 1.
+        assert_eq!(required(2, 1), vec![1]);
+        // 3:2: ⌈3/2⌉ = 2, ⌈6/2⌉ = 3 capped at 2.
+        assert_eq!(required(3, 2), vec![2, 2]);
+        // 4:1 (the sample stack): 3 of 4 prefill groups before the one decode group.
+        assert_eq!(required(4, 1), vec![3]);
+        // 4:2: 2 for the first, 4 capped at 3 for the second.
+        assert_eq!(required(4, 2), vec![2, 3]);
+        // 2:4: ⌈(k+1)/2⌉ capped at 1.
+        assert_eq!(required(2, 4), vec![1, 1, 1, 1]);
+        // 6:3: 2, 4, then 6 capped at 5.
+        assert_eq!(required(6, 3), vec![2, 4, 5]);
+        // Degenerate counts: D = 0 reads as 1; P = 0 keeps the gate closed (nothing to pair with).
+        assert_eq!(gate(0, 2, 0).required_for(0), 1);
+        assert_eq!(gate(0, 0, 2).required_for(0), 1);
+        assert!(!gate(0, 0, 2).allows(0));
+        // k past D (groups Updated beyond a shrunk D) stays at the cap.
+        assert_eq!(gate(0, 3, 2).required_for(7), 2);
+    }
+
+    #[test]
+    fn the_gate_allows_exactly_from_the_required_count() {
+        for (p, d) in [(1, 1), (1, 2), (2, 1), (1, 4), (3, 2), (4, 1), (6, 3)] {
+            for k in 0..d {
+                let need = gate(0, p, d).required_for(k);
+                assert!(!gate(need - 1, p, d).allows(k), "{p}:{d} k={k}");
+                assert!(gate(need, p, d).allows(k), "{p}:{d} k={k}");
+                assert!(
+                    gate(p, p, d).allows(k),
+                    "all P Updated always opens: {p}:{d}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn plan_reports_how_many_prefill_groups_it_waits_for() {
+        // 3:2, one decode group already Updated: the second needs 2 Updated prefill groups.
+        let groups = [settled(0, "b"), settled(1, "a")];
+        let p = plan(&groups, "b", Some(gate(1, 3, 2)));
+        assert_eq!((p.phase, p.group), (phase::WAITING_FOR_PREFILL, Some(1)));
+        assert_eq!(
+            p.prefill_wait,
+            Some(PrefillWait {
+                needed: 2,
+                updated: 1
+            })
+        );
+        let p = plan(&groups, "b", Some(gate(2, 3, 2)));
+        assert!(matches!(
+            p.action,
+            RolloutAction::RestartGroup { group: 1, .. }
+        ));
+    }
+
+    /// A pool of `n` settled groups at revision "a".
+    fn pool(n: u32) -> Vec<GroupObservation> {
+        (0..n).map(|i| settled(i, "a")).collect()
+    }
+
+    /// One step of the cluster for a group in flight: terminating → recreated at "b" not Ready →
+    /// Ready.
+    fn advance(groups: &mut [GroupObservation]) {
+        for g in groups {
+            if g.pods.iter().any(|p| p.terminating) {
+                let i = g.index;
+                g.pods = vec![pod(i, 0, "b", false), pod(i, 1, "b", false)];
+            } else if g.pods.iter().any(|p| !p.ready) {
+                for p in &mut g.pods {
+                    p.ready = true;
+                }
+            }
+        }
+    }
+
+    fn act(groups: &mut [GroupObservation], p: &RolloutPlan) {
+        if let RolloutAction::RestartGroup { group, .. } = &p.action {
+            for pd in &mut groups[*group as usize].pods {
+                pd.terminating = true;
+            }
+        }
+    }
+
+    fn updated(groups: &[GroupObservation]) -> u32 {
+        groups
+            .iter()
+            .filter(|g| g.state("b") == GroupState::Updated)
+            .count() as u32
+    }
+
+    /// Drives a PrefillPool (ungated) and its DecodePool (gated) through a restart together,
+    /// `prefill_every` ticks per prefill step (prefill loads back slower than decode).
+    /// `scale_at`: at that tick both pools grow to `(P', D')` (new groups come up at "b").
+    /// Checks at every decode restart that the new revision already holds `required(k)` Updated
+    /// prefill groups, and that both rollouts end (no deadlock). Returns the order of decode
+    /// restarts with the Updated prefill count each saw.
+    fn joint_rollout(
+        p: u32,
+        d: u32,
+        prefill_every: u32,
+        scale_at: Option<(u32, u32, u32)>,
+    ) -> Vec<(u32, u32)> {
+        let (mut prefill, mut decode) = (pool(p), pool(d));
+        let mut seen = Vec::new();
+        for tick in 0..1000 {
+            if let Some((at, p2, d2)) = scale_at
+                && tick == at
+            {
+                for (groups, n) in [(&mut prefill, p2), (&mut decode, d2)] {
+                    let have = groups.len() as u32;
+                    groups.extend(
+                        (have..n)
+                            .map(|i| group(i, vec![pod(i, 0, "b", false), pod(i, 1, "b", false)])),
+                    );
+                }
+            }
+            if tick % prefill_every == 0 {
+                advance(&mut prefill);
+                let pp = plan(&prefill, "b", None);
+                act(&mut prefill, &pp);
+            }
+            advance(&mut decode);
+            let g = gate(updated(&prefill), prefill.len() as u32, decode.len() as u32);
+            let dp = plan(&decode, "b", Some(g));
+            if let RolloutAction::RestartGroup { group, .. } = dp.action {
+                // After this restart the new revision has k+1 decode groups (nothing else is in
+                // flight); its prefill groups must cover them at the ratio, or be all but one.
+                let (u, pn, dn) = (g.updated_prefill, g.prefill_groups, g.decode_groups);
+                let new_decode = dp.updated_groups + 1;
+                assert!(
+                    u >= 1 && (u * dn >= new_decode * pn || u + 1 >= pn),
+                    "{p}:{d} decode group {group} restarted with {g:?}, {new_decode} new"
+                );
+                seen.push((group, u));
+            } else if dp.phase == phase::WAITING_FOR_PREFILL {
+                assert_eq!(dp.prefill_wait.map(|w| w.updated), Some(g.updated_prefill));
+            }
+            act(&mut decode, &dp);
+            let done =
+                |gs: &[GroupObservation]| gs.iter().all(|g| g.state("b") == GroupState::Updated);
+            if done(&prefill) && done(&decode) {
+                return seen;
+            }
+        }
+        panic!("{p}:{d}: the rollout did not end: {prefill:?} {decode:?}");
+    }
+
+    #[test]
+    fn joint_rollouts_keep_the_ratio_and_always_finish() {
+        // (P, D) → the Updated prefill count each decode restart saw, prefill 3x slower.
+        assert_eq!(joint_rollout(1, 1, 3, None), vec![(0, 1)]);
+        assert_eq!(joint_rollout(1, 2, 3, None), vec![(0, 1), (1, 1)]);
+        assert_eq!(joint_rollout(2, 1, 3, None), vec![(0, 1)]);
+        assert_eq!(
+            joint_rollout(1, 4, 3, None),
+            vec![(0, 1), (1, 1), (2, 1), (3, 1)]
+        );
+        assert_eq!(joint_rollout(3, 2, 3, None), vec![(0, 2), (1, 2)]);
+        assert_eq!(joint_rollout(4, 1, 3, None), vec![(0, 3)]);
+        // Prefill faster than decode: decode then restarts as soon as its group is done, the
+        // gate already open.
+        let fast = joint_rollout(3, 2, 1, None);
+        assert_eq!(fast.len(), 2);
+        assert!(fast.iter().all(|(_, u)| *u >= 2), "{fast:?}");
+    }
+
+    #[test]
+    fn joint_rollouts_finish_when_the_pools_scale_mid_rollout() {
+        // Grow 2:2 → 4:4 and 3:2 → 6:4 mid-rollout, shrink-free; every tick is a possible
+        // moment. The new groups start at the target revision and count as Updated.
+        for at in 0..12 {
+            let order = joint_rollout(2, 2, 2, Some((at, 4, 4)));
+            assert_eq!(
+                order.iter().map(|(g, _)| *g).collect::<Vec<_>>(),
+                vec![0, 1]
+            );
+            let order = joint_rollout(3, 2, 3, Some((at, 6, 4)));
+            assert_eq!(order.len(), 2, "at {at}: {order:?}");
+        }
     }
 }

@@ -417,8 +417,9 @@ async fn a_hand_edited_group_is_restored_with_a_replica_drift_event() {
     assert_eq!(ev.body.as_ref().unwrap()["type"], "Warning");
 }
 
-/// `restart.id` on the DecodePool rolls its PrefillPool first: the decode pool waits for a Ready
-/// prefill group of the new revision, then restarts one group.
+/// `restart.id` on the DecodePool rolls its PrefillPool first: the decode pool waits for its share
+/// of Updated prefill groups of the new revision (sample stack P:D = 4:1: `required(0)` =
+/// min(⌈4/1⌉, P−1) = 3, `rollout::PrefillGate`), then restarts one group.
 #[tokio::test]
 async fn a_restart_rolls_prefill_first_then_decode_one_group_at_a_time() {
     let (fake, client) = FakeApi::start();
@@ -451,9 +452,36 @@ async fn a_restart_rolls_prefill_first_then_decode_one_group_at_a_time() {
     );
     reconcile_prefill(&ctx).await;
     assert_eq!(deleted_pods(&fake.calls()).len(), 1, "one group at a time");
-    fake.materialize_pods(); // g0 comes back at the new revision, Ready
-    fake.clear_calls();
-    reconcile_decode(&ctx).await;
+    // Prefill g0, then g1 and g2, come back at the new revision, Ready: the decode pool waits
+    // until the third.
+    for updated in 1..=3 {
+        fake.materialize_pods();
+        fake.clear_calls();
+        reconcile_decode(&ctx).await;
+        if updated == 3 {
+            break;
+        }
+        assert!(
+            deleted_pods(&fake.calls()).is_empty(),
+            "decode waits with {updated} Updated prefill group(s)"
+        );
+        let d = fake.get(paths::DECODES, DECODE).unwrap();
+        assert_eq!(d["status"]["rollout"]["phase"], "WaitingForPrefill");
+        let progressing = condition(&d, "Progressing");
+        let message = progressing["message"].as_str().unwrap();
+        assert!(
+            message.ends_with(&format!(
+                "needs 3 Updated prefill groups at the revision, {updated} present"
+            )),
+            "{message}"
+        );
+        fake.clear_calls();
+        reconcile_prefill(&ctx).await;
+        assert_eq!(
+            deleted_pods(&fake.calls()),
+            vec![format!("llama70b-prefill-g{updated}-0")]
+        );
+    }
     assert_eq!(
         deleted_pods(&fake.calls()),
         vec!["llama70b-decode-g0-0".to_string()]

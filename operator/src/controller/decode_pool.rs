@@ -22,7 +22,7 @@ use crate::capacity::{self, CapacityInput, CapacityObservation, CapacityOutcome}
 use crate::labels::Role;
 use crate::policy::model_difference;
 use crate::render::PoolView;
-use crate::rollout::GroupState;
+use crate::rollout::{GroupState, PrefillGate};
 use crate::scaling::{self, Counts, GroupSizes};
 use crate::status::{self, ConditionType, Decided, Reason};
 
@@ -168,11 +168,17 @@ impl PoolKind for DecodePool {
         let applied = capacity::counts(scaling.applied);
         let rev = revision::pair_revision(&v.prefill_revision, &v.own.own_revision);
 
-        // Gate: a decode group restarts only once a prefill group of the same revision is Ready.
+        // Gate: a decode group restarts only once enough prefill groups of the same revision are
+        // Updated (the P:D share of the new revision, see `PrefillGate`).
         let prefill_groups = pchildren.observations(applied.prefill, sizes.prefill);
-        let gate_open = prefill_groups
-            .iter()
-            .any(|g| g.state(&rev) == GroupState::Updated);
+        let gate = PrefillGate {
+            updated_prefill: prefill_groups
+                .iter()
+                .filter(|g| g.state(&rev) == GroupState::Updated)
+                .count() as u32,
+            prefill_groups: applied.prefill,
+            decode_groups: applied.decode,
+        };
         let pair = PairProgress {
             name: dp.spec.prefill.pool_ref.name.clone(),
             desired: applied.prefill,
@@ -198,7 +204,7 @@ impl PoolKind for DecodePool {
         Desired {
             groups: applied.decode,
             resolved: v.own.with_revision(rev),
-            gate_open,
+            gate: Some(gate),
             replicas_owner: SPEC_REPLICAS.into(),
             scaling: Some(scaling),
             admitted: Some(applied.decode),

@@ -159,7 +159,7 @@ impl PoolKind for PrefillPool {
             groups: count.groups,
             conditions: vec![degraded, policy, count.capacity, count.ignored],
             resolved: v.own.with_revision(count.revision),
-            gate_open: true,
+            gate: None,
             replicas_owner: count.owner,
             scaling: None,
             admitted: None,

@@ -225,7 +225,7 @@ pub async fn converge(
         .into_iter()
         .filter(|g| !recovery.halted(g.index))
         .collect();
-    let plan = rollout::plan(&obs, &cfg.revision, desired.gate_open);
+    let plan = rollout::plan(&obs, &cfg.revision, desired.gate);
     if let RolloutAction::RestartGroup { group, pods } = &plan.action {
         for p in pods {
             children::delete(ctx, kind, &pod_api, p).await?;

@@ -41,7 +41,7 @@ use super::{BUSY, Context, Result, teardown};
 use crate::labels::Role;
 use crate::recovery;
 use crate::render::PoolView;
-use crate::rollout::{RolloutPlan, phase};
+use crate::rollout::{PrefillGate, RolloutPlan, phase};
 use crate::status::Decided;
 use crate::teardown::TeardownObservation;
 
@@ -69,9 +69,9 @@ pub struct Desired {
     pub groups: u32,
     /// The pool's resolved policy and config, the config's `revision` set to the one to roll out.
     pub resolved: Resolved,
-    /// Whether a stale group may be restarted now (a DecodePool waits for a Ready prefill group
-    /// of the revision).
-    pub gate_open: bool,
+    /// The rollout gate: a DecodePool's [`PrefillGate`] (a stale group restarts only once enough
+    /// prefill groups of the revision are Updated); `None` for a PrefillPool (never waits).
+    pub gate: Option<PrefillGate>,
     /// `status.replicasOwner`.
     pub replicas_owner: String,
     /// The scaling transaction (DecodePool).

@@ -122,16 +122,19 @@ pub fn readiness(f: &StatusFacts<'_>) -> [Decided; 2] {
     let pr = ConditionType::Progressing;
     let p = f.rollout;
     let progressing = if p.phase != rollout::phase::IDLE {
-        Decided::yes(
-            pr,
-            Reason::RollingRestart,
-            format!(
-                "{} group {}; {} groups at the new revision",
-                p.phase,
-                p.group.map_or("-".into(), |g| g.to_string()),
-                p.updated_groups
-            ),
-        )
+        let mut message = format!(
+            "{} group {}; {} groups at the new revision",
+            p.phase,
+            p.group.map_or("-".into(), |g| g.to_string()),
+            p.updated_groups
+        );
+        if let Some(w) = p.prefill_wait {
+            message.push_str(&format!(
+                "; needs {} Updated prefill groups at the revision, {} present",
+                w.needed, w.updated
+            ));
+        }
+        Decided::yes(pr, Reason::RollingRestart, message)
     } else if let CapacityState::Pending { applied } = f.capacity {
         Decided::yes(
             pr,
@@ -340,6 +343,7 @@ mod tests {
             group: None,
             updated_groups: updated,
             action: rollout::RolloutAction::Wait,
+            prefill_wait: None,
         }
     }
 
@@ -418,6 +422,41 @@ mod tests {
         assert_eq!(
             summary(&settled),
             [(true, Reason::AllGroupsReady), (false, Reason::Settled)]
+        );
+    }
+
+    /// Issue 17: a decode pool waiting at the prefill gate says how many Updated prefill groups
+    /// it needs and how many there are.
+    #[test]
+    fn waiting_for_prefill_says_needed_vs_present() {
+        let plan = RolloutPlan {
+            phase: rollout::phase::WAITING_FOR_PREFILL,
+            group: Some(1),
+            updated_groups: 1,
+            action: rollout::RolloutAction::Wait,
+            prefill_wait: Some(rollout::PrefillWait {
+                needed: 3,
+                updated: 2,
+            }),
+        };
+        let pair = prefill(4, 3);
+        let d = readiness(&facts(&plan, Some(&pair), CapacityState::Steady));
+        assert_eq!(d[1].reason, Reason::RollingRestart);
+        assert_eq!(
+            d[1].message,
+            "WaitingForPrefill group 1; 1 groups at the new revision; needs 3 Updated prefill \
+             groups at the revision, 2 present"
+        );
+        // Other phases keep the message they had.
+        let draining = RolloutPlan {
+            phase: rollout::phase::DRAINING,
+            prefill_wait: None,
+            ..plan
+        };
+        let d = readiness(&facts(&draining, Some(&pair), CapacityState::Steady));
+        assert_eq!(
+            d[1].message,
+            "Draining group 1; 1 groups at the new revision"
         );
     }
 
