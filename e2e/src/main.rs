@@ -208,6 +208,15 @@ struct DemoArgs {
     /// Simulated engine container on the engine API.
     #[arg(long)]
     builtin_engine: bool,
+    /// Percent of the requests dispatched at which the DecodePool scales up by one.
+    #[arg(long, default_value_t = tandem_e2e::demo::DEFAULT_SCALE_AT_PCT,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=99))]
+    scale_at: usize,
+    /// Percent of the requests dispatched at which the ordered rolling restart starts (a short
+    /// replay needs it early: decode groups restart only once enough prefill groups are back).
+    #[arg(long, default_value_t = tandem_e2e::demo::DEFAULT_RESTART_AT_PCT,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=99))]
+    restart_at: usize,
     /// Prefill routing A/B (issue 16 item 2): the whole demo twice, each on a fresh cluster and
     /// stack, first with `TANDEM_DECODE_ROUTING=round-robin`, then `affinity`; reports in
     /// `--out`/round-robin and `--out`/affinity, the side-by-side table on stdout and in
@@ -486,6 +495,8 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
         cached_only: args.cached_only,
         wait_timeout: Duration::from_secs(args.wait_timeout_s),
         builtin_engine: args.builtin_engine,
+        scale_at_pct: args.scale_at,
+        restart_at_pct: args.restart_at,
     };
     if args.routing_ab {
         return routing_ab(opts).await;

@@ -1,6 +1,7 @@
 //! `tandem-e2e demo` (issue 8, issue 4's main job): a local cluster, Tandem installed with Helm,
 //! the sample stack (CacheTier, PrefillPool, DecodePool paired 4:1) running as real processes,
-//! a trace replay through the front door with a scale-up at ~30% and a rolling restart at ~60%,
+//! a trace replay through the front door with a scale-up at ~30% and a rolling restart at ~60%
+//! (`--scale-at`, `--restart-at`),
 //! then the stack deleted with its teardown order checked, and the report.
 //!
 //! Phases print `[demo] ...` progress lines; a failing phase is named in the error. After the
@@ -86,7 +87,19 @@ pub struct DemoOptions {
     /// Run the PrefillPool and the DecodePool with the worker's built-in engine instead of the
     /// Simulated engine container on the engine API ([`with_simulated_engine`]).
     pub builtin_engine: bool,
+    /// Percent of the requests dispatched at which the DecodePool scales up by one (1–99).
+    pub scale_at_pct: usize,
+    /// Percent of the requests dispatched at which the rolling restart starts (1–99). A short
+    /// replay needs it early: the decode groups restart only after `ceil((k+1)·P/D)` prefill
+    /// groups are back at the new revision (the operator's rollout gate), which at the demo's 8:2
+    /// takes most of a two-minute slice.
+    pub restart_at_pct: usize,
 }
+
+/// Default of [`DemoOptions::scale_at_pct`].
+pub const DEFAULT_SCALE_AT_PCT: usize = 30;
+/// Default of [`DemoOptions::restart_at_pct`].
+pub const DEFAULT_RESTART_AT_PCT: usize = 60;
 
 impl Default for DemoOptions {
     fn default() -> Self {
@@ -106,6 +119,8 @@ impl Default for DemoOptions {
             cached_only: false,
             wait_timeout: Duration::from_secs(300),
             builtin_engine: false,
+            scale_at_pct: DEFAULT_SCALE_AT_PCT,
+            restart_at_pct: DEFAULT_RESTART_AT_PCT,
         }
     }
 }
@@ -478,6 +493,7 @@ async fn on_cluster(
         clock,
         actions_log.clone(),
         opts.wait_timeout,
+        (opts.scale_at_pct, opts.restart_at_pct),
     ));
     let bar = crate::report::session::request_bar(workload.len());
     let cfg = ReplayConfig {
@@ -569,6 +585,11 @@ async fn on_cluster(
         ),
     );
     let restarted = events.iter().any(|e| e.kind == "restart-done");
+    let last_finished = results.iter().map(|r| r.finished_ms).fold(0.0, f64::max);
+    summary.restart_done_under_traffic = events
+        .iter()
+        .find(|e| e.kind == "restart-done")
+        .map(|e| e.t_ms <= last_finished);
     let loaded = summary.l3_pages_loaded_back_after_restart.unwrap_or(0);
     summary.check(
         "rolling restart with L3 loadback",
@@ -603,8 +624,9 @@ async fn on_cluster(
     Ok(summary)
 }
 
-/// At ≥ 30% of requests dispatched: DecodePool `replicas` + 1 (the PrefillPool follows the
-/// ratio); at ≥ 60%: a new `spec.restart.id` (ordered rolling restart). Records `scale`,
+/// At ≥ `at.0` % of requests dispatched (default 30): DecodePool `replicas` + 1 (the PrefillPool
+/// follows the ratio); at ≥ `at.1` % (default 60): a new `spec.restart.id` (ordered rolling
+/// restart). Records `scale`,
 /// `scale-ready`, `restart`, `restart-done` events into `log` as they happen; returns once the
 /// restart is done (every decode pod serving on a new revision) or fails.
 async fn mid_replay_actions(
@@ -613,6 +635,7 @@ async fn mid_replay_actions(
     clock: Clock,
     log: Arc<Mutex<Vec<Event>>>,
     timeout: Duration,
+    (scale_at, restart_at): (usize, usize),
 ) -> Result<(), StackError> {
     let record = |e: Event| {
         say(format!("event {}: {}", e.kind, e.detail));
@@ -620,7 +643,7 @@ async fn mid_replay_actions(
     };
     let reached =
         |p: &ReplayProgress, pct: usize| p.total > 0 && p.dispatched * 100 >= p.total * pct;
-    let _ = progress.wait_for(|p| reached(p, 30)).await;
+    let _ = progress.wait_for(|p| reached(p, scale_at)).await;
     let before = stack::decode_replicas(&client, NAMESPACE, DECODE_POOL).await?;
     stack::patch_decode_pool(
         &client,
@@ -656,7 +679,7 @@ async fn mid_replay_actions(
         }
     };
     let restart = async {
-        let _ = progress.wait_for(|p| reached(p, 60)).await;
+        let _ = progress.wait_for(|p| reached(p, restart_at)).await;
         let old = revisions(&client).await?;
         let id = format!("demo-{}", jiff::Timestamp::now().as_millisecond());
         stack::patch_decode_pool(
