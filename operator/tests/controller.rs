@@ -1359,4 +1359,44 @@ async fn a_two_pod_group_is_ready_only_whole_through_its_readiness_gate() {
     fake.clear_calls();
     round(&ctx).await;
     assert_eq!(summary(&fake.writes()), Vec::<String>::new());
+
+    // A rolling restart of the group goes through the gate (the rollout waits for Ready, which
+    // now needs the gate): the new pods open it once both are ContainersReady, and it completes.
+    let revision = |pod: &str| {
+        fake.get(paths::PODS, pod).unwrap()["metadata"]["labels"]["serving.tandem.dev/revision"]
+            .clone()
+    };
+    let old = revision(&ranks[0]);
+    fake.edit(paths::DECODES, DECODE, |o| {
+        o["spec"]["restart"]["id"] = json!("second");
+        o["metadata"]["generation"] = json!(2);
+    });
+    let mut settled = false;
+    for _ in 0..24 {
+        fake.clear_calls();
+        round(&ctx).await;
+        fake.materialize_pods();
+        if fake.writes().is_empty() {
+            settled = true;
+            break;
+        }
+    }
+    assert!(settled, "{:#?}", summary(&fake.writes()));
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(d["status"]["rollout"]["phase"], "Idle");
+    assert_eq!(condition(&d, "Ready")["status"], "True");
+    for r in &ranks {
+        assert_ne!(revision(r), old, "{r} restarted");
+        assert_eq!(revision(r), d["status"]["updateRevision"], "{r}");
+        assert_eq!(
+            pod_condition(&fake, r, gate).as_deref(),
+            Some("True"),
+            "{r}"
+        );
+        assert_eq!(
+            pod_condition(&fake, r, "Ready").as_deref(),
+            Some("True"),
+            "{r}"
+        );
+    }
 }
