@@ -1400,3 +1400,39 @@ async fn a_two_pod_group_is_ready_only_whole_through_its_readiness_gate() {
         );
     }
 }
+
+/// A refused pool (here a tier that contradicts the model: `PolicyConflict`) touches no child,
+/// but its running two-pod group keeps gang readiness: a rank dropping still closes the gate on
+/// both pods.
+#[tokio::test]
+async fn a_refused_pool_still_closes_the_gate_of_a_partial_group() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    fake.edit(paths::DECODES, DECODE, |d| {
+        d["spec"]["parallelism"]["tensor"] = json!(2);
+    });
+    let ctx = context(client);
+    converge(&fake, &ctx).await;
+    fake.edit(paths::TIERS, TIER, |t| {
+        t["spec"]["model"]["headDim"] = json!(64);
+    });
+    let ranks = [format!("{DECODE}-g0-0"), format!("{DECODE}-g0-1")];
+    set_containers_ready(&fake, &ranks[0], false);
+    fake.clear_calls();
+    reconcile_decode(&ctx).await;
+    let calls = fake.calls();
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(condition(&d, "PolicyConflict")["status"], "True");
+    assert_eq!(child_creates_or_applies(&calls), Vec::<String>::new());
+    assert_eq!(
+        gate_writes(&calls),
+        vec![
+            format!("{} False GroupMemberNotReady", ranks[0]),
+            format!("{} False GroupMemberNotReady", ranks[1]),
+        ]
+    );
+    assert_eq!(
+        pod_condition(&fake, &ranks[1], "Ready").as_deref(),
+        Some("False")
+    );
+}
