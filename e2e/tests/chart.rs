@@ -387,6 +387,7 @@ fn can_i_matrix(bins: &BinDir, kubeconfig: &Path) -> Result<(), String> {
         &["update", "configmaps", "-n", "serving"],
         &["delete", "pods", "-n", "serving"],
         &["watch", "pods", "-A"],
+        &["patch", "pods", "--subresource=status", "-n", "serving"],
         &["delete", "persistentvolumeclaims", "-n", "serving"],
         &["create", "events.events.k8s.io", "-n", "serving"],
         &["create", "leases.coordination.k8s.io", "-n", RELEASE_NS],
@@ -417,6 +418,7 @@ fn can_i_matrix(bins: &BinDir, kubeconfig: &Path) -> Result<(), String> {
         &["escalate", "clusterroles.rbac.authorization.k8s.io"],
         &["create", "persistentvolumeclaims", "-n", "serving"],
         &["create", "pods/exec", "-n", "serving"],
+        &["update", "pods", "--subresource=status", "-n", "serving"],
     ];
     let kubectl = bins.kubectl();
     let ask = |args: &[&str]| -> String {

@@ -19,6 +19,11 @@
 //!    other's file in the shared directory, the engine's argv is the rendered one with
 //!    `--ordinal` expanded to the pod's index (from the StatefulSet controller's
 //!    `apps.kubernetes.io/pod-index` label), and the config it read names the engine seat.
+//!
+//!    Gang readiness (issue 17): a ready-only Service over that two-pod group lists both pods;
+//!    when one rank's `/readyz` turns 404 (the test removes its file), neither pod is a ready
+//!    endpoint while the other stays `ContainersReady` (the operator closed the
+//!    `serving.tandem.dev/group-ready` gate on both), and both are back once it is ready again.
 //! 2. A PrefillPool `{kind: vLLM, image: …}` is admitted but refused: `Degraded=True,
 //!    EngineUnsupported`, a Warning event, and no StatefulSet. `kubectl get` shows both kinds in
 //!    the `ENGINE` column.
@@ -47,6 +52,7 @@ use serde_json::Value;
 use support::{ClusterShape, PrivateCluster, poll, run_tool, start_cluster};
 use tandem_e2e::cluster::client_for;
 use tandem_e2e::cluster::down::down;
+use tandem_e2e::runner::hosts::resolve;
 use tandem_e2e::runner::image::ImageTable;
 use tandem_e2e::runner::node::NodeSpecification;
 use tandem_e2e::runner::{PodDefaults, ProcessRunner, RunnerConfig};
@@ -55,6 +61,8 @@ const NS: &str = "default";
 const SIMULATED: &str = "engine-sim";
 const REFUSED: &str = "engine-vllm";
 const CRASHING: &str = "engine-crash";
+/// The readiness gate of multi-pod groups (operator/src/gang.rs).
+const GATE: &str = "serving.tandem.dev/group-ready";
 /// The image the pool names; the runner maps its last path component to [`SCRIPT`].
 const SCRIPT_IMAGE: &str = "example.org/e2e/tandem-worker-sh:1";
 
@@ -243,6 +251,11 @@ async fn scenario(client: &Client, t: &Tools<'_>, runner_dir: &Path) -> Result<(
     for p in &list.items {
         check_pod(p, runner_dir)?;
     }
+    gang(client, t, &list.items, runner_dir).await?;
+    println!(
+        "[{:>5.1}s] {SIMULATED}: one rank unready took both out of the endpoints, then both back",
+        t0.elapsed().as_secs_f64()
+    );
 
     // 2. vLLM: admitted, refused by the operator, nothing created.
     t.apply(&pool_yaml(
@@ -370,6 +383,121 @@ async fn scenario(client: &Client, t: &Tools<'_>, runner_dir: &Path) -> Result<(
         "[{:>5.1}s] {CRASHING}: one whole-group restart, then halted (ReplicaRestartBudgetExceeded, 0 pods)",
         t0.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+/// The condition `type_` of pod `name` now: `(status, reason)`, empty strings when absent.
+async fn pod_condition(pods: &Api<Pod>, name: &str, type_: &str) -> Option<(String, String)> {
+    let p = pods.get(name).await.ok()?;
+    let c = p
+        .status?
+        .conditions?
+        .into_iter()
+        .find(|c| c.type_ == type_)?;
+    Some((c.status, c.reason.unwrap_or_default()))
+}
+
+/// The ready endpoints of Service `service` as the runner publishes them: the addresses its
+/// hosts file (`<runner dir>/hosts`, the runner's Service emulation, which computes endpoints from
+/// pod `Ready` with the endpoint-slice controller's rule) gives the Service's name, sorted.
+fn ready_endpoints(runner_dir: &Path, service: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(runner_dir.join("hosts")).unwrap_or_default();
+    let mut ips = resolve(&text, &format!("{service}.{NS}.svc.cluster.local"));
+    ips.sort();
+    ips
+}
+
+/// Issue 17, gang readiness: a ready-only Service over the two-pod group lists both pods; when one
+/// rank's worker turns unready (its `/readyz` file removed, so its probe fails), the operator
+/// closes the `serving.tandem.dev/group-ready` gate on both and **neither** pod is a ready
+/// endpoint — the other rank stays `ContainersReady` throughout, so only the gate holds it out —
+/// and once the rank is ready again both are back.
+async fn gang(
+    client: &Client,
+    t: &Tools<'_>,
+    group: &[Pod],
+    runner_dir: &Path,
+) -> Result<(), String> {
+    let service = format!("{SIMULATED}-gang");
+    t.apply(&format!(
+        "apiVersion: v1
+kind: Service
+metadata: {{name: {service}, namespace: {NS}}}
+spec:
+  selector: {{serving.tandem.dev/pool: {SIMULATED}}}
+  ports: [{{name: health, port: 8080}}]
+"
+    ))?;
+    let mut group: Vec<&Pod> = group.iter().collect();
+    group.sort_by_key(|p| p.metadata.name.clone());
+    let names: Vec<String> = group
+        .iter()
+        .map(|p| p.metadata.name.clone().unwrap_or_default())
+        .collect();
+    let mut ips: Vec<String> = group
+        .iter()
+        .filter_map(|p| p.status.as_ref()?.pod_ip.clone())
+        .collect();
+    ips.sort();
+    if ips.len() != 2 {
+        return Err(format!("pod IPs {ips:?}: want two"));
+    }
+    let endpoints = || ready_endpoints(runner_dir, &service);
+    poll(Duration::from_secs(60), || async {
+        (endpoints() == ips).then_some(())
+    })
+    .await
+    .ok_or_else(|| {
+        format!(
+            "{service}: ready endpoints {:?}, want both ranks {ips:?}",
+            endpoints()
+        )
+    })?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    for n in &names {
+        let gate = pod_condition(&pods, n, GATE).await;
+        if gate.as_ref().map(|g| g.0.as_str()) != Some("True") {
+            return Err(format!("{n}: group-ready gate {gate:?}, want True"));
+        }
+    }
+    // Rank 1's worker turns unready: its /readyz file goes, so its readiness probe fails.
+    let uid = group[1].metadata.uid.clone().unwrap_or_default();
+    let readyz = runner_dir
+        .join("pods")
+        .join(format!("{NS}_{}_{uid}", names[1]))
+        .join("containers/worker/root/www/readyz");
+    std::fs::remove_file(&readyz).map_err(|e| format!("{}: {e}", readyz.display()))?;
+    let held = poll(Duration::from_secs(60), || async {
+        let rank0 = pod_condition(&pods, &names[0], "ContainersReady").await?;
+        let gate0 = pod_condition(&pods, &names[0], GATE).await?;
+        let closed = gate0 == ("False".into(), "GroupMemberNotReady".into());
+        (endpoints().is_empty() && rank0.0 == "True" && closed).then_some(())
+    })
+    .await;
+    if held.is_none() {
+        return Err(format!(
+            "with {} unready: {service} ready endpoints {:?}, {} ContainersReady {:?}, gate {:?}; \
+             want none, True, False/GroupMemberNotReady",
+            names[1],
+            endpoints(),
+            names[0],
+            pod_condition(&pods, &names[0], "ContainersReady").await,
+            pod_condition(&pods, &names[0], GATE).await,
+        ));
+    }
+    // Rank 1 is ready again: both are back.
+    std::fs::write(&readyz, "ok\n").map_err(|e| format!("{}: {e}", readyz.display()))?;
+    poll(Duration::from_secs(60), || async {
+        (endpoints() == ips).then_some(())
+    })
+    .await
+    .ok_or_else(|| {
+        format!(
+            "{service}: ready endpoints {:?} after rank 1 recovered, want {ips:?}",
+            endpoints()
+        )
+    })?;
+    t.kubectl(&["delete", "service", &service])?;
     Ok(())
 }
 

@@ -10,13 +10,15 @@
 //! - [`render`]: the worker and tier configs and the Kubernetes objects of a pool or tier;
 //! - [`rollout`]: the rolling-restart state machine; [`recovery`]: bounded group recovery
 //!   (`maxGroupRestarts`); [`teardown`]: the teardown step planner;
-//! - [`status`]: typed conditions whose transition time moves only on a flip.
+//! - [`status`]: typed conditions whose transition time moves only on a flip;
+//! - [`gang`]: the group-ready readiness gate of multi-pod groups (a partial group never serves).
 //!
 //! I/O: [`controller`] (the reconcilers, tested against a mock API with tower-test),
 //! [`metrics`] (Prometheus), and the `tandem-operator` binary (`src/main.rs`).
 
 pub mod capacity;
 pub mod controller;
+pub mod gang;
 pub mod labels;
 pub mod metrics;
 pub mod policy;

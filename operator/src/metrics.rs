@@ -6,8 +6,9 @@
 //!   `Progressing`, `PolicyConflict`, `InsufficientCapacity`, `Terminating`, `NotReady`), set on
 //!   every reconcile;
 //! - `tandem_operator_writes_total{kind,verb}` — API writes by verb (`apply`, `patch`, `delete`,
-//!   `status`, `scale`, `finalizer`, `event`: every API write a reconcile makes, events included),
-//!   the figure a steady state keeps at zero growth;
+//!   `status`, `scale`, `finalizer`, `event`, `pod-gate` — the [`crate::gang`] condition on a
+//!   pod: every API write a reconcile makes, events included), the figure a steady state keeps at
+//!   zero growth;
 //! - `tandem_operator_reconciles_in_flight{kind}` — reconciles running now. kube-runtime's
 //!   scheduler starts every due object at once (no concurrency limit is set) and holds back only
 //!   an object already being reconciled, so this is the work outstanding: the queue depth;

@@ -8,7 +8,9 @@
 //! - a hand-edited group replica count is restored with a `ReplicaDrift` event;
 //! - a restart rolls prefill before decode;
 //! - a pool asking for an engine this version does not serve (SGLang, vLLM) is refused with
-//!   `EngineUnsupported` and changes no child or pod, while a `Simulated` engine rolls out.
+//!   `EngineUnsupported` and changes no child or pod, while a `Simulated` engine rolls out;
+//! - a two-pod group is Ready only whole: the group-ready readiness gate opens on both pods once
+//!   both are `ContainersReady`, closes on both when one rank drops, with no write at rest.
 
 mod support;
 
@@ -1221,4 +1223,244 @@ async fn a_crash_looping_pod_is_halted_past_its_budget_and_a_new_revision_brings
     let d = fake.get(paths::DECODES, DECODE).unwrap();
     assert_eq!(d["status"].get("groupRestarts"), None, "{d}");
     assert_eq!(status_of(&condition(&d, "Degraded")).0, Some("False"));
+}
+
+/// The `pods/status` writes among `calls` (the gang gate), as `pod condition-status reason`.
+fn gate_writes(calls: &[Call]) -> Vec<String> {
+    calls
+        .iter()
+        .filter(|c| c.method == "PATCH" && c.path.starts_with(paths::PODS))
+        .filter(|c| c.path.ends_with("/status"))
+        .map(|c| {
+            let pod = c.path[paths::PODS.len() + 1..].trim_end_matches("/status");
+            let cond = &c.body.as_ref().unwrap()["status"]["conditions"][0];
+            assert_eq!(cond["type"], "serving.tandem.dev/group-ready", "{cond}");
+            assert_eq!(
+                c.content_type.as_deref(),
+                Some("application/strategic-merge-patch+json"),
+                "conditions must merge by type"
+            );
+            format!(
+                "{pod} {} {}",
+                cond["status"].as_str().unwrap(),
+                cond["reason"].as_str().unwrap()
+            )
+        })
+        .collect()
+}
+
+fn pod_condition(fake: &FakeApi, pod: &str, type_: &str) -> Option<String> {
+    let p = fake.get(paths::PODS, pod)?;
+    p["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)
+        .and_then(|c| c["status"].as_str().map(str::to_owned))
+}
+
+/// The kubelet's side of a rank going (un)ready: `ContainersReady`, then `Ready` from it and the
+/// readiness gates.
+fn set_containers_ready(fake: &FakeApi, pod: &str, ready: bool) {
+    fake.edit(paths::PODS, pod, |p| {
+        let status = if ready { "True" } else { "False" };
+        support::set_condition(p, json!({"type": "ContainersReady", "status": status}));
+        support::kubelet_ready(p);
+    });
+}
+
+/// Issue 17: a decode group of two pods (tensor 2) carries the group-ready readiness gate; the
+/// operator opens it on both pods once both are `ContainersReady`, closes it on both when one
+/// rank drops (so neither is `Ready`, and the pool's `Ready` turns False), reopens it when the
+/// rank is back, and a steady resync writes nothing. Single-pod prefill groups carry no gate.
+#[tokio::test]
+async fn a_two_pod_group_is_ready_only_whole_through_its_readiness_gate() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    fake.edit(paths::DECODES, DECODE, |d| {
+        d["spec"]["parallelism"]["tensor"] = json!(2);
+    });
+    let ctx = context(client);
+    converge(&fake, &ctx).await;
+    let gate = "serving.tandem.dev/group-ready";
+    let ranks = [format!("{DECODE}-g0-0"), format!("{DECODE}-g0-1")];
+    let sts = fake.get(paths::STS, &format!("{DECODE}-g0")).unwrap();
+    assert_eq!(
+        sts["spec"]["template"]["spec"]["readinessGates"],
+        json!([{"conditionType": gate}])
+    );
+    let psts = fake.get(paths::STS, &format!("{PREFILL}-g0")).unwrap();
+    assert!(
+        psts["spec"]["template"]["spec"]["readinessGates"].is_null(),
+        "single-pod groups carry no gate"
+    );
+    for r in &ranks {
+        assert_eq!(
+            pod_condition(&fake, r, gate).as_deref(),
+            Some("True"),
+            "{r}"
+        );
+        assert_eq!(
+            pod_condition(&fake, r, "Ready").as_deref(),
+            Some("True"),
+            "{r}"
+        );
+    }
+    assert_eq!(pod_condition(&fake, &format!("{PREFILL}-g0-0"), gate), None);
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(condition(&d, "Ready")["status"], "True");
+
+    // Steady state: no write.
+    fake.clear_calls();
+    round(&ctx).await;
+    assert_eq!(summary(&fake.writes()), Vec::<String>::new());
+
+    // Rank 1 drops: the gate closes on both, so neither is Ready.
+    set_containers_ready(&fake, &ranks[1], false);
+    assert_eq!(
+        pod_condition(&fake, &ranks[0], "Ready").as_deref(),
+        Some("True"),
+        "rank 0 alone still looks Ready before the operator acts"
+    );
+    fake.clear_calls();
+    round(&ctx).await;
+    assert_eq!(
+        gate_writes(&fake.calls()),
+        vec![
+            format!("{} False GroupMemberNotReady", ranks[0]),
+            format!("{} False GroupMemberNotReady", ranks[1]),
+        ]
+    );
+    for r in &ranks {
+        assert_eq!(
+            pod_condition(&fake, r, gate).as_deref(),
+            Some("False"),
+            "{r}"
+        );
+        assert_eq!(
+            pod_condition(&fake, r, "Ready").as_deref(),
+            Some("False"),
+            "{r}"
+        );
+        // The kubelet's own conditions are untouched by the merge.
+        assert!(pod_condition(&fake, r, "PodScheduled").is_some(), "{r}");
+    }
+    let msg = fake.get(paths::PODS, &ranks[0]).unwrap()["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == gate)
+        .unwrap()["message"]
+        .clone();
+    assert!(
+        msg.as_str()
+            .unwrap()
+            .contains(&format!("not ready: {}", ranks[1])),
+        "{msg}"
+    );
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(condition(&d, "Ready")["status"], "False");
+    fake.clear_calls();
+    round(&ctx).await;
+    assert_eq!(gate_writes(&fake.calls()), Vec::<String>::new());
+
+    // Rank 1 is back: the gate reopens on both.
+    set_containers_ready(&fake, &ranks[1], true);
+    fake.clear_calls();
+    round(&ctx).await;
+    assert_eq!(
+        gate_writes(&fake.calls()),
+        vec![
+            format!("{} True GroupReady", ranks[0]),
+            format!("{} True GroupReady", ranks[1]),
+        ]
+    );
+    converge(&fake, &ctx).await;
+    for r in &ranks {
+        assert_eq!(
+            pod_condition(&fake, r, "Ready").as_deref(),
+            Some("True"),
+            "{r}"
+        );
+    }
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(condition(&d, "Ready")["status"], "True");
+    fake.clear_calls();
+    round(&ctx).await;
+    assert_eq!(summary(&fake.writes()), Vec::<String>::new());
+
+    // A rolling restart of the group goes through the gate (the rollout waits for Ready, which
+    // now needs the gate): the new pods open it once both are ContainersReady, and it completes.
+    let revision = |pod: &str| {
+        fake.get(paths::PODS, pod).unwrap()["metadata"]["labels"]["serving.tandem.dev/revision"]
+            .clone()
+    };
+    let old = revision(&ranks[0]);
+    fake.edit(paths::DECODES, DECODE, |o| {
+        o["spec"]["restart"]["id"] = json!("second");
+        o["metadata"]["generation"] = json!(2);
+    });
+    let mut settled = false;
+    for _ in 0..24 {
+        fake.clear_calls();
+        round(&ctx).await;
+        fake.materialize_pods();
+        if fake.writes().is_empty() {
+            settled = true;
+            break;
+        }
+    }
+    assert!(settled, "{:#?}", summary(&fake.writes()));
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(d["status"]["rollout"]["phase"], "Idle");
+    assert_eq!(condition(&d, "Ready")["status"], "True");
+    for r in &ranks {
+        assert_ne!(revision(r), old, "{r} restarted");
+        assert_eq!(revision(r), d["status"]["updateRevision"], "{r}");
+        assert_eq!(
+            pod_condition(&fake, r, gate).as_deref(),
+            Some("True"),
+            "{r}"
+        );
+        assert_eq!(
+            pod_condition(&fake, r, "Ready").as_deref(),
+            Some("True"),
+            "{r}"
+        );
+    }
+}
+
+/// A refused pool (here a tier that contradicts the model: `PolicyConflict`) touches no child,
+/// but its running two-pod group keeps gang readiness: a rank dropping still closes the gate on
+/// both pods.
+#[tokio::test]
+async fn a_refused_pool_still_closes_the_gate_of_a_partial_group() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    fake.edit(paths::DECODES, DECODE, |d| {
+        d["spec"]["parallelism"]["tensor"] = json!(2);
+    });
+    let ctx = context(client);
+    converge(&fake, &ctx).await;
+    fake.edit(paths::TIERS, TIER, |t| {
+        t["spec"]["model"]["headDim"] = json!(64);
+    });
+    let ranks = [format!("{DECODE}-g0-0"), format!("{DECODE}-g0-1")];
+    set_containers_ready(&fake, &ranks[0], false);
+    fake.clear_calls();
+    reconcile_decode(&ctx).await;
+    let calls = fake.calls();
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(condition(&d, "PolicyConflict")["status"], "True");
+    assert_eq!(child_creates_or_applies(&calls), Vec::<String>::new());
+    assert_eq!(
+        gate_writes(&calls),
+        vec![
+            format!("{} False GroupMemberNotReady", ranks[0]),
+            format!("{} False GroupMemberNotReady", ranks[1]),
+        ]
+    );
+    assert_eq!(
+        pod_condition(&fake, &ranks[1], "Ready").as_deref(),
+        Some("False")
+    );
 }

@@ -41,7 +41,10 @@ use super::hosts::HOSTS_FILE_ENV;
 use super::image::ImageTable;
 use super::pod_ip::PodIpAllocator;
 use super::probe::{ProbeState, run_probe};
-use super::status::{ConditionClock, ContainerRun, ContainerView, Exit, PodView, pod_status};
+use super::status::{
+    ConditionClock, ContainerRun, ContainerView, Exit, PodView, gate_views,
+    keep_foreign_conditions, pod_status,
+};
 use super::storage::claim_directory;
 use super::volumes::{ROOT_ENV, Tokens, link_mounts, plan_volume, token_needs, write_volume};
 use crate::pidfile::ProcessId;
@@ -515,6 +518,7 @@ impl Supervisor {
         let host = self.ctx.node_ip.to_string();
         let init_views: Vec<ContainerView> = self.init.iter().map(|s| s.view.clone()).collect();
         let app_views: Vec<ContainerView> = self.app.iter().map(|s| s.view.clone()).collect();
+        let gates = gate_views(&self.pod);
         let view = PodView {
             phase: self.phase(),
             pod_ip: self.prepared.then_some(ip.as_str()),
@@ -530,21 +534,38 @@ impl Supervisor {
                 .filter(|s| s.sidecar)
                 .all(|s| s.view.ready()),
             message: None,
+            gates: &gates,
         };
-        let status = pod_status(&view, &mut self.clock, Timestamp::now());
+        let mut status = pod_status(&view, &mut self.clock, Timestamp::now());
+        keep_foreign_conditions(&mut status, &self.pod);
         let Ok(value) = serde_json::to_value(&status) else {
             return;
         };
         if self.last_status.as_ref() == Some(&value) {
             return;
         }
-        let patch = serde_json::json!({ "status": value });
+        // The merge patch replaces `conditions` whole: the precondition makes a write that raced
+        // another condition owner (the operator's readiness gate) fail instead of erasing it.
+        let patch = serde_json::json!({
+            "metadata": { "resourceVersion": self.pod.metadata.resource_version },
+            "status": value,
+        });
         match self
             .api
             .patch_status(&self.name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
         {
-            Ok(_) => self.last_status = Some(value),
+            Ok(pod) => {
+                self.pod = pod;
+                self.last_status = Some(value);
+            }
+            Err(kube::Error::Api(e)) if e.code == 409 => {
+                // Someone wrote the pod since we read it: reread, and publish again next tick.
+                tracing::debug!(pod = %self.name, "status patch conflict; rereading the pod");
+                if let Ok(pod) = self.api.get_status(&self.name).await {
+                    self.pod = pod;
+                }
+            }
             Err(e) => tracing::warn!(pod = %self.name, "status patch: {e}"),
         }
     }

@@ -2,7 +2,12 @@
 //!
 //! Conditions follow the kubelet (`PodScheduled`, `PodReadyToStartContainers`, `Initialized`,
 //! `ContainersReady`, `Ready`); a condition's `lastTransitionTime` changes only when its status
-//! does ([`ConditionClock`]). The phase rule is the API's (`PodStatus.phase` docs): `Pending` until
+//! does ([`ConditionClock`]). Like the kubelet, `Ready` is `ContainersReady` **and** every
+//! `spec.readinessGates` condition `True` ([`gate_views`], KEP-580); the gate conditions
+//! themselves belong to whoever sets them (the operator's `serving.tandem.dev/group-ready`): the
+//! runner never decides them, and since its merge patch replaces the `conditions` list whole, it
+//! sends them back as it last saw them ([`keep_foreign_conditions`]) under a `resourceVersion`
+//! precondition, so a write racing the owner's fails (409) instead of erasing it. The phase rule is the API's (`PodStatus.phase` docs): `Pending` until
 //! every container started once, `Running` while any runs or will be restarted, `Succeeded` /
 //! `Failed` once all terminated for good.
 
@@ -11,7 +16,7 @@ use std::collections::BTreeMap;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{
     ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStateWaiting,
-    ContainerStatus, HostIP, PodCondition, PodIP, PodStatus,
+    ContainerStatus, HostIP, Pod, PodCondition, PodIP, PodStatus,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
@@ -118,6 +123,80 @@ impl ConditionClock {
     }
 }
 
+/// One `spec.readinessGates` entry and the status of its condition in the pod now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GateView {
+    /// The gate's `conditionType`.
+    pub condition_type: String,
+    /// That condition's `status` (`True`/`False`/`Unknown`), or `None` when the pod has none.
+    pub status: Option<String>,
+}
+
+/// The readiness gates of `pod` with their current condition statuses (pure; empty without gates).
+pub fn gate_views(pod: &Pod) -> Vec<GateView> {
+    let conditions = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_deref())
+        .unwrap_or_default();
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.readiness_gates.as_deref())
+        .unwrap_or_default()
+        .iter()
+        .map(|g| GateView {
+            condition_type: g.condition_type.clone(),
+            status: conditions
+                .iter()
+                .find(|c| c.type_ == g.condition_type)
+                .map(|c| c.status.clone()),
+        })
+        .collect()
+}
+
+/// The first readiness gate that holds `Ready` back, as the kubelet words it
+/// (`pkg/kubelet/status/generate.go`); `None` when every gate's condition is `True`.
+pub fn gates_not_ready(gates: &[GateView]) -> Option<String> {
+    gates.iter().find_map(|g| match g.status.as_deref() {
+        Some("True") => None,
+        None => Some(format!(
+            "corresponding condition of pod readiness gate \"{}\" does not exist.",
+            g.condition_type
+        )),
+        Some(other) => Some(format!(
+            "the status of pod readiness gate \"{}\" is not \"True\", but {other}",
+            g.condition_type
+        )),
+    })
+}
+
+/// The condition types the runner reports itself (the kubelet's); every other condition type on a
+/// pod belongs to someone else.
+pub const OWNED_CONDITIONS: [&str; 5] = [
+    "PodReadyToStartContainers",
+    "Initialized",
+    "ContainersReady",
+    "Ready",
+    "PodScheduled",
+];
+
+/// Appends to `status` the conditions of `pod` the runner does not own ([`OWNED_CONDITIONS`]),
+/// unchanged: a JSON merge patch replaces the list whole, so this keeps them.
+pub fn keep_foreign_conditions(status: &mut PodStatus, pod: &Pod) {
+    let foreign = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_deref())
+        .unwrap_or_default()
+        .iter()
+        .filter(|c| !OWNED_CONDITIONS.contains(&c.type_.as_str()))
+        .cloned();
+    status
+        .conditions
+        .get_or_insert_with(Vec::new)
+        .extend(foreign);
+}
+
 /// Everything [`pod_status`] reports.
 #[derive(Debug, Clone)]
 pub struct PodView<'a> {
@@ -142,6 +221,8 @@ pub struct PodView<'a> {
     pub sidecars_ready: bool,
     /// A pod-level reason/message (e.g. a config error), if any.
     pub message: Option<(&'a str, &'a str)>,
+    /// The pod's readiness gates and their conditions now ([`gate_views`]).
+    pub gates: &'a [GateView],
 }
 
 /// Builds the status object to patch into `pods/status`.
@@ -155,11 +236,17 @@ pub fn pod_status(view: &PodView<'_>, clock: &mut ConditionClock, now: Timestamp
         last_transition_time: Some(Time(clock.observe(kind, value, now))),
         ..Default::default()
     };
+    let gate_block = gates_not_ready(view.gates);
+    let mut ready = cond("Ready", all_ready && gate_block.is_none());
+    if all_ready && let Some(message) = gate_block {
+        ready.reason = Some("ReadinessGatesNotReady".into());
+        ready.message = Some(message);
+    }
     let conditions = vec![
         cond("PodReadyToStartContainers", view.sandbox_ready),
         cond("Initialized", view.initialized),
         cond("ContainersReady", all_ready),
-        cond("Ready", all_ready),
+        ready,
         cond("PodScheduled", true),
     ];
     PodStatus {
@@ -304,7 +391,152 @@ mod tests {
             containers,
             sidecars_ready: true,
             message: None,
+            gates: &[],
         }
+    }
+
+    fn running(name: &str) -> ContainerView {
+        ContainerView {
+            run: ContainerRun::Running {
+                started_at: ts(10),
+                ready: true,
+            },
+            ..ContainerView::creating(name, "img")
+        }
+    }
+
+    fn condition(s: &PodStatus, type_: &str) -> PodCondition {
+        let conds = s.conditions.as_ref().unwrap();
+        conds.iter().find(|c| c.type_ == type_).cloned().unwrap()
+    }
+
+    #[test]
+    fn ready_waits_for_every_readiness_gate_and_never_reports_the_gate_itself() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p"},
+            "spec": {"containers": [{"name": "a"}],
+                     "readinessGates": [{"conditionType": "serving.tandem.dev/group-ready"}]},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]}
+        }))
+        .unwrap();
+        let gates = gate_views(&pod);
+        assert_eq!(
+            gates,
+            vec![GateView {
+                condition_type: "serving.tandem.dev/group-ready".into(),
+                status: None
+            }]
+        );
+        let cs = vec![running("a")];
+        let mut clock = ConditionClock::default();
+        let v = PodView {
+            gates: &gates,
+            ..view(&cs)
+        };
+        let s = pod_status(&v, &mut clock, ts(20));
+        assert_eq!(condition(&s, "ContainersReady").status, "True");
+        let ready = condition(&s, "Ready");
+        assert_eq!(
+            ready.status, "False",
+            "a missing gate condition holds Ready"
+        );
+        assert_eq!(ready.reason.as_deref(), Some("ReadinessGatesNotReady"));
+        assert!(
+            ready.message.as_deref().unwrap().contains("does not exist"),
+            "{ready:?}"
+        );
+        assert!(
+            s.conditions
+                .as_ref()
+                .unwrap()
+                .iter()
+                .all(|c| c.type_ != "serving.tandem.dev/group-ready"),
+            "the runner does not own the gate condition"
+        );
+
+        let mut gated = gates.clone();
+        gated[0].status = Some("False".into());
+        let s = pod_status(
+            &PodView {
+                gates: &gated,
+                ..view(&cs)
+            },
+            &mut clock,
+            ts(25),
+        );
+        let ready = condition(&s, "Ready");
+        assert_eq!(ready.status, "False");
+        assert!(
+            ready.message.as_deref().unwrap().contains("but False"),
+            "{ready:?}"
+        );
+
+        gated[0].status = Some("True".into());
+        let s = pod_status(
+            &PodView {
+                gates: &gated,
+                ..view(&cs)
+            },
+            &mut clock,
+            ts(30),
+        );
+        let ready = condition(&s, "Ready");
+        assert_eq!((ready.status.as_str(), ready.reason), ("True", None));
+        assert_eq!(ready.last_transition_time, Some(Time(ts(30))));
+
+        // The gate condition as the pod carries it is sent back unchanged, owned ones are not
+        // duplicated.
+        let mut seen = pod.clone();
+        seen.status
+            .as_mut()
+            .unwrap()
+            .conditions
+            .as_mut()
+            .unwrap()
+            .push(PodCondition {
+                type_: "serving.tandem.dev/group-ready".into(),
+                status: "True".into(),
+                reason: Some("GroupReady".into()),
+                ..Default::default()
+            });
+        let mut out = s.clone();
+        keep_foreign_conditions(&mut out, &seen);
+        let types: Vec<&str> = out
+            .conditions
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|c| c.type_.as_str())
+            .collect();
+        assert_eq!(
+            types,
+            vec![
+                "PodReadyToStartContainers",
+                "Initialized",
+                "ContainersReady",
+                "Ready",
+                "PodScheduled",
+                "serving.tandem.dev/group-ready"
+            ]
+        );
+        assert_eq!(
+            out.conditions.as_ref().unwrap()[5].reason.as_deref(),
+            Some("GroupReady")
+        );
+
+        // A container going unready wins over the gate: ContainersReady and Ready both False.
+        let down = vec![ContainerView::creating("a", "img")];
+        let s = pod_status(
+            &PodView {
+                gates: &gated,
+                ..view(&down)
+            },
+            &mut clock,
+            ts(40),
+        );
+        assert_eq!(condition(&s, "ContainersReady").status, "False");
+        assert_eq!(condition(&s, "Ready").status, "False");
+        assert_eq!(condition(&s, "Ready").reason, None);
     }
 
     #[test]

@@ -226,6 +226,12 @@ pub fn pod_ready(p: &Pod) -> bool {
     condition(p, "Ready").is_some_and(ConditionStatus::is_true)
 }
 
+/// The pod's `ContainersReady` condition is true (its containers' readiness alone, without
+/// readiness gates: what [`crate::gang`] judges a group by).
+pub fn pod_containers_ready(p: &Pod) -> bool {
+    condition(p, "ContainersReady").is_some_and(ConditionStatus::is_true)
+}
+
 /// The largest `restartCount` among the pod's containers and init containers (native sidecars
 /// restart in place like main containers); 0 without status.
 pub fn pod_restarts(p: &Pod) -> u32 {

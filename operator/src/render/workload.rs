@@ -8,14 +8,19 @@
 //! of DESIGN §5) and a memory-backed `/dev/shm` sized for every host pool. With `spec.engine` the
 //! worker becomes a native sidecar too, after the store-client, and the main container is the
 //! engine ([`super::engine`]).
+//!
+//! A group of more than one pod also carries the readiness gate
+//! [`crate::gang::GROUP_READY`]: its pods turn `Ready` (and join the Services' ready endpoints)
+//! only once the operator saw the whole group `ContainersReady` ([`crate::gang`]). Single-pod
+//! groups carry none (their `Ready` already is the group's), so their objects are unchanged.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec, StatefulSetUpdateStrategy};
 use k8s_openapi::api::core::v1::{
     ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
-    EnvVarSource, HTTPGetAction, ObjectFieldSelector, PodSpec, PodTemplateSpec, Probe,
-    ResourceRequirements, Service, ServicePort, ServiceSpec, Volume, VolumeMount,
+    EnvVarSource, HTTPGetAction, ObjectFieldSelector, PodReadinessGate, PodSpec, PodTemplateSpec,
+    Probe, ResourceRequirements, Service, ServicePort, ServiceSpec, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
@@ -333,6 +338,11 @@ pub fn group_statefulset(
                     priority_class_name: o.priority_class_name.clone(),
                     service_account_name: o.service_account_name.clone(),
                     termination_grace_period_seconds: Some(TERMINATION_GRACE_SECONDS),
+                    readiness_gates: (pool.group_size() > 1).then(|| {
+                        vec![PodReadinessGate {
+                            condition_type: crate::gang::GROUP_READY.into(),
+                        }]
+                    }),
                     ..PodSpec::default()
                 }),
             },

@@ -104,6 +104,57 @@ fn merge(target: &mut Value, patch: &Value) {
     }
 }
 
+/// A strategic-merge patch of a pod's status as the API server and kubelet treat it:
+/// `conditions` merge by `type` (other fields merge as JSON), then `Ready` is recomputed the
+/// kubelet's way — `ContainersReady` and every readiness gate's condition `True`.
+fn strategic_status(pod: &mut Value, patch: &Value) {
+    let mut rest = patch.clone();
+    let conds = rest
+        .as_object_mut()
+        .and_then(|o| o.remove("conditions"))
+        .and_then(|c| c.as_array().cloned())
+        .unwrap_or_default();
+    merge(&mut pod["status"], &rest);
+    for c in conds {
+        set_condition(pod, c);
+    }
+    kubelet_ready(pod);
+}
+
+/// Sets (replaces by `type`) one condition in a pod's status.
+pub fn set_condition(pod: &mut Value, c: Value) {
+    if !pod["status"]["conditions"].is_array() {
+        pod["status"]["conditions"] = json!([]);
+    }
+    let list = pod["status"]["conditions"].as_array_mut().unwrap();
+    match list.iter_mut().find(|x| x["type"] == c["type"]) {
+        Some(x) => *x = c,
+        None => list.push(c),
+    }
+}
+
+/// The kubelet's `Ready`: `ContainersReady` True and every `spec.readinessGates` condition True.
+pub fn kubelet_ready(pod: &mut Value) {
+    let is_true = |pod: &Value, t: &str| {
+        pod["status"]["conditions"]
+            .as_array()
+            .is_some_and(|cs| cs.iter().any(|c| c["type"] == t && c["status"] == "True"))
+    };
+    let gates: Vec<String> = pod["spec"]["readinessGates"]
+        .as_array()
+        .map(|g| {
+            g.iter()
+                .filter_map(|g| g["conditionType"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    let ready = is_true(pod, "ContainersReady") && gates.iter().all(|g| is_true(pod, g));
+    set_condition(
+        pod,
+        json!({"type": "Ready", "status": if ready { "True" } else { "False" }}),
+    );
+}
+
 fn status(code: u16, reason: &str) -> (u16, Value) {
     (
         code,
@@ -261,6 +312,12 @@ impl FakeApi {
                             "spec": {"replicas": o["spec"]["replicas"]}, "status": {"replicas": 0}}),
                         );
                     }
+                    Some("status")
+                        if content_type.as_deref()
+                            == Some("application/strategic-merge-patch+json") =>
+                    {
+                        strategic_status(&mut o, &patch["status"]);
+                    }
                     Some("status") => merge(&mut o["status"], &patch["status"]),
                     _ => {
                         if let Some(want) = patch["metadata"]["resourceVersion"].as_str()
@@ -365,7 +422,8 @@ impl FakeApi {
     }
 
     /// Creates the pods of every StatefulSet (as the StatefulSet controller and the scheduler
-    /// and kubelet would), Ready and scheduled, from the current template; drops pods beyond
+    /// and kubelet would), `ContainersReady` and scheduled, from the current template (its
+    /// readiness gates included: `Ready` waits for their conditions); drops pods beyond
     /// `spec.replicas`. Existing pods keep their labels (OnDelete).
     pub fn materialize_pods(&self) {
         let sets: Vec<Value> = self
@@ -382,15 +440,18 @@ impl FakeApi {
                     continue;
                 }
                 let labels = s["spec"]["template"]["metadata"]["labels"].clone();
-                self.insert(
-                    paths::PODS,
-                    json!({"apiVersion":"v1","kind":"Pod",
-                        "metadata":{"name": pod, "labels": labels},
-                        "spec":{"nodeName":"node-1","containers":[{"name":"worker"}]},
-                        "status":{"conditions":[
-                            {"type":"PodScheduled","status":"True"},
-                            {"type":"Ready","status":"True"}]}}),
-                );
+                let mut obj = json!({"apiVersion":"v1","kind":"Pod",
+                    "metadata":{"name": pod, "labels": labels},
+                    "spec":{"nodeName":"node-1","containers":[{"name":"worker"}]},
+                    "status":{"conditions":[
+                        {"type":"PodScheduled","status":"True"},
+                        {"type":"ContainersReady","status":"True"}]}});
+                let gates = &s["spec"]["template"]["spec"]["readinessGates"];
+                if gates.is_array() {
+                    obj["spec"]["readinessGates"] = gates.clone();
+                }
+                kubelet_ready(&mut obj);
+                self.insert(paths::PODS, obj);
             }
             for p in self.names(paths::PODS) {
                 if let Some(i) = p

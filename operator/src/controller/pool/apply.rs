@@ -4,17 +4,18 @@
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Pod, Service};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
+use kube::api::{Patch, PatchParams};
 use kube::{Api, ResourceExt};
 
 use super::super::children::{self, ApplyReason, normal, warning};
 use super::super::{Context, Result};
 use super::observe::PoolChildren;
 use super::{Desired, Note};
-use crate::labels;
 use crate::recovery::{RecoveryAction, RecoveryPlan};
 use crate::render::{PoolView, workload};
 use crate::rollout::{self, RolloutAction, RolloutPlan};
+use crate::{gang, labels};
 
 /// A reference to the child `name` of kind `K` in the parent's namespace.
 pub fn child_ref<K: kube::Resource<DynamicType = ()>>(
@@ -84,6 +85,41 @@ where
             .await;
     }
     Ok(reason)
+}
+
+/// Writes the group-ready readiness gate ([`crate::gang`]) on the pods whose condition must
+/// change: a strategic-merge patch of `pods/status` (conditions merge by `type`, so the kubelet's
+/// own conditions are untouched), nothing when every pod already carries its verdict. A pod gone
+/// meanwhile (404) is skipped.
+///
+/// # Errors
+/// API failures other than 404.
+pub async fn gang_gates(
+    ctx: &Context,
+    kind: &str,
+    pods: &Api<Pod>,
+    group_size: u32,
+    observed: &PoolChildren,
+) -> Result<()> {
+    let now = jiff::Timestamp::now();
+    for w in gang::decide(group_size, &observed.gang_pods()) {
+        let patch = serde_json::json!({"status": {"conditions": [{
+            "type": gang::GROUP_READY,
+            "status": w.status(),
+            "reason": w.reason,
+            "message": w.message,
+            "lastTransitionTime": Time(now),
+        }]}});
+        match pods
+            .patch_status(&w.pod, &PatchParams::default(), &Patch::Strategic(&patch))
+            .await
+        {
+            Ok(_) => ctx.metrics.write(kind, "pod-gate"),
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
 }
 
 /// Converges a pool's children to `desired` (its groups rendered from its config, revision
@@ -172,6 +208,7 @@ pub async fn converge(
     }
 
     let pod_api: Api<Pod> = Api::namespaced(c.clone(), ns);
+    gang_gates(ctx, kind, &pod_api, view.group_size(), observed).await?;
     for action in &recovery.actions {
         let group_ref = |g: u32| {
             Some(child_ref::<StatefulSet>(

@@ -6,7 +6,7 @@
 //!    kind reads besides ([`PoolKind::read`]: the pair, the tiers);
 //! 2. **validate** (pure): [`PoolKind::validate`] gives the kind's validated value or a
 //!    [`Refusal`], which [`blocked::report`] turns into conditions and one event, touching no
-//!    child;
+//!    child (the running pods' gang gate, [`apply::gang_gates`], is still kept);
 //! 3. **desired** (pure): [`PoolKind::desire`] gives the desired set as a value, [`Desired`]:
 //!    group count, config at its revision, the rollout gate, the kind's conditions and the events
 //!    its decisions raise; then (I/O, with `probe_reports`) the `/report` of the pool's unready
@@ -169,6 +169,10 @@ pub async fn reconcile<K: PoolKind>(handed: Arc<K>, ctx: Arc<Context>) -> Result
     let validated = match K::validate(&pool, &world) {
         Ok(v) => v,
         Err(refusal) => {
+            // A refused pool touches no child, but the pods it already runs keep gang
+            // readiness: a partial group must leave the endpoints whatever the spec says.
+            let pods = Api::namespaced(ctx.client.clone(), &ns);
+            apply::gang_gates(&ctx, K::KIND, &pods, pool.view().group_size(), &observed).await?;
             let block = Block::from(&refusal);
             let owner = K::replicas_owner(&pool, &world);
             let status = blocked_status(pool.as_ref(), &observed, &block, owner);

@@ -9,6 +9,7 @@ use kube::{Api, ResourceExt};
 
 use super::super::children;
 use super::super::{Context, Result};
+use crate::gang::{self, GangPod, GateCondition};
 use crate::labels::{self, Role};
 use crate::rollout::{GroupObservation, PodObservation};
 
@@ -51,6 +52,11 @@ impl PoolChildren {
             .count() as u32
     }
 
+    /// Every pod as the gang decision ([`crate::gang::decide`]) sees it.
+    pub fn gang_pods(&self) -> Vec<GangPod> {
+        self.pods.iter().map(gang_pod).collect()
+    }
+
     /// The group observations of groups `0..groups` of `group_size` pods.
     pub fn observations(&self, groups: u32, group_size: u32) -> Vec<GroupObservation> {
         (0..groups)
@@ -75,6 +81,38 @@ impl PoolChildren {
                     .collect(),
             })
             .collect()
+    }
+}
+
+/// One pod as [`crate::gang`] sees it: its group and revision labels, `ContainersReady`, whether
+/// its spec lists the [`gang::GROUP_READY`] readiness gate, and that condition now.
+pub fn gang_pod(p: &Pod) -> GangPod {
+    let gated = p
+        .spec
+        .as_ref()
+        .and_then(|s| s.readiness_gates.as_ref())
+        .is_some_and(|g| g.iter().any(|g| g.condition_type == gang::GROUP_READY));
+    let current = p
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == gang::GROUP_READY))
+        .map(|c| GateCondition {
+            status: c.status.clone(),
+            reason: c.reason.clone().unwrap_or_default(),
+        });
+    GangPod {
+        name: p.name_any(),
+        group: children::group_of(p),
+        revision: p
+            .labels()
+            .get(labels::REVISION)
+            .cloned()
+            .unwrap_or_default(),
+        containers_ready: children::pod_containers_ready(p),
+        terminating: children::terminating(p),
+        gated,
+        current,
     }
 }
 
