@@ -182,9 +182,22 @@ pub async fn load_and_store(
                 match ev?.event {
                     Some(pb::load_event::Event::Layer(l)) => {
                         s.load_waits += 1;
+                        // Only the leading pages the event covers were written (0: a worker
+                        // without the field, every page); a page behind a failed fetch is not
+                        // ours to read.
+                        let covered = match l.pages as usize {
+                            0 => hit,
+                            n => n.min(hit),
+                        };
                         if l.pool == pb::PoolKind::Target as i32 && ready.insert(l.layer) && !skip_wait
                         {
-                            verify_layer(target, &hashes[..hit], &pages[..hit], l.layer, s);
+                            verify_layer(
+                                target,
+                                &hashes[..covered],
+                                &pages[..covered],
+                                l.layer,
+                                s,
+                            );
                         }
                     }
                     Some(pb::load_event::Event::Done(d)) => return Ok(d.pages as usize),

@@ -16,7 +16,9 @@
 //!   [`EventLedger`] event and sends `LayerLoaded` — the event the engine waits on before it reads
 //!   that layer (contract 5); then `LoadDone { pages, bytes }`. A page that is missing, fails its
 //!   checksum or length, or whose replica does not answer ends the load there: the pages before it
-//!   are loaded (with their events) and `LoadFailed { pages_loaded }` follows.
+//!   are loaded (with their events) and `LoadFailed { pages_loaded }` follows. Every `LayerLoaded`
+//!   names the leading pages it covers (`pages`), known before the first copy, so an engine never
+//!   reads a page behind the failure as loaded.
 //! - **Store** copies the source pages' bytes into L2 before it answers (the engine may reuse the
 //!   pages at once) and hands pages to a background L3 writer per the write policy
 //!   (write-through: every stored page; write-back: the pages L2 evicts, and every page at drain).
@@ -531,6 +533,7 @@ impl HostTiers {
                         if !send(pb::load_event::Event::Layer(pb::LayerLoaded {
                             pool: crate::engine_api::identity::kind_to_proto(pool) as i32,
                             layer,
+                            pages: n as u32,
                         })) {
                             // The engine went away: nobody reads these pages.
                             self.ledger.fail_from(&plan, i + 1);
@@ -895,10 +898,11 @@ mod tests {
         }
     }
 
-    fn layer(l: u32) -> pb::load_event::Event {
+    fn layer(l: u32, pages: u32) -> pb::load_event::Event {
         pb::load_event::Event::Layer(pb::LayerLoaded {
             pool: pb::PoolKind::Target as i32,
             layer: l,
+            pages,
         })
     }
 
@@ -920,8 +924,8 @@ mod tests {
         assert_eq!(
             ev,
             vec![
-                layer(0),
-                layer(1),
+                layer(0, 2),
+                layer(1, 2),
                 pb::load_event::Event::Done(pb::LoadDone {
                     pages: 2,
                     bytes: 512
@@ -943,7 +947,8 @@ mod tests {
         t.store(&[h(1)], &[0]).unwrap();
         let ev = events_of(&t, vec![h(1), h(9)], vec![3, 4]);
         assert_eq!(ev.len(), 3, "{ev:?}");
-        assert_eq!(ev[..2], [layer(0), layer(1)]);
+        // The layer events cover the one page loaded, not the page behind the failure.
+        assert_eq!(ev[..2], [layer(0, 1), layer(1, 1)]);
         match &ev[2] {
             pb::load_event::Event::Failed(f) => assert_eq!(f.pages_loaded, 1, "{f:?}"),
             other => panic!("{other:?}"),
