@@ -68,6 +68,20 @@ type PutSender = std_mpsc::SyncSender<(PageKey, Arc<[u8]>)>;
 /// Most pages waiting for the background L3 writer; beyond it a put is dropped and counted.
 pub const L3_PUT_QUEUE: usize = 4096;
 
+/// Most bytes of page copies waiting for the background L3 writer (the queue's real bound:
+/// [`put_queue_pages`]). A slow or restarting store must not grow the prefill's memory past its
+/// pod limit: with the sample's 640 KiB pages a 4,096-page queue held 2.5 GiB, and the engine
+/// path's full-trace run had prefill workers OOM-killed at 3–4.6 GiB anonymous memory while the
+/// store replicas restarted (issue 13 note). A put beyond it is dropped and counted
+/// (`l3_puts_dropped`); the page stays in L2.
+pub const L3_PUT_QUEUE_BYTES: usize = 128 << 20;
+
+/// The L3 writer queue's length in pages for pages of `page_bytes`: [`L3_PUT_QUEUE_BYTES`] worth,
+/// at least 16 and at most [`L3_PUT_QUEUE`].
+pub fn put_queue_pages(page_bytes: usize) -> usize {
+    (L3_PUT_QUEUE_BYTES / page_bytes.max(1)).clamp(16, L3_PUT_QUEUE)
+}
+
 /// What the tier backend did (monotonic since start).
 #[derive(Debug, Default)]
 pub struct TierStats {
@@ -227,7 +241,9 @@ impl HostTiers {
         let write_policy = cache.l3_target().map(|t| t.write_policy);
         let stats = Arc::new(TierStats::default());
         let puts = if write_policy.is_some() {
-            let (tx, rx) = std_mpsc::sync_channel::<(PageKey, Arc<[u8]>)>(L3_PUT_QUEUE);
+            let page_bytes = usize::try_from(layout.page_bytes()).unwrap_or(usize::MAX);
+            let (tx, rx) =
+                std_mpsc::sync_channel::<(PageKey, Arc<[u8]>)>(put_queue_pages(page_bytes));
             let c = cache.clone();
             std::thread::Builder::new()
                 .name("l3-writer".into())
@@ -904,6 +920,17 @@ mod tests {
             layer: l,
             pages,
         })
+    }
+
+    #[test]
+    fn the_l3_put_queue_is_bounded_in_bytes() {
+        // The sample's 640 KiB pages: 204 pages (128 MiB), not 4,096 (2.5 GiB).
+        assert_eq!(super::put_queue_pages(640 << 10), 204);
+        assert!(super::put_queue_pages(640 << 10) * (640 << 10) <= super::L3_PUT_QUEUE_BYTES);
+        // Small pages keep the page bound; huge pages keep a few slots.
+        assert_eq!(super::put_queue_pages(256), super::L3_PUT_QUEUE);
+        assert_eq!(super::put_queue_pages(64 << 20), 16);
+        assert_eq!(super::put_queue_pages(0), super::L3_PUT_QUEUE);
     }
 
     #[test]
