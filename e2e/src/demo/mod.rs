@@ -586,10 +586,14 @@ async fn on_cluster(
     );
     let restarted = events.iter().any(|e| e.kind == "restart-done");
     let last_finished = results.iter().map(|r| r.finished_ms).fold(0.0, f64::max);
-    summary.restart_done_under_traffic = events
-        .iter()
-        .find(|e| e.kind == "restart-done")
-        .map(|e| e.t_ms <= last_finished);
+    summary.decode_restart_under_traffic =
+        events.iter().find(|e| e.kind == RESTART).map(|restart| {
+            events.iter().any(|e| {
+                e.kind == "pod-deleting"
+                    && e.detail.contains("(decode ")
+                    && (restart.t_ms..=last_finished).contains(&e.t_ms)
+            })
+        });
     let loaded = summary.l3_pages_loaded_back_after_restart.unwrap_or(0);
     summary.check(
         "rolling restart with L3 loadback",

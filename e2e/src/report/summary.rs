@@ -356,11 +356,11 @@ pub struct Summary {
     pub corrupt_chunks_in_responses: u64,
     /// `l3_pages_loaded_back` of the incarnations that started after the first restart event.
     pub l3_pages_loaded_back_after_restart: Option<u64>,
-    /// Whether the rolling restart was done (every decode serving at the new revision) before the
-    /// last request finished, i.e. the decode restarts ran under traffic (demo; `None` elsewhere
-    /// or without a restart).
+    /// Whether the rolling restart deleted a decode pod before the last request finished, i.e.
+    /// the decode side of the rollout (held back by the operator's prefill gate) ran under
+    /// traffic (demo; `None` elsewhere or without a restart).
     #[serde(default)]
-    pub restart_done_under_traffic: Option<bool>,
+    pub decode_restart_under_traffic: Option<bool>,
     /// Rooms per prefill pod and their imbalance ([`PrefillBalance`]).
     #[serde(default)]
     pub prefill_balance: PrefillBalance,
@@ -613,7 +613,7 @@ pub fn summarize_run(input: ReportInput<'_>) -> Summary {
         sample_errors: input.samples.iter().filter(|s| s.error.is_some()).count(),
         corrupt_chunks_in_responses: corrupt_chunks,
         l3_pages_loaded_back_after_restart: loaded_after,
-        restart_done_under_traffic: None,
+        decode_restart_under_traffic: None,
         engine_workers,
         prefill_balance: prefill_balance(res),
         decode_routing: decode_routing(input.samples),
@@ -842,14 +842,14 @@ impl fmt::Display for Summary {
                 .map(|n| format!(" ({n} by workers started after the restart)"))
                 .unwrap_or_default()
         )?;
-        if let Some(under) = self.restart_done_under_traffic {
+        if let Some(under) = self.decode_restart_under_traffic {
             writeln!(
                 f,
                 "restart       {}",
                 if under {
-                    "done while requests were still running"
+                    "decode pods restarted while requests were still running"
                 } else {
-                    "done after the last request (the decode restarts saw no traffic)"
+                    "no decode pod restarted before the last request (the decode restarts saw no traffic)"
                 }
             )?;
         }
