@@ -845,12 +845,15 @@ async fn clients_that_hang_up_release_the_engines_pages_in_either_stage() {
         r["requests_cancelled_by_reason"]["prefill"], 2,
         "both hung up while their KV was in prefill: {r}"
     );
-    assert_eq!(r["engine"]["rooms_completed"], 0, "{r}");
+    // Not asserted: `rooms_completed == 0`. A prefill already sending when the client hangs up
+    // may still land the room's KV (a CI rehearsal saw 1); the stage counter above is the proof
+    // that both were cancelled in prefill, and the pages all came back.
 
     // Decoding: the KV is in, the engine generates slowly.
+    let completed_before = r["engine"]["rooms_completed"].as_u64().unwrap_or(0);
     let held = send_and_hold(front, &completion(PROMPT, 6, false)).await;
     until(Duration::from_secs(20), || async {
-        report(dh).await["engine"]["rooms_completed"] == 1
+        report(dh).await["engine"]["rooms_completed"].as_u64() == Some(completed_before + 1)
     })
     .await;
     drop(held);
