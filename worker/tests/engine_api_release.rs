@@ -149,6 +149,21 @@ async fn abort_holds_the_pages_until_the_ack_then_releases_them() {
             .load(std::sync::atomic::Ordering::Relaxed),
         1
     );
+    // The release is numbered, and a Reserve that gets its pages names it: an engine that reads
+    // this reply before the event (separate streams) waits for seq `ev.seq` before it touches them.
+    assert_eq!(ev.seq, 1, "the attach's first release");
+    let again = c
+        .decode
+        .reserve(c.req(pb::ReserveRequest {
+            attach_id: id,
+            request_id: 9,
+            tokens: 4 * PAGE_TOKENS,
+            kv_deadline_ms: 60_000,
+        }))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.after_release, ev.seq, "{again:?}");
 }
 
 /// The next item of a stream if one is already buffered (no waiting).

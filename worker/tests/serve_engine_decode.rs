@@ -294,6 +294,10 @@ async fn the_decode_engine_serves_the_front_doors_requests_through_the_engine_ap
     assert_eq!(s["completed"], served, "{s}");
     assert_eq!(s["corrupt_chunks"], 0, "{s}");
     assert_eq!(s["decode"]["early_reuse"], 0, "{s}");
+    assert_eq!(
+        s["decode"]["release_gaps"], 0,
+        "numbered 1, 2, ... without gaps: {s}"
+    );
     assert_eq!(s["releases"], served, "one SafeToReuse per room: {s}");
     until(Duration::from_secs(10), || async {
         let (code, body) = readyz(dh).await;

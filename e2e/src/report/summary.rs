@@ -193,6 +193,12 @@ pub struct DecodeEngineFigures {
     pub engine_corrupt_chunks: u64,
     /// Pages the engine got from Reserve while their previous room's SafeToReuse had not come.
     pub early_reuse: u64,
+    /// Reserve replies that named a SafeToReuse the engine had not received yet (it waited).
+    #[serde(default)]
+    pub release_waits: u64,
+    /// Gaps in the SafeToReuse numbering (events the worker dropped).
+    #[serde(default)]
+    pub release_gaps: u64,
 }
 
 impl EngineWorker {
@@ -218,6 +224,8 @@ impl EngineWorker {
             engine_pages: n(&es["pages"]),
             engine_corrupt_chunks: n(&es["corrupt_chunks"]),
             early_reuse: n(&es["decode"]["early_reuse"]),
+            release_waits: n(&es["decode"]["release_waits"]),
+            release_gaps: n(&es["decode"]["release_gaps"]),
         });
         Some(Self {
             pod: pod.to_owned(),
@@ -676,26 +684,34 @@ pub fn summarize_run(input: ReportInput<'_>) -> Summary {
             .filter(|(_, d)| !d.summary_published && d.rooms_reserved > 0)
             .map(|(w, _)| w.pod.as_str())
             .collect();
-        let (verified, corrupt, early) = (
+        let (verified, corrupt, early, gaps) = (
             sum(|d| d.chunks_verified),
             sum(|d| d.corrupt_chunks + d.engine_corrupt_chunks),
             sum(|d| d.early_reuse),
+            sum(|d| d.release_gaps),
         );
         let detail = format!(
             "{} decode engine workers: {} rooms reserved, {} completed, {verified} chunks and {} \
              pages verified by the engines, {corrupt} corrupt, {early} pages reused before their \
-             SafeToReuse, {leaks} registration leaks{}",
+             SafeToReuse ({} Reserve replies waited for the release they named, {gaps} gaps in \
+             the release numbers), {leaks} registration leaks{}",
             decodes.len(),
             sum(|d| d.rooms_reserved),
             sum(|d| d.rooms_completed),
             sum(|d| d.engine_pages),
+            sum(|d| d.release_waits),
             if silent.is_empty() {
                 String::new()
             } else {
                 format!("; no engine summary from {silent:?}")
             }
         );
-        let passed = verified > 0 && corrupt == 0 && early == 0 && leaks == 0 && silent.is_empty();
+        let passed = verified > 0
+            && corrupt == 0
+            && early == 0
+            && gaps == 0
+            && leaks == 0
+            && silent.is_empty();
         s.check(
             "engine API (decode): every received page verified by the engine, none corrupt, \
              none reused early",

@@ -115,6 +115,23 @@ struct State {
     rooms: HashMap<RoomKey, Room>,
     quarantine: Quarantine<PageId>,
     current_attach: u64,
+    /// `seq` of the last SafeToReuse emitted to the current attach (1, 2, ...; 0 before the first).
+    release_seq: u64,
+    /// Per page, the `seq` of the SafeToReuse that last released it to the current attach (absent:
+    /// none did, or the release was not reported because the room was an older attach's).
+    page_release: HashMap<u32, u64>,
+}
+
+/// What Reserve handed out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reserved {
+    /// The room opened.
+    pub key: RoomKey,
+    /// Page indices in token order.
+    pub pages: Vec<u32>,
+    /// The `seq` of the last SafeToReuse that released any of `pages` (0: none); the engine waits
+    /// for it before touching them (`ReserveReply.after_release`).
+    pub after_release: u64,
 }
 
 /// Counters of the decode side (exported by the role as metrics).
@@ -316,7 +333,13 @@ impl DecodeSide {
     /// A new attach became current: later releases of older attaches' rooms are not reported, and
     /// work handed to an older attach is not delivered.
     pub fn set_attach(&self, attach: u64) {
-        lock(&self.state).current_attach = attach;
+        {
+            let mut st = lock(&self.state);
+            st.current_attach = attach;
+            // Release numbers are per attach: the new engine saw none of the old ones.
+            st.release_seq = 0;
+            st.page_release.clear();
+        }
         self.releases.reset();
         self.work.reset();
     }
@@ -380,6 +403,10 @@ impl DecodeSide {
 
     /// Reserves pages for `tokens` tokens of `request_id` and opens the room on the transport.
     ///
+    /// The reply names the last SafeToReuse that released any of the pages
+    /// ([`Reserved::after_release`]): the engine must see that event before it uses them, since the
+    /// reply and the release stream are not ordered with respect to each other.
+    ///
     /// # Errors
     /// `MALFORMED` (tokens or deadline 0), `EXCEEDS_POOL`, `NO_FREE_PAGES`, or `UNAVAILABLE` /
     /// `INTERNAL` when the transport cannot open the room (its pages are freed: no writer knew it).
@@ -389,7 +416,7 @@ impl DecodeSide {
         request_id: u64,
         tokens: u32,
         kv_deadline: Duration,
-    ) -> Result<(RoomKey, Vec<u32>), ApiError> {
+    ) -> Result<Reserved, ApiError> {
         if tokens == 0 {
             return Err(ApiError::malformed("tokens", "tokens must be at least 1"));
         }
@@ -429,18 +456,27 @@ impl DecodeSide {
             max_accept_rate: f64::INFINITY,
             after_tokens: u32::MAX,
         });
-        lock(&self.state).rooms.insert(
-            key,
-            Room {
-                room: ReceiverRoom::new(key, writers, self.settings.gate),
-                pages: pages.clone(),
-                attach,
-                tokens,
-                outcome: tx,
-                guard: SpecGuard::new(thresholds),
-            },
-        );
         let wire: Vec<u32> = pages.iter().map(|p| p.0).collect();
+        let after_release = {
+            let mut st = lock(&self.state);
+            st.rooms.insert(
+                key,
+                Room {
+                    room: ReceiverRoom::new(key, writers, self.settings.gate),
+                    pages: pages.clone(),
+                    attach,
+                    tokens,
+                    outcome: tx,
+                    guard: SpecGuard::new(thresholds),
+                },
+            );
+            // A page's release was recorded (under this lock) before it was freed, and it was
+            // allocated after the free: the record is here.
+            wire.iter()
+                .filter_map(|p| st.page_release.get(p).copied())
+                .max()
+                .unwrap_or(0)
+        };
         let open = RoomOpen {
             key,
             request_id,
@@ -474,7 +510,11 @@ impl DecodeSide {
                 }
             }
         });
-        Ok((key, wire))
+        Ok(Reserved {
+            key,
+            pages: wire,
+            after_release,
+        })
     }
 
     fn room_of(&self, st: &State, attach: u64, key: RoomKey) -> Result<(), ApiError> {
@@ -650,6 +690,22 @@ impl DecodeSide {
                 } else {
                     room.as_ref().map(|r| r.pages.clone()).unwrap_or_default()
                 };
+                // Number the release and record it per page before the pages can be handed out
+                // again (a Reserve that gets them reads the record under the same lock).
+                let report = room.as_ref().is_some_and(|r| r.attach == st.current_attach);
+                let seq = if report {
+                    st.release_seq += 1;
+                    let seq = st.release_seq;
+                    for p in &pages {
+                        st.page_release.insert(p.0, seq);
+                    }
+                    seq
+                } else {
+                    for p in &pages {
+                        st.page_release.remove(&p.0);
+                    }
+                    0
+                };
                 self.free_all(&pages);
                 let c = &self.counters;
                 match proof {
@@ -668,12 +724,13 @@ impl DecodeSide {
                 if forget {
                     self.source.released(key);
                 }
-                if room.is_some_and(|r| r.attach == st.current_attach) {
+                if report {
                     self.releases.emit(pb::SafeToReuse {
                         room: Some(key.into()),
                         pages: pages.iter().map(|p| p.0).collect(),
                         proof: wire_proof(proof) as i32,
                         from_quarantine,
+                        seq,
                     });
                 }
             }
@@ -881,6 +938,69 @@ mod tests {
         Arc::new(KvPool::new(spec, &Allocator::new("t", MmapBackend::new())).unwrap())
     }
 
+    fn side(rt: &tokio::runtime::Runtime) -> Arc<DecodeSide> {
+        DecodeSide::new(
+            vec![pool(PoolRole::Target, 2)],
+            Arc::new(NoWriters),
+            DecodeSettings {
+                gate: GateMode::Safe,
+                ack_timeout: Duration::from_secs(60),
+                max_kv_deadline: Duration::from_secs(600),
+                room_base: 1,
+                thresholds: None,
+            },
+            rt.handle().clone(),
+        )
+    }
+
+    /// A Reserve that hands out pages a release freed names that release's `seq`, and the
+    /// SafeToReuse carries the same number (1, 2, ... per attach): an engine that reads the reply
+    /// before the event (separate streams) knows to wait for it. A release of an older attach's
+    /// room is not reported, so a Reserve of its pages names nothing to wait for, and numbers start
+    /// again at 1 for the new attach.
+    #[test]
+    fn reserve_names_the_release_its_pages_came_from() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let side = side(&rt);
+        let mut events = side.releases().watch();
+        let all = 4 * PAGES;
+        let first = side.reserve(0, 1, all, Duration::from_secs(600)).unwrap();
+        assert_eq!(first.after_release, 0, "fresh pages follow no release");
+        side.on_complete(first.key);
+        assert!(side.finish(0, first.key).unwrap());
+        let ev = events
+            .try_recv()
+            .expect("a SafeToReuse for the finished room");
+        assert_eq!(ev.seq, 1);
+        let second = side.reserve(0, 2, 4, Duration::from_secs(600)).unwrap();
+        assert_eq!(second.after_release, 1, "{second:?}");
+        side.fail(second.key, FailureCause::ClientAbort);
+        assert_eq!(events.try_recv().expect("the abort's release").seq, 2);
+        let third = side.reserve(0, 3, all, Duration::from_secs(600)).unwrap();
+        assert_eq!(
+            third.after_release, 2,
+            "one page was released twice: the later seq"
+        );
+
+        // A new attach: the old room's release is not reported and names nothing.
+        side.set_attach(7);
+        side.fail(third.key, FailureCause::Shutdown);
+        let fourth = side.reserve(7, 4, 4, Duration::from_secs(600)).unwrap();
+        assert_eq!(fourth.after_release, 0, "{fourth:?}");
+        let mut events = side.releases().watch();
+        side.fail(fourth.key, FailureCause::ClientAbort);
+        assert_eq!(events.try_recv().expect("the new attach's release").seq, 1);
+        assert_eq!(
+            side.reserve(7, 5, 4, Duration::from_secs(600))
+                .unwrap()
+                .after_release,
+            1
+        );
+    }
+
     /// Reserves on some threads while rooms are released on others (Finish after a complete KV,
     /// or a failure): every Reserve gets the same page indices in the target and the draft pool —
     /// an allocation interleaved with a release's free used to leave the tables out of lockstep
@@ -913,12 +1033,12 @@ mod tests {
                     for i in 0..3_000u32 {
                         let tokens = 4 * (1 + (i + t) % 5);
                         match side.reserve(0, u64::from(i), tokens, Duration::from_secs(600)) {
-                            Ok((key, _)) if (i + t) % 2 == 0 => {
-                                side.on_complete(key);
-                                side.finish(0, key).unwrap();
+                            Ok(r) if (i + t) % 2 == 0 => {
+                                side.on_complete(r.key);
+                                side.finish(0, r.key).unwrap();
                             }
-                            Ok((key, _)) => {
-                                side.fail(key, FailureCause::ClientAbort);
+                            Ok(r) => {
+                                side.fail(r.key, FailureCause::ClientAbort);
                             }
                             Err(e) => assert_eq!(e.reason, pb::ErrorReason::NoFreePages, "{e:?}"),
                         }

@@ -198,15 +198,16 @@ impl pb::decode_server::Decode for Services {
         let r = req.into_inner();
         bounded("Reserve", b, async {
             let d = self.0.decode(r.attach_id)?;
-            let (key, pages) = d.reserve(
+            let got = d.reserve(
                 r.attach_id,
                 r.request_id,
                 r.tokens,
                 Duration::from_millis(r.kv_deadline_ms),
             )?;
             Ok(pb::ReserveReply {
-                room: Some(key.into()),
-                pages,
+                room: Some(got.key.into()),
+                pages: got.pages,
+                after_release: got.after_release,
             })
         })
         .await

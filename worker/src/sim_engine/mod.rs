@@ -281,6 +281,8 @@ impl Summary {
             mine.work += theirs.work;
             mine.tokens += theirs.tokens;
             mine.early_reuse += theirs.early_reuse;
+            mine.release_waits += theirs.release_waits;
+            mine.release_gaps += theirs.release_gaps;
             mine.cancelled += theirs.cancelled;
             mine.engine_errors += theirs.engine_errors;
         }
