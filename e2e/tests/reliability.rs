@@ -30,6 +30,13 @@
 //!    the limit, a client that hangs up mid-stream: each a clear OpenAI error (or a counted
 //!    cancellation with its pages back), and the same decode process keeps serving.
 //!
+//! 6. Issue 17, drain before delete: the pair scaled to 2 decode groups (2 prefill groups by the
+//!    1:1 ratio), traffic that follows the Ready decode pods (as a Service's endpoints do), then
+//!    `kubectl scale decodepool --replicas=1` while the group to be removed streams: exactly the
+//!    highest group of each pool is deleted (the survivors keep their pod, IP and restart count),
+//!    no stream is cut (no attempt ends after its first token), no request is lost, and each
+//!    removed worker's teardown report says its in-flight work finished before it exited.
+//!
 //! Item 2 (a stalled peer or stream ends the request with a reason within the deadline) needs a
 //! fault-injecting peer, which the stack has no place for: `worker/tests/serve_deadline.rs` covers
 //! it at process level; here the deadline bounds every attempt (no attempt may run past it).
@@ -53,11 +60,11 @@ use support::{
     Harness, HarnessConfig, install, pod_ip, pod_name, pod_uid, poll, ready, report_client,
     run_suite, wait_condition,
 };
-use tandem_crds::labels::{POOL, ROLE, ROLE_CACHE, ROLE_DECODE, ROLE_PREFILL};
+use tandem_crds::labels::{GROUP, POOL, ROLE, ROLE_CACHE, ROLE_DECODE, ROLE_PREFILL};
 use tandem_crds::ports::{CONTROL_PORT, FRONT_DOOR_PORT, HEALTH_PORT};
 use tandem_e2e::replay::driver::{ReplayConfig, ReplayProgress, RequestResult, replay};
 use tandem_e2e::replay::schedule::{Clock, Outcome};
-use tandem_e2e::replay::targets::TargetSet;
+use tandem_e2e::replay::targets::{TargetSet, spawn_discovery};
 use tandem_e2e::replay::workload::{GeneratorConfig, TraceRequest, generate};
 use tandem_e2e::runner::crash::kill_container;
 use tandem_e2e::runner::hosts::resolve;
@@ -160,6 +167,7 @@ async fn scenario(h: &Harness) -> Result<(), String> {
         store_restart_and_recovery(h, &s, t0, b).await?;
     }
     front_door(h, &s, t0).await?;
+    scale_in(h, &s, t0).await?;
     Ok(())
 }
 
@@ -1216,4 +1224,222 @@ async fn front_door(h: &Harness, s: &Stack<'_>, t0: Instant) -> Result<(), Strin
         ms(t_freed - t_hangup),
     );
     Ok(())
+}
+
+/// The live pods of `pool`/`role`, by group label.
+async fn groups(h: &Harness, pool: &str, role: &str) -> Result<BTreeMap<String, Pod>, String> {
+    let pods = h.pods(&format!("{POOL}={pool},{ROLE}={role}")).await?;
+    Ok(pods
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter_map(|p| {
+            let g = p.metadata.labels.as_ref()?.get(GROUP)?.clone();
+            Some((g, p))
+        })
+        .collect())
+}
+
+/// Events received before an attempt error, from the driver's messages ("… after N events");
+/// `None` for errors before any stream (refusals, connection errors).
+fn events_before(e: &str) -> Option<u64> {
+    let (_, rest) = e.split_once("after ")?;
+    let (n, tail) = rest.split_once(' ')?;
+    tail.starts_with("events").then(|| n.parse().ok())?
+}
+
+/// A container's log in the runner's pod directory (`pods/<ns>_<name>_<uid>/logs/<container>.log`),
+/// opened now: the runner removes the directory with the pod, and the open file still reads.
+fn open_log(h: &Harness, pod: &Pod, container: &str) -> Result<std::fs::File, String> {
+    let log = h
+        .cluster
+        .config
+        .runner_dir()
+        .join("pods")
+        .join(format!("{NS}_{}_{}", pod_name(pod), pod_uid(pod)))
+        .join("logs")
+        .join(format!("{container}.log"));
+    std::fs::File::open(&log).map_err(|e| format!("{}: {e}", log.display()))
+}
+
+/// The last `teardown {…}` line of a log opened with [`open_log`] (the worker's teardown report,
+/// DESIGN §5), read to its end.
+fn teardown_line(mut log: std::fs::File, who: &str) -> Result<Value, String> {
+    use std::io::Read;
+    let mut text = String::new();
+    log.read_to_string(&mut text)
+        .map_err(|e| format!("{who}'s log: {e}"))?;
+    let line = text
+        .lines()
+        .rev()
+        .find_map(|l| l.find("teardown {").map(|i| &l[i + "teardown ".len()..]))
+        .ok_or_else(|| format!("the removed {who} logged no teardown report"))?;
+    // The structured log may quote the object; take the JSON between the outer braces.
+    let end = line
+        .rfind('}')
+        .ok_or("teardown report without a closing brace")?;
+    serde_json::from_str(&line[..=end]).map_err(|e| format!("teardown report {line}: {e}"))
+}
+
+/// Phase 6 (issue 17, drain before delete): scale-in under traffic removes exactly the highest
+/// group of each pool, cuts no stream and loses no request.
+async fn scale_in(h: &Harness, s: &Stack<'_>, t0: Instant) -> Result<(), String> {
+    h.kubectl(&["scale", "decodepool", DECODE, "--replicas=2"])?;
+    let two = poll(Duration::from_secs(180), || async {
+        let d = groups(h, DECODE, ROLE_DECODE).await.ok()?;
+        let p = groups(h, PREFILL, ROLE_PREFILL).await.ok()?;
+        let all_ready = d.values().chain(p.values()).all(ready);
+        (d.len() == 2 && p.len() == 2 && all_ready).then_some((d, p))
+    })
+    .await
+    .ok_or("2 decode and 2 prefill groups never all Ready within 180 s")?;
+    wait_condition(h, "decodepool", DECODE, "Ready", "True", 120).await?;
+    let (decodes, prefills) = two;
+    let last = |m: &BTreeMap<String, Pod>| -> Result<(String, Pod), String> {
+        m.iter()
+            .max_by_key(|(g, _)| g.parse::<u32>().unwrap_or(0))
+            .map(|(g, p)| (g.clone(), p.clone()))
+            .ok_or_else(|| "no group".to_owned())
+    };
+    let (dg, victim_d) = last(&decodes)?;
+    let (pg, victim_p) = last(&prefills)?;
+    let survivors: Vec<Pod> = decodes
+        .iter()
+        .chain(prefills.iter())
+        .filter(|(g, _)| **g != dg && **g != pg)
+        .map(|(_, p)| p.clone())
+        .collect();
+
+    // Traffic that follows the Ready decode pods (what the Service's endpoints publish).
+    let targets = TargetSet::default();
+    let discovery = spawn_discovery(
+        h.client.clone(),
+        NS.to_owned(),
+        DECODE.to_owned(),
+        targets.clone(),
+        Duration::from_millis(200),
+    );
+    poll(Duration::from_secs(30), || async {
+        (targets.snapshot().len() == 2).then_some(())
+    })
+    .await
+    .ok_or("traffic discovery never saw both decode front doors")?;
+    let (tx, mut progress) = watch::channel(ReplayProgress::default());
+    let w = workload(9, 60);
+    let replay_targets = targets.clone();
+    let task = tokio::spawn(async move {
+        replay(
+            &w,
+            &replay_targets,
+            &replay_config(),
+            Clock::start(),
+            Some(tx),
+            None,
+        )
+        .await
+    });
+    s.in_flight(&mut progress, 4).await?;
+    // The group to be removed holds KV of rooms in flight when the scale-in is asked for.
+    let held = poll(Duration::from_secs(30), || async {
+        let r = s.report_of(&victim_d).await.ok()?;
+        let held = r["kv_pages"]["held"].as_u64()?;
+        (held > 0).then_some(held)
+    })
+    .await
+    .ok_or("the decode group to be removed never held KV of a room in flight")?;
+    let (log_d, log_p) = (
+        open_log(h, &victim_d, "worker")?,
+        open_log(h, &victim_p, "worker")?,
+    );
+    h.kubectl(&["scale", "decodepool", DECODE, "--replicas=1"])?;
+    let t_scale = Instant::now();
+    let gone = poll(Duration::from_secs(180), || async {
+        let d = groups(h, DECODE, ROLE_DECODE).await.ok()?;
+        let p = groups(h, PREFILL, ROLE_PREFILL).await.ok()?;
+        let all = h.pods(&format!("{POOL}")).await.ok()?;
+        let victims_exist = all
+            .iter()
+            .any(|x| pod_uid(x) == pod_uid(&victim_d) || pod_uid(x) == pod_uid(&victim_p));
+        (d.len() == 1 && p.len() == 1 && !victims_exist).then_some((d, p))
+    })
+    .await
+    .ok_or("the scale-in did not remove one group of each pool within 180 s")?;
+    let t_gone = Instant::now();
+    let results = task.await.map_err(|e| e.to_string())?;
+    discovery.abort();
+    let c = check(&results, "scale-in")?;
+    let cut: Vec<String> = results
+        .iter()
+        .flat_map(|r| r.errors.iter())
+        .filter(|e| events_before(e).is_some_and(|n| n > 0))
+        .cloned()
+        .collect();
+
+    // Exactly the highest groups went; the survivors are the same pods, not restarted.
+    let (d_now, p_now) = gone;
+    if d_now.keys().any(|g| *g == dg) || p_now.keys().any(|g| *g == pg) {
+        return Err(format!(
+            "a removed group is back: decode {:?}, prefill {:?}",
+            d_now.keys().collect::<Vec<_>>(),
+            p_now.keys().collect::<Vec<_>>()
+        ));
+    }
+    for old in &survivors {
+        let now = d_now
+            .values()
+            .chain(p_now.values())
+            .find(|p| pod_name(p) == pod_name(old))
+            .ok_or_else(|| format!("{} was removed instead of the highest group", pod_name(old)))?;
+        if pod_uid(now) != pod_uid(old) || restarts(now, "worker") != restarts(old, "worker") {
+            return Err(format!(
+                "{} was replaced or restarted by the scale-in",
+                pod_name(old)
+            ));
+        }
+    }
+    if c.failed > 0 || !cut.is_empty() {
+        return Err(format!(
+            "scale-in: {} requests lost, {} streams cut {cut:?}; {c:?}",
+            c.failed,
+            cut.len()
+        ));
+    }
+    let td = teardown_line(log_d, "decode")?;
+    let tp = teardown_line(log_p, "prefill")?;
+    for (who, t) in [("decode", &td), ("prefill", &tp)] {
+        if t["ok"] != true {
+            return Err(format!("the removed {who}'s teardown failed a step: {t}"));
+        }
+    }
+    println!(
+        "[{:>5.1}s] issue 17 scale-in: decode group {dg} (holding {held} KV pages of rooms in \
+         flight) and prefill group {pg} removed {} ms after `kubectl scale --replicas=1`; \
+         survivors {:?} kept pod, IP and restart count; 60 requests: {} ok, {} retried (refused \
+         before their first token: {:?}), 0 lost, 0 streams cut (longest {} ms); removed \
+         workers' teardown ok (decode and prefill)",
+        at(t0),
+        ms(t_gone - t_scale),
+        survivors.iter().map(pod_name).collect::<Vec<_>>(),
+        c.ok,
+        c.retried,
+        c.reasons,
+        ms(c.longest),
+    );
+    Ok(())
+}
+
+#[test]
+fn events_before_reads_the_drivers_messages() {
+    assert_eq!(
+        events_before("http://x: stream broken after 3 events: reset"),
+        Some(3)
+    );
+    assert_eq!(
+        events_before("http://x: stream ended before [DONE] after 0 events"),
+        Some(0)
+    );
+    assert_eq!(
+        events_before("http://x: error event after 12 events: boom"),
+        Some(12)
+    );
+    assert_eq!(events_before("http://x: HTTP 503: draining"), None);
 }
