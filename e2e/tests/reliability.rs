@@ -1355,7 +1355,7 @@ async fn scale_in(h: &Harness, s: &Stack<'_>, t0: Instant) -> Result<(), String>
     let gone = poll(Duration::from_secs(180), || async {
         let d = groups(h, DECODE, ROLE_DECODE).await.ok()?;
         let p = groups(h, PREFILL, ROLE_PREFILL).await.ok()?;
-        let all = h.pods(&format!("{POOL}")).await.ok()?;
+        let all = h.pods(POOL).await.ok()?;
         let victims_exist = all
             .iter()
             .any(|x| pod_uid(x) == pod_uid(&victim_d) || pod_uid(x) == pod_uid(&victim_p));
