@@ -18,6 +18,7 @@ pub mod conditions;
 pub mod crdgen;
 pub mod decode_pool;
 pub mod labels;
+pub mod placement;
 pub mod ports;
 pub mod prefill_pool;
 pub mod ratio;
@@ -34,6 +35,7 @@ pub use decode_pool::{
     BudgetSpec, DecodePool, DecodePoolSpec, FrontDoorSpec, KvDeadlineSpec, PrefillPairing,
     RestartSpec, SpecGuardSpec,
 };
+pub use placement::{PlacementMode, PlacementSpec, TopologyKey};
 pub use prefill_pool::{
     GroupCounts, GroupRestartStatus, PoolStatus, PrefillPool, PrefillPoolSpec, RolloutStatus,
     ScalingStatus, SnapshotBufferSpec,

@@ -134,6 +134,11 @@ pub struct PrefillPoolSpec {
     /// `SGLang` and `vLLM` are refused by this operator version (`EngineUnsupported`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine: Option<EngineSpec>,
+    /// Topology-aware placement (issue 17): the pods of a group are packed into one domain of
+    /// `topologyKey`;
+    /// `Required` or `Preferred`. Unset: the scheduler spreads pods as it likes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<crate::placement::PlacementSpec>,
     /// Times a group that keeps failing (a container of one of its pods restarted) is restarted
     /// at the current revision before the operator gives up on it: the
     /// group's StatefulSet is scaled to 0 (its GPUs released) and the pool reports

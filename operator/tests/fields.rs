@@ -140,6 +140,12 @@ fn with_engine(mut v: Value) -> Value {
     v
 }
 
+/// Gives the pool a `Preferred` zone placement, so `placement.mode` has a base to change.
+fn with_placement(mut v: Value) -> Value {
+    v["spec"]["placement"] = json!({"topologyKey": "topology.kubernetes.io/zone"});
+    v
+}
+
 /// Gives every model of `v` an indexer, so the indexer fields have a base to change.
 fn with_indexers(mut v: Value) -> Value {
     v["spec"]["model"]["indexer"] = json!({"headDim": 64});
@@ -183,6 +189,8 @@ fn pool_common() -> Vec<(String, Disposition)> {
         ("cacheTierRef.name".into(), Controller("controller::revision::resolve reads the tier; policy::resolve raises PolicyConflict")),
         ("hostPool.size".into(), Rendered(|| json!("2Gi"))),
         ("transport".into(), Rendered(|| json!("TCP"))),
+        ("placement.topologyKey".into(), Rendered(|| json!("topology.tandem.dev/rack"))),
+        ("placement.mode".into(), Rendered(|| json!("Required"))),
         ("image".into(), Rendered(|| json!("example/worker:2"))),
         ("maxGroupRestarts".into(), Controller("recovery::plan: whole-group restarts and the halt (ReplicaRestartBudgetExceeded); see controller.rs group_recovery tests")),
         ("resources".into(), Rendered(|| json!({"requests": {"cpu": "2"}}))),
@@ -249,7 +257,7 @@ fn every_prefill_pool_field_is_rendered_or_used() {
         ("layerSplit".into(), Rendered(|| json!(true))),
         ("snapshotBuffer.size".into(), Rendered(|| json!("1Gi"))),
     ]);
-    let mut base = with_engine(with_indexers(sample("prefillpool.yaml")));
+    let mut base = with_placement(with_engine(with_indexers(sample("prefillpool.yaml"))));
     base["spec"]["parallelism"]["context"] = json!(2); // so layerSplit may be set
     base["spec"]["speculative"] =
         with_indexers(sample("decodepool.yaml"))["spec"]["speculative"].clone();
@@ -314,7 +322,7 @@ fn every_decode_pool_field_is_rendered_or_used() {
     ]);
     // The decode worker serves the engine API (issue 13): a Simulated engine on a DecodePool renders
     // like on a PrefillPool, so the base has one for the engine fields to change.
-    let base = with_engine(with_indexers(sample("decodepool.yaml")));
+    let base = with_placement(with_engine(with_indexers(sample("decodepool.yaml"))));
     let t2 = tier.clone();
     check(
         "DecodePool",

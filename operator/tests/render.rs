@@ -170,3 +170,168 @@ fn config_file_round_trips_through_the_worker_loader() {
     v["memory"]["surprise"] = serde_json::json!(1);
     assert!(WorkerConfig::from_json(&v.to_string(), path).is_err());
 }
+
+/// `spec.placement` (issue 17): a group's pods share the topology domain of `topologyKey` (a
+/// term selecting exactly that group's pods), a DecodePool's pods go where its paired
+/// PrefillPool's pods run, `Required` and `Preferred` render the hard and the weighted forms,
+/// and no placement renders no affinity (the scheduler's own spreading).
+#[test]
+fn placement_renders_group_packing_and_pairing_affinity() {
+    use tandem_crds::{PlacementMode, PlacementSpec, TopologyKey};
+    let tier: CacheTier = load("cachetier.yaml");
+    let zone = "topology.kubernetes.io/zone";
+    let mut decode: DecodePool = load("decodepool.yaml");
+    let plain = {
+        let view = PoolView::decode(&decode);
+        let cfg = rendered(&view, &tier);
+        workload::group_statefulset(&view, &cfg, 1, &owner())
+    };
+    assert!(
+        plain
+            .spec
+            .template
+            .spec
+            .as_ref()
+            .unwrap()
+            .affinity
+            .is_none(),
+        "no placement, no affinity"
+    );
+    decode.spec.placement = Some(PlacementSpec {
+        topology_key: TopologyKey(zone.into()),
+        mode: PlacementMode::Required,
+    });
+    let view = PoolView::decode(&decode);
+    let cfg = rendered(&view, &tier);
+    let sts = workload::group_statefulset(&view, &cfg, 1, &owner());
+    let pa = sts
+        .spec
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .affinity
+        .as_ref()
+        .unwrap()
+        .pod_affinity
+        .as_ref()
+        .unwrap();
+    // Required on a paired DecodePool: pairing is the required term, packing the weighted one
+    // (kube-scheduler meets required terms only through one pod matching all of them, and no pod
+    // is both a decode and a prefill pod: two required terms would leave every decode Pending).
+    let required = pa
+        .required_during_scheduling_ignored_during_execution
+        .as_ref()
+        .unwrap();
+    assert_eq!(required.len(), 1, "pairing only: {required:?}");
+    let preferred = pa
+        .preferred_during_scheduling_ignored_during_execution
+        .as_ref()
+        .unwrap();
+    assert_eq!(preferred.len(), 1, "packing, weighted: {preferred:?}");
+    assert_eq!(preferred[0].weight, 100);
+    let terms = [required[0].clone(), preferred[0].pod_affinity_term.clone()];
+    let sel = |i: usize| {
+        terms[i]
+            .label_selector
+            .as_ref()
+            .unwrap()
+            .match_labels
+            .clone()
+            .unwrap()
+    };
+    assert!(terms.iter().all(|t| t.topology_key == zone));
+    // The packing term selects this group's pods, and they carry its labels (a pod matches its
+    // own term, which lets the scheduler place a group's first pod).
+    let own = sel(1);
+    let pod_labels = sts
+        .spec
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .labels
+        .clone()
+        .unwrap();
+    assert_eq!(own["serving.tandem.dev/group"], "1");
+    assert!(
+        own.iter().all(|(k, v)| pod_labels.get(k) == Some(v)),
+        "{own:?} ⊄ {pod_labels:?}"
+    );
+    let pair = sel(0);
+    assert_eq!(pair["serving.tandem.dev/pool"], "llama70b-prefill");
+    assert_eq!(pair["serving.tandem.dev/role"], "prefill");
+    assert!(!pair.contains_key("serving.tandem.dev/group"));
+
+    // Required on a PrefillPool: its packing term alone, required.
+    let mut prefill: PrefillPool = load("prefillpool.yaml");
+    prefill.spec.placement = Some(PlacementSpec {
+        topology_key: TopologyKey(zone.into()),
+        mode: PlacementMode::Required,
+    });
+    let view = PoolView::prefill(&prefill);
+    let cfg = rendered(&view, &tier);
+    let pa = workload::group_statefulset(&view, &cfg, 2, &owner())
+        .spec
+        .template
+        .spec
+        .unwrap()
+        .affinity
+        .unwrap()
+        .pod_affinity
+        .unwrap();
+    assert!(
+        pa.preferred_during_scheduling_ignored_during_execution
+            .is_none()
+    );
+    let required = pa
+        .required_during_scheduling_ignored_during_execution
+        .unwrap();
+    assert_eq!(required.len(), 1, "{required:?}");
+    let own = required[0]
+        .label_selector
+        .clone()
+        .unwrap()
+        .match_labels
+        .unwrap();
+    assert_eq!(own["serving.tandem.dev/pool"], "llama70b-prefill");
+    assert_eq!(own["serving.tandem.dev/group"], "2");
+
+    // Preferred: the same terms, weighted; a PrefillPool gets only its packing term.
+    prefill.spec.placement = Some(PlacementSpec {
+        topology_key: TopologyKey(zone.into()),
+        mode: PlacementMode::Preferred,
+    });
+    let view = PoolView::prefill(&prefill);
+    let cfg = rendered(&view, &tier);
+    let sts = workload::group_statefulset(&view, &cfg, 0, &owner());
+    let pa = sts
+        .spec
+        .template
+        .spec
+        .unwrap()
+        .affinity
+        .unwrap()
+        .pod_affinity
+        .unwrap();
+    assert!(
+        pa.required_during_scheduling_ignored_during_execution
+            .is_none()
+    );
+    let weighted = pa
+        .preferred_during_scheduling_ignored_during_execution
+        .unwrap();
+    assert_eq!(weighted.len(), 1, "{weighted:?}");
+    assert_eq!(weighted[0].weight, 100);
+    assert_eq!(
+        weighted[0]
+            .pod_affinity_term
+            .label_selector
+            .as_ref()
+            .unwrap()
+            .match_labels
+            .as_ref()
+            .unwrap()["serving.tandem.dev/pool"],
+        "llama70b-prefill"
+    );
+}

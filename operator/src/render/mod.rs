@@ -3,13 +3,14 @@
 
 pub mod config;
 pub mod engine;
+pub mod placement;
 pub mod tier;
 pub mod workload;
 
 use k8s_openapi::api::core::v1::ResourceRequirements;
 use tandem_crds::{
     DecodePool, EngineSpec, HostPoolSpec, KvDeadlineSpec, LocalRef, ModelSpec, Parallelism,
-    PodTemplateOverrides, PrefillPool, SpecGuardSpec, SpeculativeSpec, Transport,
+    PlacementSpec, PodTemplateOverrides, PrefillPool, SpecGuardSpec, SpeculativeSpec, Transport,
 };
 
 use crate::labels::Role;
@@ -56,6 +57,8 @@ pub struct PoolView<'a> {
     pub resources: &'a ResourceRequirements,
     /// Pod overrides.
     pub pod_template: &'a PodTemplateOverrides,
+    /// Topology-aware placement (`spec.placement`; [`placement`]).
+    pub placement: Option<&'a PlacementSpec>,
     /// `restart.id` (decode; prefill follows its DecodePool's).
     pub restart_id: Option<&'a str>,
     /// `spec.maxGroupRestarts` ([`crate::recovery`]); not rendered into any child.
@@ -86,6 +89,7 @@ impl<'a> PoolView<'a> {
             engine: s.engine.as_ref(),
             resources: &s.resources,
             pod_template: &s.pod_template,
+            placement: s.placement.as_ref(),
             restart_id: None,
             max_group_restarts: s.max_group_restarts,
         }
@@ -114,6 +118,7 @@ impl<'a> PoolView<'a> {
             engine: s.engine.as_ref(),
             resources: &s.resources,
             pod_template: &s.pod_template,
+            placement: s.placement.as_ref(),
             restart_id: s.restart.as_ref().map(|r| r.id.as_str()),
             max_group_restarts: s.max_group_restarts,
         }

@@ -338,6 +338,7 @@ pub fn group_statefulset(
                     priority_class_name: o.priority_class_name.clone(),
                     service_account_name: o.service_account_name.clone(),
                     termination_grace_period_seconds: Some(TERMINATION_GRACE_SECONDS),
+                    affinity: super::placement::affinity(pool, group),
                     readiness_gates: (pool.group_size() > 1).then(|| {
                         vec![PodReadinessGate {
                             condition_type: crate::gang::GROUP_READY.into(),
