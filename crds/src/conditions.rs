@@ -178,6 +178,10 @@ reasons! {
     /// (e.g. its engine pools were refused before anything was registered, seed 000); the message
     /// names the pod and the worker's component, code and message.
     WorkerDegraded,
+    /// Degraded: a pod of a pool with `spec.placement` runs on a node without the
+    /// `placement.topologyKey` label (possible under `Preferred`), so the packing and pairing
+    /// cannot hold for it; the message names the pod and the node (issue 17).
+    NodeWithoutTopologyLabel,
     // PolicyConflict.
     /// PolicyConflict=False: the tier's policy resolved (the message says what).
     PolicyResolved,

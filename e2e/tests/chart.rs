@@ -8,7 +8,8 @@
 //! * `chart_installs_with_least_privilege_rbac` (own cluster, ports + 4200, one runner node):
 //!   `helm install` creates the CRDs, ServiceAccount, RBAC and Deployment; `kubectl auth can-i` as
 //!   the operator's ServiceAccount says yes to everything worker/interfaces/README.md §1 lists and
-//!   no to what the operator must not do (Secrets, CRDs, creating pods, nodes, other Leases, RBAC).
+//!   no to what the operator must not do (Secrets, CRDs, creating pods, listing or writing nodes
+//!   (it may only GET one, for `spec.placement`), other Leases, RBAC).
 //!   When the workspace's `tandem-operator` binary exists, the Deployment's pod runs it through the
 //!   process runner with the chart's ServiceAccount token and must become Ready, hold the Lease,
 //!   log that all its watches listed, and log no `forbidden` (its watches on every kind it
@@ -160,17 +161,17 @@ async fn chart_lints_renders_and_rejects_bad_values() {
     assert!(default.contains("kind: ClusterRoleBinding"));
     assert!(default.contains("image: \"ghcr.io/tandem-serving/tandem-operator:0.1.0\""));
     assert!(!default.contains("kind: ServiceMonitor"));
-    for never in [
-        "\"secrets\"",
-        "\"nodes\"",
-        "customresourcedefinitions",
-        "\"*\"",
-    ] {
+    for never in ["\"secrets\"", "customresourcedefinitions", "\"*\""] {
         assert!(
             !default.contains(never),
             "the operator is never granted {never}"
         );
     }
+    // Nodes: a metadata GET only (the topology label for `spec.placement`), never list or write.
+    assert!(
+        default.contains("resources: [\"nodes\"]\n    verbs: [\"get\"]\n"),
+        "nodes: get only"
+    );
     let ha = template(&helm, &["--set", "replicas=2"]).unwrap();
     assert!(ha.contains("minAvailable: 1") && ha.contains("replicas: 2"));
     let scoped = template(&helm, &["--set", "watchNamespace=serving"]).unwrap();
@@ -388,6 +389,7 @@ fn can_i_matrix(bins: &BinDir, kubeconfig: &Path) -> Result<(), String> {
         &["delete", "pods", "-n", "serving"],
         &["watch", "pods", "-A"],
         &["patch", "pods", "--subresource=status", "-n", "serving"],
+        &["get", "nodes"],
         &["delete", "persistentvolumeclaims", "-n", "serving"],
         &["create", "events.events.k8s.io", "-n", "serving"],
         &["create", "leases.coordination.k8s.io", "-n", RELEASE_NS],
@@ -405,6 +407,7 @@ fn can_i_matrix(bins: &BinDir, kubeconfig: &Path) -> Result<(), String> {
         &["create", "customresourcedefinitions.apiextensions.k8s.io"],
         &["create", "pods", "-n", "serving"],
         &["list", "nodes"],
+        &["patch", "nodes"],
         &["create", decodes, "-n", "serving"],
         &["delete", tiers, "-n", "serving"],
         &[

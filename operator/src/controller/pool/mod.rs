@@ -211,6 +211,25 @@ pub async fn reconcile<K: PoolKind>(handed: Arc<K>, ctx: Arc<Context>) -> Result
             });
         }
     }
+    // Placement (issue 17): a pod on a node without the topology label (I/O; the merge is pure).
+    if let Some(p) = view.placement {
+        let key = p.topology_key.as_str();
+        let misplaced = observe::pods_on_unlabeled_nodes(&ctx, &observed.pods, key).await?;
+        let previous = pool
+            .status()
+            .map(|s| s.conditions.as_slice())
+            .unwrap_or_default();
+        if let Some(d) = status::placement_degraded(&mut desired.conditions, key, &misplaced)
+            && crate::status::newly_true(previous, &d)
+        {
+            desired.notes.push(Note {
+                type_: EventType::Warning,
+                reason: "NodeWithoutTopologyLabel",
+                action: "Observe",
+                message: d.message,
+            });
+        }
+    }
     let parent = pool.object_ref(&());
     for n in &desired.notes {
         ctx.event(&parent, n.type_, n.reason, n.action, n.message.clone())

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Service};
 use kube::{Api, ResourceExt};
 
 use super::super::children;
@@ -137,4 +137,61 @@ pub async fn observe(ctx: &Context, ns: &str, name: &str, role: Role) -> Result<
 pub async fn observe_pods(ctx: &Context, ns: &str, name: &str, role: Role) -> Result<u32> {
     let pods = children::list(&Api::<Pod>::namespaced(ctx.client.clone(), ns), name, role).await?;
     Ok(pods.len() as u32)
+}
+
+/// A pod on a node that lacks the pool's `placement.topologyKey` label.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Misplaced {
+    /// The pod.
+    pub pod: String,
+    /// Its node.
+    pub node: String,
+}
+
+/// The pods among `pods` scheduled on a node without label `key` (issue 17: under `Preferred`
+/// the scheduler may use such a node). One metadata GET per distinct node: the operator keeps no
+/// node cache, and only pools with `spec.placement` pay it. A node that is gone is skipped (its
+/// pods are being rescheduled); unscheduled pods have no node to judge; when nodes are forbidden
+/// (a namespace-scoped install binds no cluster-scoped grant) nothing is reported.
+///
+/// # Errors
+/// API failures other than a missing node.
+pub async fn pods_on_unlabeled_nodes(
+    ctx: &Context,
+    pods: &[Pod],
+    key: &str,
+) -> Result<Vec<Misplaced>> {
+    let nodes: Api<Node> = Api::all(ctx.client.clone());
+    let mut labelled: BTreeMap<String, bool> = BTreeMap::new();
+    let mut out = Vec::new();
+    for pod in pods {
+        let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.clone()) else {
+            continue;
+        };
+        let has = match labelled.get(&node) {
+            Some(&has) => has,
+            None => {
+                // A node that is gone counts as labelled: nothing to report about it.
+                let has = match nodes.get_metadata_opt(&node).await {
+                    Ok(n) => n.is_none_or(|n| n.labels().contains_key(key)),
+                    // A namespace-scoped install (`watchNamespace`) binds no cluster-scoped
+                    // grant: the check is skipped, not the reconcile.
+                    Err(kube::Error::Api(s)) if s.code == 403 => {
+                        tracing::debug!(node, "nodes are forbidden: placement check skipped");
+                        return Ok(Vec::new());
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                labelled.insert(node.clone(), has);
+                has
+            }
+        };
+        if !has {
+            out.push(Misplaced {
+                pod: pod.name_any(),
+                node,
+            });
+        }
+    }
+    Ok(out)
 }

@@ -304,22 +304,55 @@ pub fn worker_degraded(
     faults: &[crate::controller::probe::WorkerFault],
 ) -> Option<Decided> {
     let first = faults.first()?;
-    let slot = conditions
-        .iter_mut()
-        .find(|d| d.type_ == ConditionType::Degraded && !d.is_true())?;
     let more = match faults.len() - 1 {
         0 => String::new(),
         n => format!(" (and {n} more)"),
     };
-    *slot = Decided::yes(
-        ConditionType::Degraded,
+    degrade(
+        conditions,
         Reason::WorkerDegraded,
         format!(
             "worker {} is not Ready: {} {}: {}{more}",
             first.pod, first.component, first.code, first.message
         ),
-    );
+    )
+}
+
+/// Sets the first `Degraded` condition that is not True to True with `reason` and `message`, and
+/// returns it; `None` when none is left (Degraded is already True: its reason stands).
+fn degrade(conditions: &mut [Decided], reason: Reason, message: String) -> Option<Decided> {
+    let slot = conditions
+        .iter_mut()
+        .find(|d| d.type_ == ConditionType::Degraded && !d.is_true())?;
+    *slot = Decided::yes(ConditionType::Degraded, reason, message);
     Some(slot.clone())
+}
+
+/// Turns the first `Degraded` condition that is not True into `Degraded=True`,
+/// `NodeWithoutTopologyLabel` when a pod of the pool runs on a node without the placement's
+/// topology label (`misplaced`, from [`super::observe::pods_on_unlabeled_nodes`]); returns it
+/// (for the event) or `None` when nothing is misplaced or `Degraded` is already True (a worker's
+/// own degradation or a halted group says more).
+pub fn placement_degraded(
+    conditions: &mut [Decided],
+    key: &str,
+    misplaced: &[super::observe::Misplaced],
+) -> Option<Decided> {
+    let first = misplaced.first()?;
+    let more = match misplaced.len() - 1 {
+        0 => String::new(),
+        n => format!(" (and {n} more pods)"),
+    };
+    degrade(
+        conditions,
+        Reason::NodeWithoutTopologyLabel,
+        format!(
+            "pod {} runs on node {}, which has no label {key}: spec.placement cannot hold for \
+             it{more}; label the node, or use placement.mode Required (the scheduler then \
+             never picks such a node)",
+            first.pod, first.node
+        ),
+    )
 }
 
 /// The message of `PolicyConflict=False`: what was resolved.
@@ -533,5 +566,34 @@ mod tests {
         let mut c = vec![render.clone()];
         assert_eq!(worker_degraded(&mut c, &[fault("p")]), None);
         assert_eq!(c, [render]);
+    }
+
+    #[test]
+    fn a_pod_on_a_node_without_the_topology_label_turns_degraded_true() {
+        use crate::controller::pool::observe::Misplaced;
+        let healthy = || vec![Decided::no(ConditionType::Degraded, Reason::AsExpected, "")];
+        let mut c = healthy();
+        let zone = "topology.kubernetes.io/zone";
+        assert_eq!(placement_degraded(&mut c, zone, &[]), None);
+        assert_eq!(c, healthy(), "every pod on a labelled node: unchanged");
+        let m = |pod: &str| Misplaced {
+            pod: pod.into(),
+            node: "kwok-node-0".into(),
+        };
+        let d = placement_degraded(&mut c, zone, &[m("d-g0-0"), m("d-g1-0")]).unwrap();
+        assert_eq!(d.reason, Reason::NodeWithoutTopologyLabel);
+        assert!(d.is_true());
+        assert!(
+            d.message.contains("pod d-g0-0 runs on node kwok-node-0")
+                && d.message.contains(zone)
+                && d.message.contains("(and 1 more pods)"),
+            "{}",
+            d.message
+        );
+        // A worker's own degradation, decided first, keeps the slot.
+        let worker = Decided::yes(ConditionType::Degraded, Reason::WorkerDegraded, "x");
+        let mut c = vec![worker.clone()];
+        assert_eq!(placement_degraded(&mut c, zone, &[m("p")]), None);
+        assert_eq!(c, [worker]);
     }
 }
