@@ -89,6 +89,10 @@ struct ScaleArgs {
     /// Deadline of each wait, seconds.
     #[arg(long, default_value_t = 900)]
     wait_timeout_s: u64,
+    /// Report where the pods went by this node label (e.g. topology.kubernetes.io/zone), whatever
+    /// the samples' pools place by: the baseline of a placement run.
+    #[arg(long)]
+    placement_key: Option<String>,
 }
 
 /// Workload flags shared by `replay` and `demo`.
@@ -403,6 +407,7 @@ async fn scale(args: ScaleArgs) -> anyhow::Result<ExitCode> {
             BuildMode::BuildIfMissing
         },
         phase_timeout: Duration::from_secs(args.wait_timeout_s),
+        placement_key: args.placement_key,
     };
     let report = tandem_e2e::scale::run_scale(&opts).await?;
     println!("{}", report.markdown());

@@ -46,6 +46,7 @@ async fn five_stacks_and_one_pool_scaled_to_eight_on_kwok() {
             BuildMode::CachedOnly
         },
         phase_timeout: Duration::from_secs(120),
+        placement_key: None,
     };
     let started = Instant::now();
     let report = match run_scale(&opts).await {
@@ -121,4 +122,115 @@ async fn five_stacks_and_one_pool_scaled_to_eight_on_kwok() {
     ] {
         assert!(opts.out.join(f).is_file(), "{f} written");
     }
+}
+
+/// The samples with `spec.placement: {topologyKey: key, mode}` on both pools, prefill groups of
+/// two pods (tensor 2), written to `dir`.
+fn placed_samples(dir: &std::path::Path, key: &str, mode: &str) {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/samples");
+    for f in ["cachetier.yaml", "prefillpool.yaml", "decodepool.yaml"] {
+        let mut text = std::fs::read_to_string(src.join(f)).unwrap();
+        if f == "prefillpool.yaml" {
+            assert!(text.contains("    tensor: 1\n"), "{f} changed");
+            text = text.replacen("    tensor: 1\n", "    tensor: 2\n", 1);
+        }
+        if f != "cachetier.yaml" {
+            assert!(text.contains("\n  hostPool:\n"), "{f} changed");
+            text = text.replacen(
+                "\n  hostPool:\n",
+                &format!("\n  placement:\n    topologyKey: {key}\n    mode: {mode}\n  hostPool:\n"),
+                1,
+            );
+        }
+        std::fs::write(dir.join(f), text).unwrap();
+    }
+}
+
+/// Issue 17, topology-aware placement on kwok nodes in two zones: three stacks whose pools say
+/// `placement: {topologyKey: topology.kubernetes.io/zone, mode: Required}`, prefill groups of two
+/// pods. Every group's pods share a zone, every decode pod is in a zone holding prefill pods of
+/// its stack, no pod is on a node without the label, both zones are used, and no pool reports a
+/// node without the label.
+///
+/// The baseline (run first) places by a label no node has, `Preferred`: the scheduler has nothing
+/// to prefer, so it spreads as without placement and splits two-pod groups across the zones (the
+/// negative control of the packing check; 12 of 12 groups when written), and every pool reports
+/// `Degraded`, `NodeWithoutTopologyLabel` (the operator's check of the nodes, on a real API
+/// server).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn required_zone_placement_packs_groups_and_pairs_decode_with_prefill_on_kwok() {
+    let required = std::env::var_os("TANDEM_E2E_REQUIRE_CLUSTER").is_some();
+    let operator = locate_binary("tandem-operator", "TANDEM_OPERATOR_BIN");
+    assert!(operator.is_file(), "{} missing", operator.display());
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let mut figures = Vec::new();
+    // Each run has its own control plane and ports (offsets 5300 and 5400).
+    let zone = "topology.kubernetes.io/zone";
+    for (name, key, mode, ports) in [
+        ("baseline", "example.com/absent-rack", "Preferred", 5300),
+        ("required", zone, "Required", 5400),
+    ] {
+        let samples = tmp.path().join(name).join("samples");
+        std::fs::create_dir_all(&samples).unwrap();
+        placed_samples(&samples, key, mode);
+        let opts = ScaleOptions {
+            stacks: vec![3],
+            out: tmp.path().join(name).join("report"),
+            port_offset: ports,
+            state_dir: Some(tmp.path().join(name).join("cluster")),
+            gpus_per_node: 8,
+            scale_groups: 0,
+            resync_seconds: Some(10),
+            samples: Some(samples),
+            operator_bin: Some(operator.clone()),
+            build: if required {
+                BuildMode::BuildIfMissing
+            } else {
+                BuildMode::CachedOnly
+            },
+            phase_timeout: Duration::from_secs(120),
+            placement_key: Some(zone.into()),
+        };
+        let report = match run_scale(&opts).await {
+            Ok(r) => r,
+            Err(ScaleError::Cluster(tandem_e2e::cluster::ClusterError::NotBuilt)) if !required => {
+                println!("SKIPPED: control-plane binaries are not built");
+                return;
+            }
+            Err(e) => panic!("{name} run: {e}"),
+        };
+        assert_eq!(report.runs[0].stacks_ready, 3, "{name}: every stack Ready");
+        figures.push((name, report.runs[0].placement.clone()));
+    }
+    let baseline = figures[0].1.clone().expect("baseline figures");
+    println!("baseline without placement: {baseline:?}");
+    // The negative control: without placement the scheduler's default spreading splits two-pod
+    // groups across the zones (12 of 12 in the first run), so the assertions below can fail.
+    assert!(
+        baseline.split_groups > 0,
+        "the baseline split no group: the check below would not discriminate: {baseline:?}"
+    );
+    assert_eq!(baseline.pools, 6, "{baseline:?}");
+    assert_eq!(
+        baseline.pools_reporting_unlabeled_nodes, 6,
+        "every pool runs on nodes without example.com/absent-rack and must say so: {baseline:?}"
+    );
+    let p = figures[1]
+        .1
+        .clone()
+        .expect("placement figures of the Required run");
+    println!("required zone placement: {p:?}");
+    assert!(
+        p.pods >= 3 * (4 * 2 + 1),
+        "3 stacks of 4 two-pod prefill groups and a decode: {p:?}"
+    );
+    assert_eq!(p.multi_pod_groups, 12, "{p:?}");
+    assert_eq!(p.split_groups, 0, "a group's pods in two zones: {p:?}");
+    assert_eq!(
+        p.unpaired_decode_pods, 0,
+        "a decode pod away from its prefill pods: {p:?}"
+    );
+    assert_eq!(p.pods_on_unlabeled_nodes, 0, "{p:?}");
+    assert_eq!(p.pods_per_domain.len(), 2, "both zones used: {p:?}");
+    assert_eq!(p.pools_reporting_unlabeled_nodes, 0, "{p:?}");
 }

@@ -33,6 +33,7 @@
 //! `ReadyApproximation`, and the report says so. Nothing serves traffic: these figures are the
 //! control plane's, not the data plane's.
 
+pub mod placement;
 pub mod probe;
 pub mod prom;
 pub mod report;
@@ -91,6 +92,9 @@ pub struct ScaleOptions {
     pub build: BuildMode,
     /// Longest wait for any one phase.
     pub phase_timeout: Duration,
+    /// Report where the pods went by this node label, whatever the pools' own
+    /// `placement.topologyKey` (a baseline); `None`: by the pools' key, if any.
+    pub placement_key: Option<String>,
 }
 
 impl Default for ScaleOptions {
@@ -107,6 +111,7 @@ impl Default for ScaleOptions {
             operator_bin: None,
             build: BuildMode::BuildIfMissing,
             phase_timeout: Duration::from_secs(900),
+            placement_key: None,
         }
     }
 }
@@ -182,6 +187,63 @@ fn cluster_config(opts: &ScaleOptions) -> ClusterConfig {
         kwok_gpus_per_node: opts.gpus_per_node,
         build: opts.build,
     }
+}
+
+/// Where the scheduler put the pool pods, by `key` when given (a baseline run, or one whose pools
+/// place by a key the nodes lack), else by a sample pool's `placement.topologyKey` (the decode's,
+/// else the prefill's); `None` when neither names one.
+async fn placement_figures(
+    client: &kube::Client,
+    samples: &Samples,
+    key: Option<&str>,
+) -> Result<Option<placement::PlacementFigures>, ScaleError> {
+    let key = key.map(str::to_owned).or_else(|| {
+        [
+            &samples.decode.spec.placement,
+            &samples.prefill.spec.placement,
+        ]
+        .into_iter()
+        .flatten()
+        .map(|p| p.topology_key.as_str().to_owned())
+        .next()
+    });
+    let Some(key) = key else {
+        return Ok(None);
+    };
+    let lp = ListParams::default().labels(tandem_crds::labels::POOL);
+    let pods = Api::<k8s_openapi::api::core::v1::Pod>::all(client.clone())
+        .list(&lp)
+        .await?;
+    let nodes = Api::<Node>::all(client.clone())
+        .list(&ListParams::default())
+        .await?;
+    let mut f = placement::figures(&pods.items, &nodes.items, &key);
+    let lp = ListParams::default();
+    let prefill = Api::<PrefillPool>::all(client.clone()).list(&lp).await?;
+    let decode = Api::<DecodePool>::all(client.clone()).list(&lp).await?;
+    let statuses: Vec<_> = (prefill.items.iter().map(|p| p.status.as_ref()))
+        .chain(decode.items.iter().map(|d| d.status.as_ref()))
+        .collect();
+    f.pools = statuses.len();
+    f.pools_reporting_unlabeled_nodes = statuses
+        .into_iter()
+        .filter(|s| placement::reports_unlabeled_node(*s))
+        .count();
+    eprintln!(
+        "[scale] placement by {key}: {} pods in {} groups ({} of several pods), {} split, {} decode \
+         pods without a prefill pod in their domain, {} on unlabeled nodes ({} of {} pools report \
+         it), per domain {:?}",
+        f.pods,
+        f.groups,
+        f.multi_pod_groups,
+        f.split_groups,
+        f.unpaired_decode_pods,
+        f.pods_on_unlabeled_nodes,
+        f.pools_reporting_unlabeled_nodes,
+        f.pools,
+        f.pods_per_domain
+    );
+    Ok(Some(f))
 }
 
 /// One N: cluster up, measure, cluster down (also on failure).
@@ -546,6 +608,7 @@ async fn measure_with(
     .await?;
     op.alive()?;
     let all_ready_s = apply_started.elapsed().as_secs_f64();
+    let placement = placement_figures(client, samples, opts.placement_key.as_deref()).await?;
     let apply_to_ready_ms: Vec<f64> = all
         .iter()
         .zip(&applied_at)
@@ -708,6 +771,7 @@ async fn measure_with(
         },
         load_avg: [load_at_apply, load_settled],
         process: proc_settled,
+        placement,
     };
     ready.stop();
 

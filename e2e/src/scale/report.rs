@@ -83,6 +83,9 @@ pub struct RunFigures {
     pub load_avg: [[f64; 3]; 2],
     /// The operator process over time (until settled).
     pub process: Vec<ProcSample>,
+    /// Where the pods went, when the sample pools carry `spec.placement` (issue 17).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub placement: Option<super::placement::PlacementFigures>,
 }
 
 /// `/proc/loadavg`'s three averages (zeros when unreadable).
@@ -567,6 +570,7 @@ mod tests {
             writes_per_steady_resync: writes,
             load_avg: [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]],
             process: vec![],
+            placement: None,
         }
     }
 
