@@ -3,6 +3,7 @@
 //! match on every rank, and a consumer never reads a layer it has not received. Each protocol rule has
 //! a negative control that must make its test fail.
 
+use std::path::Path;
 use std::time::Duration;
 
 // The benchmark is a module of the `tandem-bench` binary (not of the library's API); compiled here.
@@ -19,7 +20,7 @@ use tandem_worker::layer_split::{
     BroadcastScope, GroupSpec, KvLayout, LayerSplitError, OwnerMap, RankReport, RequestSpec,
     WaitPolicy, run_group,
 };
-use tandem_worker::model::{Attention, ModelIdentity};
+use tandem_worker::model::{Attention, ModelCatalog, ModelIdentity};
 
 const PAGE_TOKENS: u32 = 16;
 const POOL_PAGES: u32 = 64;
@@ -299,6 +300,7 @@ fn bench_reports_identical_outputs_and_both_ratios() {
         requests: 4,
         max_pages: 6,
         indexer_work: 1,
+        models: None,
     };
     let report = run(&args).unwrap();
     for row in &report.rows {
@@ -314,5 +316,61 @@ fn bench_reports_identical_outputs_and_both_ratios() {
         let got = row.whole_buffer_bytes as f64 / row.broadcast_bytes as f64;
         assert!((got - expected).abs() < 1e-9, "{got} vs {expected}");
     }
-    assert!(report.lines().iter().any(|l| l.trim() == "identical=true"));
+    let lines = report.lines();
+    assert!(lines.iter().any(|l| l.trim() == "identical=true"));
+    // The model section: GLM-5's capacity at CP 8 is 78/11 (PR #29930's ~7.1x), and every gain
+    // figure is labelled as the model's.
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("glm-5") && l.contains("cp8=7.09x")),
+        "{lines:#?}"
+    );
+    assert_eq!(
+        lines.iter().filter(|l| l.contains("model_gain=")).count(),
+        10,
+        "5 context lengths at CP 8 and 4"
+    );
+}
+
+/// `--models` adds every geometry of the shared `models.json` to the model's capacity table
+/// (fails without the file when `TANDEM_REQUIRE_DATA=1`).
+#[test]
+fn bench_model_section_covers_the_shared_model_geometries() {
+    use layer_split_bench::{ModelSection, run};
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/models.json");
+    if !path.is_file() {
+        assert!(
+            std::env::var_os("TANDEM_REQUIRE_DATA").is_none(),
+            "{} missing with TANDEM_REQUIRE_DATA set",
+            path.display()
+        );
+        println!("SKIPPED: {} missing", path.display());
+        return;
+    }
+    let catalog =
+        ModelCatalog::from_json(&std::fs::read_to_string(&path).unwrap()).expect("models.json");
+    let section = ModelSection::compute(Some(&catalog));
+    assert_eq!(section.capacity.len(), 1 + catalog.models.len());
+    let v3 = section
+        .capacity
+        .iter()
+        .find(|r| r.model == "deepseek-v3")
+        .expect("deepseek-v3 row");
+    // 61 layers: CP 4 stores 16 + 1, CP 8 stores 8 + 1.
+    assert_eq!(v3.ratios, vec![(4, 61.0 / 17.0), (8, 61.0 / 9.0)]);
+    assert_eq!(v3.bytes_per_token, 70_272);
+    // A missing file is a clear error, not an empty table.
+    let args = layer_split_bench::LayerSplitArgs {
+        layers: 7,
+        cp: vec![2],
+        pool_pages: 8,
+        page_tokens: 4,
+        requests: 1,
+        max_pages: 2,
+        indexer_work: 1,
+        models: Some(path.with_file_name("no-such-models.json")),
+    };
+    let err = run(&args).unwrap_err().to_string();
+    assert!(err.contains("no-such-models.json"), "{err}");
 }

@@ -12,7 +12,9 @@
 //! - [`receive`]: the per-layer event and receive scratch of a consumer rank;
 //! - [`attention`]: the simulated indexer and attention (a deterministic function of the KV read);
 //! - [`l3_key`]: L3 object keys per owned layer range;
-//! - [`group`]: a CP group of threads running prefill steps under the replicated or split layout.
+//! - [`group`]: a CP group of threads running prefill steps under the replicated or split layout;
+//! - [`cost_model`]: the throughput model behind seed 004's +10 %..+132 % (pure arithmetic, no
+//!   measurement).
 //!
 //! Not wired into serving yet. Where it plugs in: when `parallelism.context` is above 1 and the
 //! config has a `layerSplit`, the prefill role (`roles::prefill`, pool setup) builds one
@@ -26,6 +28,7 @@
 //! Measured by `tandem-bench layer-split`; tested in `tests/layer_split_contract.rs`.
 
 pub mod attention;
+pub mod cost_model;
 pub mod error;
 pub mod group;
 pub mod l3_key;

@@ -7,14 +7,37 @@
 //! buffer (the naive variant). Printed: each rank's KV bytes as a ratio of a replicated rank's, the
 //! bound ⌈L/C⌉/L, broadcast payload bytes vs the whole-buffer baseline, and `identical=` — whether
 //! every rank's attention output for every request equals the replicated layout's bit for bit.
+//!
+//! Then the **model** section (`layer_split::cost_model`; no measurement, and labelled so): the
+//! token-capacity gain `L / (⌈L/C⌉ + 1)` at CP 4 and 8 for each geometry of `--models` (tokens in
+//! the KV memory of PR #29930's log), and the throughput gain at 40K–120K tokens with a 90 % prefix
+//! hit for GLM-5 at CP 8 and 4, next to the published figures (seed 004: +10 % to +132 %; SGLang PR
+//! #29930: ~7.1× tokens at CP 8), with the assumed inputs named.
 
 use std::time::{Duration, Instant};
 
+use tandem_worker::layer_split::cost_model::{self, CostParams, GainRow};
 use tandem_worker::layer_split::{
     BroadcastScope, GroupSpec, KvLayout, LayerSplitError, OwnerMap, RankReport, RequestSpec,
     WaitPolicy, run_group,
 };
-use tandem_worker::model::{Attention, ModelIdentity};
+use tandem_worker::model::{Attention, ModelCatalog, ModelIdentity};
+
+/// Why the benchmark could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// The CP group refused the arguments or failed.
+    #[error(transparent)]
+    Group(#[from] LayerSplitError),
+    /// `--models` could not be read or is not a valid `models.json`.
+    #[error("--models {}: {reason}", path.display())]
+    Models {
+        /// The file named.
+        path: std::path::PathBuf,
+        /// What failed.
+        reason: String,
+    },
+}
 
 /// Arguments.
 #[derive(Debug, Clone, clap::Args)]
@@ -40,6 +63,40 @@ pub struct LayerSplitArgs {
     /// Indexer work rounds per layer.
     #[arg(long, default_value_t = 64)]
     pub indexer_work: u32,
+    /// A `models.json` whose geometries get the model's capacity table (none: GLM-5 only).
+    #[arg(long, default_value = "../shared/data/models.json")]
+    pub models: Option<std::path::PathBuf>,
+}
+
+/// KV bytes per rank of the model section: 457,920 tokens × 61,464 B (PR #29930's log, "KV size:
+/// 26.22 GB"); assumed for the other geometries.
+pub const MODEL_KV_BYTES_PER_RANK: f64 = 457_920.0 * 61_464.0;
+
+/// Context lengths of the model's gain curve (seed 004's 40K–120K).
+pub const MODEL_CONTEXTS: [f64; 5] = [40e3, 60e3, 80e3, 100e3, 120e3];
+
+/// One geometry's token capacity under the model.
+#[derive(Debug, Clone)]
+pub struct CapacityRow {
+    /// Model name.
+    pub model: String,
+    /// Layers.
+    pub layers: u32,
+    /// KV bytes per token (all layers).
+    pub bytes_per_token: u64,
+    /// Tokens a replicated rank holds in [`MODEL_KV_BYTES_PER_RANK`].
+    pub base_tokens: f64,
+    /// (CP size, capacity ratio `L / (⌈L/C⌉ + 1)`).
+    pub ratios: Vec<(u32, f64)>,
+}
+
+/// The model section: capacity per geometry and the GLM-5 gain curves.
+#[derive(Debug, Clone)]
+pub struct ModelSection {
+    /// One row per geometry of `--models`, GLM-5 first.
+    pub capacity: Vec<CapacityRow>,
+    /// (CP size, the gain curve at [`MODEL_CONTEXTS`]) for GLM-5 at the reference's fit.
+    pub curves: Vec<(u32, Vec<GainRow>)>,
 }
 
 /// Figures for one CP size.
@@ -80,6 +137,98 @@ pub struct LayerSplitReport {
     pub indexer_work: u32,
     /// One row per CP size.
     pub rows: Vec<CpRow>,
+    /// The cost model's figures.
+    pub model: ModelSection,
+}
+
+impl ModelSection {
+    /// Computes the section; `catalog` adds its geometries to GLM-5's.
+    pub fn compute(catalog: Option<&ModelCatalog>) -> Self {
+        const CPS: [u32; 2] = [4, 8];
+        let row = |model: &str, layers: u32, bytes_per_token: u64| CapacityRow {
+            model: model.to_owned(),
+            layers,
+            bytes_per_token,
+            base_tokens: MODEL_KV_BYTES_PER_RANK / bytes_per_token as f64,
+            ratios: CPS
+                .iter()
+                .map(|&cp| (cp, cost_model::capacity_ratio(layers, cp, 1)))
+                .collect(),
+        };
+        // GLM-5: 78 layers × (656 + 132) B (FP8 MLA record and indexer key).
+        let mut capacity = vec![row("glm-5 (DSA, FP8)", 78, 78 * (656 + 132))];
+        for m in catalog.map(|c| c.models.as_slice()).unwrap_or_default() {
+            capacity.push(row(&m.name, m.layers, m.bytes_per_token()));
+        }
+        let curves = [8, 4]
+            .into_iter()
+            .map(|cp| {
+                let p = CostParams {
+                    cp,
+                    ..CostParams::glm5_cp8()
+                };
+                (cp, cost_model::gain_curve(&p, &MODEL_CONTEXTS))
+            })
+            .collect();
+        Self { capacity, curves }
+    }
+
+    /// Printable lines, each figure labelled as the model's.
+    pub fn lines(&self) -> Vec<String> {
+        let p = CostParams::glm5_cp8();
+        let mut out = vec![
+            "layer-split model (cost model, not a measurement; reference/layersplit-snapshot.md §3)"
+                .to_owned(),
+            format!(
+                "  capacity: tokens per rank in {:.2} GiB of KV (PR #29930's log; assumed for the other models), one transient layer slot",
+                MODEL_KV_BYTES_PER_RANK / f64::from(1u32 << 30)
+            ),
+        ];
+        for r in &self.capacity {
+            let ratios: Vec<String> = r
+                .ratios
+                .iter()
+                .map(|(cp, x)| format!("cp{cp}={x:.2}x ({:.0} tokens)", r.base_tokens * x))
+                .collect();
+            out.push(format!(
+                "    {}: {} layers, {} B/token, replicated {:.0} tokens, model_capacity {}",
+                r.model,
+                r.layers,
+                r.bytes_per_token,
+                r.base_tokens,
+                ratios.join(" ")
+            ));
+        }
+        out.push("    published: SGLang PR #29930 measured ~7.1x tokens per prefill instance at CP 8 (GLM-5.2, 78 layers)".to_owned());
+        out.push(format!(
+            "  throughput: GLM-5, h={} prefix hit, S={} sessions, lognormal gaps sigma={}, a={:.0} us/token, b={:.1e} s/pair, broadcast {:.0} GB/s, chunk {:.0} tokens",
+            p.prefix_share,
+            p.sessions,
+            p.gap_sigma,
+            p.per_token_s * 1e6,
+            p.indexer_pair_s,
+            p.broadcast_bytes_per_s / 1e9,
+            p.chunk_tokens
+        ));
+        out.push("    assumed (unpublished; fitted to seed 004's endpoints): S, sigma, a, b, broadcast bandwidth, chunk; public: layers, row bytes, KV memory, h".to_owned());
+        for (cp, rows) in &self.curves {
+            out.push(format!("    cp={cp}"));
+            for r in rows {
+                out.push(format!(
+                    "      T={:.0}K hit_replicated={:.2} hit_split={:.2} t_replicated={:.2}s t_split={:.2}s exposed_broadcast={:.1}ms model_gain={:+.0}%",
+                    r.tokens / 1e3,
+                    r.hit_base,
+                    r.hit_split,
+                    r.base.total_s(),
+                    r.split.total_s(),
+                    r.split.exposed_comm_s * 1e3,
+                    r.gain * 100.0
+                ));
+            }
+        }
+        out.push("    published: seed 004 reports +10% to +132% system throughput at 90% cache hit, 40K to 120K tokens, growing with length".to_owned());
+        out
+    }
 }
 
 impl LayerSplitReport {
@@ -121,6 +270,7 @@ impl LayerSplitReport {
             ));
             out.push(format!("  identical={}", r.identical));
         }
+        out.extend(self.model.lines());
         out
     }
 }
@@ -128,9 +278,22 @@ impl LayerSplitReport {
 /// Runs the benchmark.
 ///
 /// # Errors
-/// Invalid arguments (CP size 0 or above the layer count, a request larger than the pool) and any
-/// group error.
-pub fn run(args: &LayerSplitArgs) -> Result<LayerSplitReport, LayerSplitError> {
+/// [`BenchError::Group`]: invalid arguments (CP size 0 or above the layer count, a request larger
+/// than the pool) and any group error; [`BenchError::Models`]: an unreadable or invalid
+/// `--models` file.
+pub fn run(args: &LayerSplitArgs) -> Result<LayerSplitReport, BenchError> {
+    let catalog = match &args.models {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .map_err(|e| e.to_string())
+                .and_then(|text| ModelCatalog::from_json(&text).map_err(|e| e.to_string()))
+                .map_err(|reason| BenchError::Models {
+                    path: path.clone(),
+                    reason,
+                })?,
+        ),
+        None => None,
+    };
     let requests: Vec<RequestSpec> = (0..args.requests)
         .map(|i| RequestSpec {
             id: 0x5eed_0000 + u64::from(i),
@@ -203,5 +366,6 @@ pub fn run(args: &LayerSplitArgs) -> Result<LayerSplitReport, LayerSplitError> {
         requests: args.requests,
         indexer_work: args.indexer_work,
         rows,
+        model: ModelSection::compute(catalog.as_ref()),
     })
 }
