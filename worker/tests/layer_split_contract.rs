@@ -12,8 +12,9 @@ use std::time::Duration;
 mod layer_split_bench;
 
 use tandem_worker::config::LayerSplit;
-use tandem_worker::layer_split::group::run_group_with_maps;
+use tandem_worker::layer_split::group::{run_group_over_tcp, run_group_with_maps};
 use tandem_worker::layer_split::receive::{Arrival, LayerReceiver};
+use tandem_worker::layer_split::tcp_link::TcpLinkConfig;
 use tandem_worker::layer_split::transport::{RankLink, channel_mesh};
 use tandem_worker::layer_split::wire::{Frame, LayerFrame};
 use tandem_worker::layer_split::{
@@ -221,6 +222,90 @@ fn ranks_with_different_owner_maps_refuse_each_other() {
         &[Some(contiguous.clone()), Some(contiguous)],
     );
     assert!(ok.iter().all(Result::is_ok));
+}
+
+/// Over TCP (issue 15: the link between the pods of a group), on loopback: the split layout's
+/// outputs equal the replicated layout's bit for bit, each rank stores its share, and the bytes
+/// broadcast equal the in-process mesh's (the transport adds nothing to the payload).
+#[test]
+fn over_tcp_outputs_are_bit_identical_and_bytes_match_the_in_process_mesh() {
+    let reqs = requests();
+    for (layers, cp) in [(8, 2), (7, 3), (10, 4)] {
+        let rep = run_group(&spec(layers, cp, KvLayout::Replicated), &reqs).unwrap();
+        let map = OwnerMap::contiguous(layers, cp).unwrap();
+        let s = spec(layers, cp, KvLayout::Split(map.clone()));
+        let maps = vec![Some(map); cp as usize];
+        let tcp: Vec<RankReport> = run_group_over_tcp(&s, &reqs, &maps, TcpLinkConfig::default())
+            .into_iter()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let mem = run_group(&s, &reqs).unwrap();
+        assert_eq!(outputs(&tcp), outputs(&rep), "{layers} layers over {cp}");
+        for (t, m) in tcp.iter().zip(&mem) {
+            assert_eq!(t.stored_kv_bytes, m.stored_kv_bytes);
+            assert_eq!(t.broadcast_payload_bytes, m.broadcast_payload_bytes);
+            assert_eq!(t.frames_sent, m.frames_sent);
+            assert_eq!(t.waits, m.waits);
+        }
+    }
+}
+
+/// Over TCP, ranks on different owner maps refuse each other when the streams open, before any
+/// frame (R-LS-1): every rank fails with `OwnerMapMismatch`, naming the other rank.
+#[test]
+fn over_tcp_ranks_with_different_owner_maps_refuse_each_other_at_connect() {
+    let (layers, cp) = (8, 2);
+    let contiguous = OwnerMap::contiguous(layers, cp).unwrap();
+    let interleaved = OwnerMap::new(
+        &LayerSplit {
+            owners: (0..layers).map(|l| l % cp).collect(),
+        },
+        cp,
+    )
+    .unwrap();
+    let s = spec(layers, cp, KvLayout::Split(contiguous.clone()));
+    let cfg = TcpLinkConfig {
+        connect_timeout: Duration::from_secs(20),
+        ..TcpLinkConfig::default()
+    };
+    let results = run_group_over_tcp(&s, &requests(), &[Some(contiguous), Some(interleaved)], cfg);
+    for (rank, r) in results.iter().enumerate() {
+        match r {
+            Err(LayerSplitError::OwnerMapMismatch {
+                local_rank,
+                peer_rank,
+                ..
+            }) => assert_eq!((*local_rank, *peer_rank), (rank as u32, 1 - rank as u32)),
+            other => panic!("rank {rank}: expected a mismatch, got {other:?}"),
+        }
+    }
+}
+
+/// The negative control over TCP: a rank that attends without waiting for the layer's broadcast
+/// reads a stale scratch, and every output differs from the replicated layout's.
+#[test]
+fn over_tcp_negative_control_attention_without_the_wait_diverges() {
+    let reqs = requests();
+    let (layers, cp) = (8, 2);
+    let rep = run_group(&spec(layers, cp, KvLayout::Replicated), &reqs).unwrap();
+    let map = OwnerMap::contiguous(layers, cp).unwrap();
+    let mut s = spec(layers, cp, KvLayout::Split(map.clone()));
+    s.wait = WaitPolicy::UnsafeSkipWait;
+    let maps = vec![Some(map); cp as usize];
+    let unsafe_run: Vec<RankReport> =
+        run_group_over_tcp(&s, &reqs, &maps, TcpLinkConfig::default())
+            .into_iter()
+            .collect::<Result<_, _>>()
+            .unwrap();
+    for (u, r) in unsafe_run.iter().zip(&rep) {
+        for (i, (a, b)) in u.outputs.iter().zip(&r.outputs).enumerate() {
+            assert_ne!(
+                a, b,
+                "rank {} request {i}: skipping the wait must show",
+                u.rank
+            );
+        }
+    }
 }
 
 fn layer_frame(from: u32, step: u64, layer: u32, pages: Vec<u32>) -> Vec<u8> {

@@ -26,7 +26,8 @@ use super::error::LayerSplitError;
 use super::ownership::OwnerMap;
 use super::rank_store::RankKvStore;
 use super::receive::{Arrival, LayerReceiver};
-use super::transport::{RankLink, channel_mesh};
+use super::tcp_link::{TcpLinkConfig, TcpRankLink, loopback_listeners};
+use super::transport::{ChannelLink, RankLink, channel_mesh};
 use super::wire::{Frame, LayerFrame};
 
 /// Where a group keeps its KV.
@@ -153,15 +154,94 @@ pub fn run_group_with_maps(
             .map(|_| Err(LayerSplitError::InvalidOwnerMap(reason.clone())))
             .collect();
     }
-    let links = channel_mesh(spec.cp_size);
+    let links: Vec<std::sync::Mutex<Option<ChannelLink>>> = channel_mesh(spec.cp_size)
+        .into_iter()
+        .map(|l| std::sync::Mutex::new(Some(l)))
+        .collect();
+    run_group_with_links(spec, requests, maps, |rank| {
+        let link = links
+            .get(rank as usize)
+            .and_then(|m| m.lock().ok()?.take())
+            .ok_or(LayerSplitError::RankOutOfRange {
+                rank,
+                cp_size: spec.cp_size,
+            })?;
+        Ok(Box::new(link))
+    })
+}
+
+/// Runs the group over TCP on loopback ([`TcpRankLink`], one stream per ordered pair of ranks):
+/// the same steps as [`run_group_with_maps`], with each rank's link connected inside its own
+/// thread, as the pods of a group connect. A rank's preamble carries its owner-map digest (0 when
+/// replicated), so ranks on different maps refuse each other at connect.
+pub fn run_group_over_tcp(
+    spec: &GroupSpec,
+    requests: &[RequestSpec],
+    maps: &[Option<OwnerMap>],
+    cfg: TcpLinkConfig,
+) -> Vec<Result<RankReport, LayerSplitError>> {
+    let (listeners, addrs) = match loopback_listeners(spec.cp_size) {
+        Ok(x) => x,
+        Err(e) => {
+            let reason = e.to_string();
+            return (0..spec.cp_size)
+                .map(|peer| {
+                    Err(LayerSplitError::Transport {
+                        peer,
+                        reason: reason.clone(),
+                    })
+                })
+                .collect();
+        }
+    };
+    let listeners: Vec<std::sync::Mutex<Option<std::net::TcpListener>>> = listeners
+        .into_iter()
+        .map(|l| std::sync::Mutex::new(Some(l)))
+        .collect();
+    run_group_with_links(spec, requests, maps, |rank| {
+        let listener = listeners
+            .get(rank as usize)
+            .and_then(|m| m.lock().ok()?.take())
+            .ok_or(LayerSplitError::RankOutOfRange {
+                rank,
+                cp_size: spec.cp_size,
+            })?;
+        let digest = maps
+            .get(rank as usize)
+            .and_then(Option::as_ref)
+            .map_or(0, OwnerMap::digest);
+        Ok(Box::new(TcpRankLink::connect(
+            rank, &addrs, listener, digest, cfg,
+        )?))
+    })
+}
+
+/// Runs one thread per rank; each makes its link with `link_for(rank)` and runs the steps.
+fn run_group_with_links<F>(
+    spec: &GroupSpec,
+    requests: &[RequestSpec],
+    maps: &[Option<OwnerMap>],
+    link_for: F,
+) -> Vec<Result<RankReport, LayerSplitError>>
+where
+    F: Fn(u32) -> Result<Box<dyn RankLink>, LayerSplitError> + Sync,
+{
+    if maps.len() != spec.cp_size as usize {
+        let reason = format!("{} owner maps for {} ranks", maps.len(), spec.cp_size);
+        return (0..spec.cp_size)
+            .map(|_| Err(LayerSplitError::InvalidOwnerMap(reason.clone())))
+            .collect();
+    }
+    let link_for = &link_for;
     let results: Vec<RankOutcome> = std::thread::scope(|s| {
-        let handles: Vec<_> = links
-            .into_iter()
-            .zip(maps.iter().cloned())
-            .map(|(link, map)| {
-                let rank = link.rank();
+        let handles: Vec<_> = maps
+            .iter()
+            .cloned()
+            .enumerate()
+            .map(|(rank, map)| {
+                let rank = rank as u32;
                 let h = s.spawn(move || {
-                    let link: Box<dyn RankLink> = Box::new(link);
+                    let link = link_for(rank)?;
                     run_rank(spec, requests, map, link.as_ref()).map(|r| (r, link))
                 });
                 (rank, h)

@@ -1,9 +1,9 @@
 //! The transport seam between the CP ranks of a group: a rank sends encoded [`super::wire`] frames to
 //! a peer rank and receives frames from any peer.
 //!
-//! [`ChannelLink`] is the in-process implementation (one thread per rank, `std::sync::mpsc`); a TCP
-//! implementation would send `len u32 | frame` on a stream per peer and run a reader thread per peer
-//! feeding the same [`RankLink::recv`]. Sending never blocks on the receiver (the channel is
+//! [`ChannelLink`] is the in-process implementation (one thread per rank, `std::sync::mpsc`);
+//! [`super::tcp_link::TcpRankLink`] sends `len u32 | frame` on a stream per peer and runs a reader
+//! thread per peer feeding the same [`RankLink::recv`]. Sending never blocks on the receiver (the channel is
 //! unbounded, as a socket writer thread with its own queue would be), which is what lets the owner
 //! issue layer `i`'s broadcast and go on with the indexer computation (seed 004 "通信隐藏").
 
