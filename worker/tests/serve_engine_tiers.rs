@@ -11,9 +11,11 @@
 //! - negative controls (feature `negative-controls`): a worker whose loads send their events without
 //!   copying makes the engine's loaded-bytes check fail; an engine that reads before the events
 //!   counts reads before ready; an engine that computes its hits again instead of loading them
-//!   (`--regenerate-hits`) loads no page.
+//!   (`--regenerate-hits`) loads no page;
+//! - a load that fails partway (the engine asks for a page past its hits) is read only where it
+//!   wrote; the negative control reads past its coverage and counts the unwritten page corrupt.
 //!
-//! Each test has its own `127.0.<net>.x` addresses (nets 111–114).
+//! Each test has its own `127.0.<net>.x` addresses (nets 111–114, 118, 119).
 
 mod serve_support;
 
@@ -327,4 +329,78 @@ async fn negative_control_an_engine_that_regenerates_hits_loads_no_byte() {
         s["stored_pages"], 6,
         "the hit pages were computed and stored again: {s}"
     );
+}
+
+/// A load that fails partway (issue 13: the full-trace run's "corrupt loaded chunks"): the engine
+/// asks for one page past its Lookup's hits (`--load-beyond-hit`, a page evicted between Lookup
+/// and Load), the worker's fetch of that page fails, so it copies the two leading pages, sends
+/// every `LayerLoaded` saying it covers 2 pages, then `LoadFailed{pages_loaded: 2}`. The engine
+/// reads only the covered pages (0 corrupt), keeps the 2 loaded pages, computes and stores the
+/// third, and the request completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_that_fails_partway_is_read_only_where_it_wrote() {
+    let (s, t) = partial_load(118, &[]).await;
+    assert_eq!(s["load_failures"], 1, "{s}");
+    assert_eq!(s["loaded_pages"], 2, "{s}");
+    assert_eq!(s["loaded_chunks"], 2 * LAYERS, "{s}");
+    assert_eq!(s["loaded_corrupt_chunks"], 0, "{s}");
+    assert_eq!(s["read_before_ready"], 0, "{s}");
+    assert_eq!(
+        s["stored_pages"], 4,
+        "3 cold pages and the one the load missed: {s}"
+    );
+    assert_eq!(t["loads_failed"], 1, "{t}");
+    assert_eq!(t["pages_loaded"]["l2"], 2, "{t}");
+    assert_eq!(t["load_waits"], LAYERS, "{t}");
+}
+
+/// Negative control of the coverage rule: the same partial load, read by an engine that ignores
+/// what each `LayerLoaded` covers (`--ignore-load-coverage`), verifies the page the failed fetch
+/// never wrote — one corrupt chunk per layer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_reading_past_a_partial_loads_coverage_reads_unwritten_pages() {
+    let (s, _) = partial_load(119, &["--ignore-load-coverage"]).await;
+    assert_eq!(s["load_failures"], 1, "{s}");
+    assert_eq!(s["loaded_chunks"], 3 * LAYERS, "{s}");
+    assert_eq!(s["loaded_corrupt_chunks"], LAYERS, "{s}");
+}
+
+/// A prefill (L2 only) with an engine run with `--load-beyond-hit` and `extra`: a cold request,
+/// then one sharing its first two pages. Returns the engine's summary and the worker's
+/// `/report.engine.tiers`.
+async fn partial_load(net: u8, extra: &[&str]) -> (Value, Value) {
+    let w = World::new(net);
+    w.publish(&[2]);
+    let pcfg = prefill(&w, false);
+    let _p = w.spawn(2, &pcfg, &[]);
+    let mut args = vec!["--load-beyond-hit"];
+    args.extend_from_slice(extra);
+    let engine = spawn_engine(&w, 2, &args);
+    wait_ready(&w, 2).await;
+    let _d = w.spawn(9, &config(WorkerRole::Decode, "r1", w.ports), &[]);
+    wait_ready(&w, 9).await;
+    let (code, frames) = http(
+        w.addr(9, w.ports.front),
+        "POST",
+        "/v1/completions",
+        Some(request(&[501, 502, 503])),
+    )
+    .await;
+    assert_eq!(code, 200, "{}", text(&frames));
+    let (code, frames) = http(
+        w.addr(9, w.ports.front),
+        "POST",
+        "/v1/completions",
+        Some(request(&[501, 502, 599])),
+    )
+    .await;
+    let v: Value = serde_json::from_str(&text(&frames)).unwrap();
+    assert_eq!(code, 200, "the request survives the failed load: {v}");
+    let pr = report_until(&w, 2, "the engine's 2 rooms published", |r| {
+        r["engine"]["engine_summary"]["rooms"] == 2
+    })
+    .await;
+    let (st, s) = stop_engine(engine);
+    assert!(st.success(), "{st:?} {s}");
+    (s, pr["engine"]["tiers"].clone())
 }

@@ -135,6 +135,18 @@ pub struct Args {
     #[cfg(feature = "negative-controls")]
     #[arg(long, hide = true)]
     pub regenerate_hits: bool,
+    /// Fault injection: when a Lookup hits some pages but not all, ask the Load for one page past
+    /// the hits, so the load fails partway (`LoadFailed` after the leading pages). Only with the
+    /// `negative-controls` feature.
+    #[cfg(feature = "negative-controls")]
+    #[arg(long, hide = true, conflicts_with_all = ["regenerate_hits", "skip_load_wait"])]
+    pub load_beyond_hit: bool,
+    /// Negative control, with `--load-beyond-hit`: verify every page a Load asked for on each
+    /// `LayerLoaded`, ignoring the pages the event says it covers. Only with the
+    /// `negative-controls` feature.
+    #[cfg(feature = "negative-controls")]
+    #[arg(long, hide = true, requires = "load_beyond_hit")]
+    pub ignore_load_coverage: bool,
 }
 
 impl Args {
@@ -167,6 +179,11 @@ impl Args {
             }
             if self.skip_load_wait {
                 return tiers::HitUse::LoadSkipWait;
+            }
+            if self.load_beyond_hit {
+                return tiers::HitUse::LoadBeyondHit {
+                    trust_coverage: !self.ignore_load_coverage,
+                };
             }
         }
         tiers::HitUse::LoadAndWait

@@ -18,7 +18,10 @@
 //! read-before-ready, and a layer not copied yet holds stale bytes (a corrupt loaded chunk);
 //! `--regenerate-hits` computes the hit pages again instead of loading them — the KV is right, but
 //! no page is loaded, so every loaded-bytes count (`loaded_pages` here, the worker's
-//! `/report.engine.tiers` `pages_loaded*`) stays 0 however many hits the Lookup answered.
+//! `/report.engine.tiers` `pages_loaded*`) stays 0 however many hits the Lookup answered;
+//! `--load-beyond-hit` asks a Load for one page past the hits (a page evicted between Lookup and
+//! Load) so the load fails partway, and `--ignore-load-coverage` then reads the page the failed
+//! fetch never wrote as loaded (corrupt loaded chunks).
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -93,6 +96,17 @@ pub enum HitUse {
     /// the missed ones.
     #[cfg(feature = "negative-controls")]
     Regenerate,
+    /// Fault injection `--load-beyond-hit`: when a Lookup hits some but not all pages, ask the
+    /// Load for one page past the hits (as if it had been evicted between Lookup and Load), so
+    /// the worker's fetch fails partway and the load ends `LoadFailed` after the leading pages.
+    /// With `trust_coverage: false` (`--ignore-load-coverage`, the negative control) the engine
+    /// also verifies the pages a `LayerLoaded` does not cover — the stale read that
+    /// `LayerLoaded.pages` exists to prevent.
+    #[cfg(feature = "negative-controls")]
+    LoadBeyondHit {
+        /// Verify only the pages each event covers (the contract).
+        trust_coverage: bool,
+    },
 }
 
 impl HitUse {
@@ -100,6 +114,30 @@ impl HitUse {
     fn skips_wait(self) -> bool {
         #[cfg(feature = "negative-controls")]
         if self == Self::LoadSkipWait {
+            return true;
+        }
+        false
+    }
+
+    /// Pages to ask the Load for, given `hit` of `m` pages hit (always `hit` without the feature).
+    fn asked(self, hit: usize, m: usize) -> usize {
+        #[cfg(feature = "negative-controls")]
+        if matches!(self, Self::LoadBeyondHit { .. }) && hit > 0 && hit < m {
+            return hit + 1;
+        }
+        let _ = m;
+        hit
+    }
+
+    /// Whether a `LayerLoaded` is read as covering every page asked for, whatever its `pages`
+    /// says (never without the feature).
+    fn ignores_coverage(self) -> bool {
+        #[cfg(feature = "negative-controls")]
+        if self
+            == (Self::LoadBeyondHit {
+                trust_coverage: false,
+            })
+        {
             return true;
         }
         false
@@ -157,11 +195,12 @@ pub async fn load_and_store(
     }
     let mut loaded = 0;
     if hit > 0 {
+        let asked = hit_use.asked(hit, m);
         let r = client.req_within(
             pb::LoadRequest {
                 attach_id: id,
-                prefix_hashes: hashes[..hit].to_vec(),
-                pages: pages[..hit].to_vec(),
+                prefix_hashes: hashes[..asked].to_vec(),
+                pages: pages[..asked].to_vec(),
                 pools: vec![pb::PoolKind::Target as i32],
             },
             bound,
@@ -186,8 +225,9 @@ pub async fn load_and_store(
                         // without the field, every page); a page behind a failed fetch is not
                         // ours to read.
                         let covered = match l.pages as usize {
-                            0 => hit,
-                            n => n.min(hit),
+                            _ if hit_use.ignores_coverage() => asked,
+                            0 => asked,
+                            n => n.min(asked),
                         };
                         if l.pool == pb::PoolKind::Target as i32 && ready.insert(l.layer) && !skip_wait
                         {
@@ -219,7 +259,7 @@ pub async fn load_and_store(
                 "the Load did not end within {bound:?}"
             )))
         })??;
-        loaded = outcome.min(hit);
+        loaded = outcome.min(asked);
         if loaded > 0 && ready.len() < layers as usize {
             // Every loaded page's layers must have had their events.
             s.load_failures += 1;
