@@ -401,8 +401,10 @@ fn bench_reports_identical_outputs_and_both_ratios() {
         let got = row.whole_buffer_bytes as f64 / row.broadcast_bytes as f64;
         assert!((got - expected).abs() < 1e-9, "{got} vs {expected}");
     }
+    assert!(report.rows.iter().all(|r| r.tcp_identical));
     let lines = report.lines();
     assert!(lines.iter().any(|l| l.trim() == "identical=true"));
+    assert!(lines.iter().any(|l| l.trim() == "identical_over_tcp=true"));
     // The model section: GLM-5's capacity at CP 8 is 78/11 (PR #29930's ~7.1x), and every gain
     // figure is labelled as the model's.
     assert!(

@@ -7,6 +7,8 @@
 //! buffer (the naive variant). Printed: each rank's KV bytes as a ratio of a replicated rank's, the
 //! bound ⌈L/C⌉/L, broadcast payload bytes vs the whole-buffer baseline, and `identical=` — whether
 //! every rank's attention output for every request equals the replicated layout's bit for bit.
+//! The split run is repeated over loopback TCP (`TcpRankLink`, the link between a group's pods):
+//! its wall time beside the in-process one and `identical_over_tcp=`.
 //!
 //! Then the **model** section (`layer_split::cost_model`; no measurement, and labelled so): the
 //! token-capacity gain `L / (⌈L/C⌉ + 1)` at CP 4 and 8 for each geometry of `--models` (tokens in
@@ -17,6 +19,8 @@
 use std::time::{Duration, Instant};
 
 use tandem_worker::layer_split::cost_model::{self, CostParams, GainRow};
+use tandem_worker::layer_split::group::run_group_over_tcp;
+use tandem_worker::layer_split::tcp_link::TcpLinkConfig;
 use tandem_worker::layer_split::{
     BroadcastScope, GroupSpec, KvLayout, LayerSplitError, OwnerMap, RankReport, RequestSpec,
     WaitPolicy, run_group,
@@ -118,8 +122,11 @@ pub struct CpRow {
     pub waits_hidden: (u64, u64),
     /// Every output equal to the replicated layout's.
     pub identical: bool,
-    /// Wall time of the replicated, pages-in-use and whole-buffer runs.
-    pub wall: [Duration; 3],
+    /// Wall time of the replicated, pages-in-use, whole-buffer and pages-in-use-over-TCP runs.
+    pub wall: [Duration; 4],
+    /// The split run over loopback TCP (`TcpRankLink`): every output equal to the replicated
+    /// layout's, and its payload bytes equal to the in-process run's.
+    pub tcp_identical: bool,
 }
 
 /// The report.
@@ -263,12 +270,15 @@ impl LayerSplitReport {
                 r.waits_hidden.0, r.waits_hidden.1, self.indexer_work
             ));
             out.push(format!(
-                "  wall_ms replicated={:.1} split={:.1} split_whole_buffer={:.1}",
+                "  wall_ms replicated={:.1} split={:.1} split_whole_buffer={:.1} split_over_tcp={:.1} (tcp/in-process={:.2})",
                 r.wall[0].as_secs_f64() * 1e3,
                 r.wall[1].as_secs_f64() * 1e3,
-                r.wall[2].as_secs_f64() * 1e3
+                r.wall[2].as_secs_f64() * 1e3,
+                r.wall[3].as_secs_f64() * 1e3,
+                r.wall[3].as_secs_f64() / r.wall[1].as_secs_f64().max(1e-9)
             ));
             out.push(format!("  identical={}", r.identical));
+            out.push(format!("  identical_over_tcp={}", r.tcp_identical));
         }
         out.extend(self.model.lines());
         out
@@ -336,9 +346,20 @@ pub fn run(args: &LayerSplitArgs) -> Result<LayerSplitReport, BenchError> {
             BroadcastScope::PagesInUse,
         ))?;
         let (whole, t_whole) = timed(spec(
-            KvLayout::Split(map),
+            KvLayout::Split(map.clone()),
             BroadcastScope::UnsafeWholeBuffer,
         ))?;
+        let t = Instant::now();
+        let maps = vec![Some(map.clone()); cp as usize];
+        let tcp = run_group_over_tcp(
+            &spec(KvLayout::Split(map.clone()), BroadcastScope::PagesInUse),
+            &requests,
+            &maps,
+            TcpLinkConfig::default(),
+        )
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
+        let t_tcp = t.elapsed();
         let full = rep.first().map_or(1, |r| r.stored_kv_bytes).max(1) as f64;
         let outputs = |v: &[RankReport]| v.iter().map(|r| r.outputs.clone()).collect::<Vec<_>>();
         rows.push(CpRow {
@@ -356,7 +377,10 @@ pub fn run(args: &LayerSplitArgs) -> Result<LayerSplitReport, BenchError> {
                 ls.iter().map(|r| r.waits).sum(),
             ),
             identical: outputs(&ls) == outputs(&rep) && outputs(&whole) == outputs(&rep),
-            wall: [t_rep, t_ls, t_whole],
+            wall: [t_rep, t_ls, t_whole, t_tcp],
+            tcp_identical: outputs(&tcp) == outputs(&rep)
+                && tcp.iter().map(|r| r.broadcast_payload_bytes).sum::<u64>()
+                    == ls.iter().map(|r| r.broadcast_payload_bytes).sum::<u64>(),
         });
     }
     Ok(LayerSplitReport {
