@@ -287,7 +287,12 @@ impl Operator {
                 bin.display()
             )));
         }
-        let port = 29080 + opts.port_offset;
+        // A fixed port here sits in the kernel's ephemeral range (32768–60999), where any client
+        // socket of the control plane may hold it (a CI rehearsal's operator never came up on
+        // 34480): ask the kernel for a free port, the fixed one only if that fails.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_or(29080 + opts.port_offset, |a| a.port());
         let metrics = SocketAddr::from(([127, 0, 0, 1], port));
         let log = cluster.config.log_file("tandem-operator");
         let file = std::fs::File::create(&log)
@@ -316,22 +321,55 @@ impl Operator {
         let pid = child
             .id()
             .ok_or_else(|| ScaleError::Operator("exited at once".into()))?;
-        let op = Self {
+        let mut op = Self {
             child,
             pid,
             metrics,
             log,
         };
-        poll("operator /readyz", Duration::from_secs(60), || async move {
-            let r = crate::http_get::get(metrics, "/readyz", &[], Duration::from_secs(2)).await;
-            match r {
-                Ok(r) if r.status == 200 => (Some(()), String::new()),
-                Ok(r) => (None, format!("{} {}", r.status, r.body)),
-                Err(e) => (None, e.to_string()),
-            }
-        })
-        .await?;
+        op.wait_ready(Duration::from_secs(60)).await?;
         Ok(op)
+    }
+
+    /// Waits (bounded) for `/readyz` 200; an operator that exits first fails at once, with the
+    /// tail of its log (the state dir, and the log with it, is removed when the run ends).
+    async fn wait_ready(&mut self, timeout: Duration) -> Result<(), ScaleError> {
+        let started = Instant::now();
+        loop {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return Err(ScaleError::Operator(format!(
+                    "exited ({st}) before /readyz; its log ends:\n{}",
+                    self.log_tail(20)
+                )));
+            }
+            let reply =
+                crate::http_get::get(self.metrics, "/readyz", &[], Duration::from_secs(2)).await;
+            let last = match reply {
+                Ok(r) if r.status == 200 => {
+                    eprintln!(
+                        "[scale] operator /readyz: done after {:.1} s",
+                        started.elapsed().as_secs_f64()
+                    );
+                    return Ok(());
+                }
+                Ok(r) => format!("{} {}", r.status, r.body),
+                Err(e) => e.to_string(),
+            };
+            if started.elapsed() >= timeout {
+                return Err(ScaleError::Operator(format!(
+                    "/readyz not 200 within {timeout:?} (last: {last}); its log ends:\n{}",
+                    self.log_tail(20)
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// The last `n` lines of the operator's log.
+    fn log_tail(&self, n: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
     /// SIGTERM, then SIGKILL after 10 s.
