@@ -106,6 +106,8 @@ struct Room {
     pages: Vec<PageId>,
     attach: u64,
     tokens: u32,
+    /// When the room's KV deadline passes (Reserve time + its `kv_deadline`).
+    kv_deadline_at: Instant,
     outcome: watch::Sender<Option<Outcome>>,
     guard: SpecGuard,
 }
@@ -466,6 +468,7 @@ impl DecodeSide {
                     pages: pages.clone(),
                     attach,
                     tokens,
+                    kv_deadline_at: Instant::now() + deadline,
                     outcome: tx,
                     guard: SpecGuard::new(thresholds),
                 },
@@ -771,7 +774,24 @@ impl DecodeSide {
     }
 
     /// The transport or the prefill side reports the room failed.
+    ///
+    /// A prefill gives up on a room at the same KV deadline (it started its timer when the room
+    /// opened there, after this side's Reserve), and its `RoomFailed` can arrive before this
+    /// side's own deadline timer has run (a CI rehearsal answered `prefill_unavailable` where the
+    /// request's `kv_deadline_ms` had passed): once the room's deadline has passed, a prefill's
+    /// failure is reported as the deadline (`KV_TIMEOUT`), not as a peer to retry.
     pub fn on_failed(&self, key: RoomKey, cause: FailureCause) {
+        let cause = match cause {
+            FailureCause::PrefillFailed
+                if lock(&self.state)
+                    .rooms
+                    .get(&key)
+                    .is_some_and(|r| Instant::now() >= r.kv_deadline_at) =>
+            {
+                FailureCause::Timeout
+            }
+            other => other,
+        };
         self.fail(key, cause);
     }
 
@@ -999,6 +1019,44 @@ mod tests {
                 .after_release,
             1
         );
+    }
+
+    /// A prefill's `RoomFailed` that arrives once the room's KV deadline has passed is the
+    /// deadline (`KvTimeout`: the request fails with `kv_deadline_exceeded`), even before this
+    /// side's own timer ran (the runtime here is never driven, so that timer cannot); before the
+    /// deadline it is the prefill's failure (a peer to retry).
+    #[test]
+    fn a_prefill_failure_past_the_kv_deadline_reports_the_deadline() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let side = side(&rt);
+        // The AwaitKv reason of room `key` failed by the prefill: the call subscribes (first
+        // poll), the failure lands, the call answers — polled by hand, so no timer task runs.
+        let reason = |key| {
+            use std::future::Future;
+            use std::task::{Context, Poll, Waker};
+            let mut cx = Context::from_waker(Waker::noop());
+            let mut call = std::pin::pin!(side.await_kv(0, key));
+            assert!(call.as_mut().poll(&mut cx).is_pending(), "no outcome yet");
+            side.on_failed(key, FailureCause::PrefillFailed);
+            match call.as_mut().poll(&mut cx) {
+                Poll::Ready(Ok(pb::AwaitKvReply {
+                    outcome: Some(pb::await_kv_reply::Outcome::Failed(f)),
+                })) => f.reason,
+                other => panic!("{other:?}"),
+            }
+        };
+        let early = side.reserve(0, 1, 4, Duration::from_secs(600)).unwrap();
+        assert_eq!(reason(early.key), pb::FailureReason::PrefillFailed as i32);
+
+        let late = side.reserve(0, 2, 4, Duration::from_millis(1)).unwrap();
+        let passed = Instant::now() + Duration::from_millis(1);
+        while Instant::now() < passed {
+            std::hint::spin_loop();
+        }
+        assert_eq!(reason(late.key), pb::FailureReason::KvTimeout as i32);
     }
 
     /// Reserves on some threads while rooms are released on others (Finish after a complete KV,
