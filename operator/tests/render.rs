@@ -152,6 +152,19 @@ fn revision_changes_with_restart_id_and_image_only() {
     let mut d4 = decode.clone();
     d4.spec.replicas = 7; // scaling adds groups; it does not restart the running ones
     assert_eq!(rendered(&PoolView::decode(&d4), &tier).revision, base);
+
+    // Placement is in the pod template of OnDelete StatefulSets: only a new revision makes the
+    // rollout replace the pods so the scheduler applies it (adding, changing, removing it).
+    use tandem_crds::{PlacementMode, PlacementSpec, TopologyKey};
+    let mut d5 = decode.clone();
+    d5.spec.placement = Some(PlacementSpec {
+        topology_key: TopologyKey("topology.kubernetes.io/zone".into()),
+        mode: PlacementMode::Preferred,
+    });
+    let preferred = rendered(&PoolView::decode(&d5), &tier).revision;
+    assert_ne!(preferred, base);
+    d5.spec.placement.as_mut().unwrap().mode = PlacementMode::Required;
+    assert_ne!(rendered(&PoolView::decode(&d5), &tier).revision, preferred);
 }
 
 #[test]

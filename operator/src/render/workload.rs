@@ -39,9 +39,11 @@ pub const CONFIG_DIR: &str = "/etc/tandem";
 pub const TERMINATION_GRACE_SECONDS: i64 = 120;
 
 /// The revision of a pool: a short hash of everything whose change needs a restart (the rendered
-/// config, image, resources, pod overrides, `restart.id` and, when set, `spec.engine`). Equal
-/// inputs, equal revision; a pool without `spec.engine` keeps the revision it had before the
-/// field existed.
+/// config, image, resources, pod overrides, `restart.id` and, when set, `spec.engine` and
+/// `spec.placement`). Equal inputs, equal revision; a pool without `spec.engine` or
+/// `spec.placement` keeps the revision it had before the field existed. Placement is a pod
+/// template change the `OnDelete` StatefulSets never apply by themselves: a new revision is what
+/// makes the rollout replace the pods, one group at a time, so they are scheduled by the new rule.
 pub fn revision(pool: &PoolView<'_>, config_without_revision: &WorkerConfig) -> String {
     let mut h = Sha256::new();
     let mut feed = |v: serde_json::Value| h.update(v.to_string().as_bytes());
@@ -56,6 +58,9 @@ pub fn revision(pool: &PoolView<'_>, config_without_revision: &WorkerConfig) -> 
     ));
     if let Some(e) = pool.engine {
         feed(serde_json::to_value(e).unwrap_or_default());
+    }
+    if let Some(p) = pool.placement {
+        feed(serde_json::to_value(p).unwrap_or_default());
     }
     let digest = h.finalize();
     digest.iter().take(5).map(|b| format!("{b:02x}")).collect()

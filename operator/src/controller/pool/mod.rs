@@ -214,7 +214,7 @@ pub async fn reconcile<K: PoolKind>(handed: Arc<K>, ctx: Arc<Context>) -> Result
     // Placement (issue 17): a pod on a node without the topology label (I/O; the merge is pure).
     if let Some(p) = view.placement {
         let key = p.topology_key.as_str();
-        let misplaced = observe::pods_on_unlabeled_nodes(&ctx, &observed.pods, key).await?;
+        let misplaced = observe::pods_on_unlabeled_nodes(&ctx, &observed.pods, key).await;
         let previous = pool
             .status()
             .map(|s| s.conditions.as_slice())

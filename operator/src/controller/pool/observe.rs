@@ -152,15 +152,9 @@ pub struct Misplaced {
 /// the scheduler may use such a node). One metadata GET per distinct node: the operator keeps no
 /// node cache, and only pools with `spec.placement` pay it. A node that is gone is skipped (its
 /// pods are being rescheduled); unscheduled pods have no node to judge; when nodes are forbidden
-/// (a namespace-scoped install binds no cluster-scoped grant) nothing is reported.
-///
-/// # Errors
-/// API failures other than a missing node.
-pub async fn pods_on_unlabeled_nodes(
-    ctx: &Context,
-    pods: &[Pod],
-    key: &str,
-) -> Result<Vec<Misplaced>> {
+/// (a namespace-scoped install binds no cluster-scoped grant) or a read fails, nothing is
+/// reported this time (logged): the check never holds up the reconcile.
+pub async fn pods_on_unlabeled_nodes(ctx: &Context, pods: &[Pod], key: &str) -> Vec<Misplaced> {
     let nodes: Api<Node> = Api::all(ctx.client.clone());
     let mut labelled: BTreeMap<String, bool> = BTreeMap::new();
     let mut out = Vec::new();
@@ -178,9 +172,14 @@ pub async fn pods_on_unlabeled_nodes(
                     // grant: the check is skipped, not the reconcile.
                     Err(kube::Error::Api(s)) if s.code == 403 => {
                         tracing::debug!(node, "nodes are forbidden: placement check skipped");
-                        return Ok(Vec::new());
+                        return Vec::new();
                     }
-                    Err(e) => return Err(e.into()),
+                    // An observation only: a failed read skips the check this time instead of
+                    // failing the reconcile (no child applied, no rollout step, no status).
+                    Err(e) => {
+                        tracing::warn!(node, error = %e, "cannot read a node: placement check skipped");
+                        return Vec::new();
+                    }
                 };
                 labelled.insert(node.clone(), has);
                 has
@@ -193,5 +192,5 @@ pub async fn pods_on_unlabeled_nodes(
             });
         }
     }
-    Ok(out)
+    out
 }
