@@ -18,7 +18,9 @@
 //! peer's stream (counted as closed), never a panic.
 //!
 //! Every wait is bounded: [`TcpRankLink::connect`] gives up at its deadline, naming the peers that
-//! never connected; socket writes and reads of a started frame use `io_timeout`.
+//! never connected (a silent connection's preamble read is bounded by what is left of it); socket
+//! writes and reads of a started frame use `io_timeout` (zero timeouts are refused). Dropping the
+//! link shuts its incoming streams down and joins every thread it started.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -65,6 +67,10 @@ pub struct TcpRankLink {
     queues: Vec<Option<Sender<Vec<u8>>>>,
     inbox: Receiver<Vec<u8>>,
     writers: Vec<JoinHandle<()>>,
+    /// A handle on each incoming stream, shut down on drop so its reader ends even when the
+    /// peer vanished without closing (no FIN: a dead node, a partition).
+    incoming: Vec<TcpStream>,
+    readers: Vec<JoinHandle<()>>,
 }
 
 fn transport(peer: u32, reason: impl Into<String>) -> LayerSplitError {
@@ -164,6 +170,13 @@ impl TcpRankLink {
         if rank >= cp_size {
             return Err(LayerSplitError::RankOutOfRange { rank, cp_size });
         }
+        if cfg.connect_timeout.is_zero() || cfg.io_timeout.is_zero() {
+            // A zero socket timeout is refused by the OS and would leave reads unbounded.
+            return Err(transport(
+                rank,
+                "connect_timeout and io_timeout must be above zero",
+            ));
+        }
         let deadline = Instant::now() + cfg.connect_timeout;
         listener
             .set_nonblocking(true)
@@ -195,8 +208,13 @@ impl TcpRankLink {
             loop {
                 match listener.accept() {
                     Ok((mut s, from_addr)) => {
+                        // The preamble read is bounded by what is left of the deadline, so a
+                        // silent connection cannot hold the loop past it.
+                        let left = deadline.saturating_duration_since(Instant::now());
                         let _ = s.set_nonblocking(false);
-                        let _ = s.set_read_timeout(Some(cfg.io_timeout));
+                        let _ = s.set_read_timeout(Some(
+                            cfg.io_timeout.min(left).max(Duration::from_millis(1)),
+                        ));
                         let connected: Vec<bool> = incoming.iter().map(Option::is_some).collect();
                         match accept_preamble(&mut s, rank, cp_size, digest, &connected) {
                             Ok(from) => incoming[from as usize] = Some(s),
@@ -214,6 +232,14 @@ impl TcpRankLink {
                         }
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    // A connection reset before it was accepted, or a signal: try again.
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            io::ErrorKind::ConnectionAborted
+                                | io::ErrorKind::ConnectionReset
+                                | io::ErrorKind::Interrupted
+                        ) => {}
                     Err(e) => return Err(transport(rank, format!("accept: {e}"))),
                 }
             }
@@ -238,14 +264,21 @@ impl TcpRankLink {
             std::thread::sleep(Duration::from_millis(5));
         }
         let (inbox_tx, inbox) = channel();
+        let mut handles = Vec::new();
+        let mut readers = Vec::new();
         for (peer, stream) in incoming.into_iter().enumerate() {
             if let Some(s) = stream {
+                let handle = s
+                    .try_clone()
+                    .map_err(|e| transport(peer as u32, format!("stream handle: {e}")))?;
                 let tx = inbox_tx.clone();
                 let max = cfg.max_frame_bytes;
-                std::thread::Builder::new()
+                let h = std::thread::Builder::new()
                     .name(format!("ls-r{rank}-from{peer}"))
                     .spawn(move || read_frames(s, max, cfg.io_timeout, &tx))
                     .map_err(|e| transport(peer as u32, format!("reader thread: {e}")))?;
+                handles.push(handle);
+                readers.push(h);
             }
         }
         drop(inbox_tx);
@@ -271,6 +304,8 @@ impl TcpRankLink {
             queues,
             inbox,
             writers,
+            incoming: handles,
+            readers,
         })
     }
 }
@@ -345,11 +380,19 @@ impl RankLink for TcpRankLink {
 
 impl Drop for TcpRankLink {
     /// Closes the queues and waits for the writers to flush them (each write is bounded by
-    /// `io_timeout`), so frames sent before the drop reach the peers.
+    /// `io_timeout`), so frames sent before the drop reach the peers; then shuts the incoming
+    /// streams down and joins their readers, so no thread or socket outlives the link even when
+    /// a peer vanished without closing.
     fn drop(&mut self) {
         self.queues.clear();
         for w in self.writers.drain(..) {
             let _ = w.join();
+        }
+        for s in self.incoming.drain(..) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        for r in self.readers.drain(..) {
+            let _ = r.join();
         }
     }
 }
@@ -425,6 +468,47 @@ mod tests {
         drop(b);
         assert_eq!(recv_frame(&a), b"last");
         assert!(matches!(a.recv(Duration::from_secs(10)), Received::Closed));
+    }
+
+    /// A peer that stays connected but silent (no FIN, as a dead node) does not keep the link's
+    /// reader alive: dropping the link returns (its reader joined), and a silent connection
+    /// cannot hold `connect` past its deadline.
+    #[test]
+    fn drop_ends_the_readers_of_a_silent_peer_and_connect_refuses_zero_timeouts() {
+        let (mut listeners, addrs) = loopback_listeners(2).unwrap();
+        let (l0, l1) = (listeners.remove(0), listeners.remove(0));
+        let addr0 = addrs[0];
+        let peer = std::thread::spawn(move || {
+            let (from0, _) = l1.accept().unwrap();
+            let mut to0 = TcpStream::connect(addr0).unwrap();
+            to0.write_all(&preamble(1, 2, 7)).unwrap();
+            (from0, to0) // kept open, never written again
+        });
+        let link = TcpRankLink::connect(0, &addrs, l0, 7, quick()).unwrap();
+        let streams = peer.join().unwrap();
+        assert!(matches!(
+            link.recv(Duration::from_millis(50)),
+            Received::Timeout
+        ));
+        let t = Instant::now();
+        drop(link); // shuts the silent stream down and joins its reader
+        assert!(t.elapsed() < Duration::from_secs(5));
+        // The peer sees its stream closed: the link kept no reader or socket behind (a detached
+        // reader would still hold it open, and this read would time out).
+        let (_from0, mut to0) = streams;
+        to0.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut buf = [0u8; 1];
+        assert_eq!(to0.read(&mut buf).unwrap(), 0, "EOF");
+
+        let (mut listeners, addrs) = loopback_listeners(2).unwrap();
+        let cfg = TcpLinkConfig {
+            io_timeout: Duration::ZERO,
+            ..quick()
+        };
+        let err = TcpRankLink::connect(0, &addrs, listeners.remove(0), 7, cfg)
+            .err()
+            .expect("zero io timeout");
+        assert!(err.to_string().contains("above zero"), "{err}");
     }
 
     #[test]

@@ -67,10 +67,16 @@ pub struct LayerSplitArgs {
     /// Indexer work rounds per layer.
     #[arg(long, default_value_t = 64)]
     pub indexer_work: u32,
-    /// A `models.json` whose geometries get the model's capacity table (none: GLM-5 only).
-    #[arg(long, default_value = "../shared/data/models.json")]
+    /// A `models.json` whose geometries get the model's capacity table. Unset: the shared
+    /// catalogue beside this checkout ([`SHARED_MODELS`]) when it exists, else GLM-5 only.
+    #[arg(long)]
     pub models: Option<std::path::PathBuf>,
 }
+
+/// The shared model catalogue of this checkout (`../shared/data/models.json` beside the
+/// repository), read when `--models` is not given.
+pub const SHARED_MODELS: &str =
+    concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/data/models.json");
 
 /// KV bytes per rank of the model section: 457,920 tokens × 61,464 B (PR #29930's log, "KV size:
 /// 26.22 GB"); assumed for the other geometries.
@@ -292,7 +298,12 @@ impl LayerSplitReport {
 /// than the pool) and any group error; [`BenchError::Models`]: an unreadable or invalid
 /// `--models` file.
 pub fn run(args: &LayerSplitArgs) -> Result<LayerSplitReport, BenchError> {
-    let catalog = match &args.models {
+    let shared = std::path::PathBuf::from(SHARED_MODELS);
+    let models = args
+        .models
+        .clone()
+        .or_else(|| shared.is_file().then_some(shared));
+    let catalog = match &models {
         Some(path) => Some(
             std::fs::read_to_string(path)
                 .map_err(|e| e.to_string())
