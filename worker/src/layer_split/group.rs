@@ -27,7 +27,7 @@ use super::ownership::OwnerMap;
 use super::rank_store::RankKvStore;
 use super::receive::{Arrival, LayerReceiver};
 use super::tcp_link::{TcpLinkConfig, TcpRankLink, loopback_listeners};
-use super::transport::{ChannelLink, RankLink, channel_mesh};
+use super::transport::{RankLink, channel_mesh};
 use super::wire::{Frame, LayerFrame};
 
 /// Where a group keeps its KV.
@@ -154,20 +154,32 @@ pub fn run_group_with_maps(
             .map(|_| Err(LayerSplitError::InvalidOwnerMap(reason.clone())))
             .collect();
     }
-    let links: Vec<std::sync::Mutex<Option<ChannelLink>>> = channel_mesh(spec.cp_size)
-        .into_iter()
-        .map(|l| std::sync::Mutex::new(Some(l)))
-        .collect();
+    let links = PerRank::new(channel_mesh(spec.cp_size));
     run_group_with_links(spec, requests, maps, |rank| {
-        let link = links
+        Ok(Box::new(links.take(rank, spec.cp_size)?))
+    })
+}
+
+/// One value per rank (index = rank), each taken once by its rank's thread.
+struct PerRank<T>(Vec<std::sync::Mutex<Option<T>>>);
+
+impl<T> PerRank<T> {
+    fn new(items: Vec<T>) -> Self {
+        Self(
+            items
+                .into_iter()
+                .map(|x| std::sync::Mutex::new(Some(x)))
+                .collect(),
+        )
+    }
+
+    /// Rank `rank`'s value; `RankOutOfRange` when there is none (or it was taken).
+    fn take(&self, rank: u32, cp_size: u32) -> Result<T, LayerSplitError> {
+        self.0
             .get(rank as usize)
             .and_then(|m| m.lock().ok()?.take())
-            .ok_or(LayerSplitError::RankOutOfRange {
-                rank,
-                cp_size: spec.cp_size,
-            })?;
-        Ok(Box::new(link))
-    })
+            .ok_or(LayerSplitError::RankOutOfRange { rank, cp_size })
+    }
 }
 
 /// Runs the group over TCP on loopback ([`TcpRankLink`], one stream per ordered pair of ranks):
@@ -194,18 +206,9 @@ pub fn run_group_over_tcp(
                 .collect();
         }
     };
-    let listeners: Vec<std::sync::Mutex<Option<std::net::TcpListener>>> = listeners
-        .into_iter()
-        .map(|l| std::sync::Mutex::new(Some(l)))
-        .collect();
+    let listeners = PerRank::new(listeners);
     run_group_with_links(spec, requests, maps, |rank| {
-        let listener = listeners
-            .get(rank as usize)
-            .and_then(|m| m.lock().ok()?.take())
-            .ok_or(LayerSplitError::RankOutOfRange {
-                rank,
-                cp_size: spec.cp_size,
-            })?;
+        let listener = listeners.take(rank, spec.cp_size)?;
         let digest = maps
             .get(rank as usize)
             .and_then(Option::as_ref)

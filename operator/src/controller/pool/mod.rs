@@ -134,6 +134,22 @@ pub trait PoolKind: Reported<Status = PoolStatus> {
     ) -> impl Future<Output = Result<Vec<String>>> + Send;
 }
 
+/// A Warning event of `reason` for a condition just decided True (`d`), unless `previous` already
+/// held it True with the same reason (an event per flip, not per reconcile).
+fn warning_on_flip(
+    previous: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
+    d: Option<crate::status::Decided>,
+    reason: &'static str,
+) -> Option<Note> {
+    let d = d.filter(|d| crate::status::newly_true(previous, d))?;
+    Some(Note {
+        type_: EventType::Warning,
+        reason,
+        action: "Observe",
+        message: d.message,
+    })
+}
+
 /// Reconciles one pool of kind `K` through the stages of the module docs.
 ///
 /// # Errors
@@ -192,43 +208,24 @@ pub async fn reconcile<K: PoolKind>(handed: Arc<K>, ctx: Arc<Context>) -> Result
         view.max_group_restarts,
     );
     status::degrade_for_recovery(&mut desired.conditions, &recovery, view.max_group_restarts);
-    // What the pool's unready workers say about themselves (I/O; the merge is pure).
+    // What the pool's unready workers say about themselves, and (issue 17) pods on nodes without
+    // the placement's topology label (I/O; the merges are pure). Each raises a Warning on the flip.
+    let previous = prev.map(|s| s.conditions.as_slice()).unwrap_or_default();
     if ctx.probe_reports {
         let port = desired.resolved.config.ports.health;
         let faults = super::probe::unready_worker_faults(&observed.pods, port).await;
-        let previous = pool
-            .status()
-            .map(|s| s.conditions.as_slice())
-            .unwrap_or_default();
-        if let Some(d) = status::worker_degraded(&mut desired.conditions, &faults)
-            && crate::status::newly_true(previous, &d)
-        {
-            desired.notes.push(Note {
-                type_: EventType::Warning,
-                reason: "WorkerDegraded",
-                action: "Observe",
-                message: d.message,
-            });
-        }
+        let d = status::worker_degraded(&mut desired.conditions, &faults);
+        desired
+            .notes
+            .extend(warning_on_flip(previous, d, "WorkerDegraded"));
     }
-    // Placement (issue 17): a pod on a node without the topology label (I/O; the merge is pure).
     if let Some(p) = view.placement {
         let key = p.topology_key.as_str();
         let misplaced = observe::pods_on_unlabeled_nodes(&ctx, &observed.pods, key).await;
-        let previous = pool
-            .status()
-            .map(|s| s.conditions.as_slice())
-            .unwrap_or_default();
-        if let Some(d) = status::placement_degraded(&mut desired.conditions, key, &misplaced)
-            && crate::status::newly_true(previous, &d)
-        {
-            desired.notes.push(Note {
-                type_: EventType::Warning,
-                reason: "NodeWithoutTopologyLabel",
-                action: "Observe",
-                message: d.message,
-            });
-        }
+        let d = status::placement_degraded(&mut desired.conditions, key, &misplaced);
+        desired
+            .notes
+            .extend(warning_on_flip(previous, d, "NodeWithoutTopologyLabel"));
     }
     let parent = pool.object_ref(&());
     for n in &desired.notes {
