@@ -226,6 +226,11 @@ pub struct SnapshotSync {
     backing: Mutex<Backing>,
     /// Sealed snapshots waiting for pool pages, FIFO.
     pending: Mutex<VecDeque<SnapshotId>>,
+    /// Held for a whole [`SnapshotSync::finalize_pending`] pass: a seal and a page release may
+    /// both start one, and two passes reading the same front would finalize it once and then
+    /// drop the *next* waiting snapshot from the queue unfinalized (CI stop 26: one sync of 100
+    /// never finalized).
+    finalizing: Mutex<()>,
     /// Held so the receiver serves while the service lives (the gate holds it too); the negative
     /// control fences its rooms through it directly.
     #[cfg_attr(not(feature = "negative-controls"), allow(dead_code))]
@@ -334,6 +339,7 @@ impl SnapshotSync {
         let sync = Arc::new(SnapshotSync {
             backing: Mutex::new(backing),
             pending: Mutex::new(VecDeque::new()),
+            finalizing: Mutex::new(()),
             data_addr: receiver.addr().to_string(),
             receiver,
             pages: pages.clone(),
@@ -537,8 +543,10 @@ impl SnapshotSync {
         }
     }
 
-    /// Finalizes waiting snapshots in FIFO order until one finds the pool full.
+    /// Finalizes waiting snapshots in FIFO order until one finds the pool full. One pass at a
+    /// time; a snapshot leaves the queue by its id, never by position.
     pub fn finalize_pending(&self) {
+        let _pass = lock(&self.finalizing);
         loop {
             let Some(id) = lock(&self.pending).front().copied() else {
                 return;
@@ -565,7 +573,7 @@ impl SnapshotSync {
             };
             match outcome {
                 Ok((FinalizeOutcome::Finalized(f), fresh)) => {
-                    lock(&self.pending).pop_front();
+                    self.unqueue(id);
                     self.finalized(f, &fresh);
                 }
                 Ok((FinalizeOutcome::AllocFailedOnFinalize { .. }, _)) => {
@@ -574,17 +582,25 @@ impl SnapshotSync {
                 }
                 Err(SnapshotError::Unknown(_)) => {
                     // Evicted as stale (or aborted) while it waited.
-                    lock(&self.pending).pop_front();
+                    self.unqueue(id);
                 }
                 Err(e) => {
                     tracing::error!(snapshot = %id, error = %e, "snapshot finalize failed; dropped");
-                    lock(&self.pending).pop_front();
+                    self.unqueue(id);
                     #[allow(irrefutable_let_patterns)]
                     if let Backing::Dedicated(store) = &mut *lock(&self.backing) {
                         let _ = store.abort(id);
                     }
                 }
             }
+        }
+    }
+
+    /// Takes `id` out of the finalize queue (wherever it stands; absent is fine).
+    fn unqueue(&self, id: SnapshotId) {
+        let mut q = lock(&self.pending);
+        if let Some(i) = q.iter().position(|p| *p == id) {
+            q.remove(i);
         }
     }
 
