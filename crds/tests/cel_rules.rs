@@ -1,7 +1,7 @@
 //! Every CEL rule of the three CRDs, evaluated offline the way the API server evaluates it:
 //! schema defaults applied first, then `x-kubernetes-validations` (kube's `cel` feature).
 //!
-//! The valid samples in `manifests/samples/` pass; each file in `manifests/samples/invalid/` is
+//! The valid samples in `manifests/samples/` (and `manifests/samples/layersplit/`) pass; each file in `manifests/samples/invalid/` is
 //! refused with the exact message its `# expect-message:` header names; and every rule in the
 //! generated CRDs is covered by at least one invalid sample, so removing a rule fails a test.
 
@@ -72,7 +72,13 @@ fn valid_samples_pass_every_rule() {
         3,
         "the sample stack is a CacheTier, a PrefillPool and a DecodePool"
     );
-    for path in files {
+    let layersplit = yaml_files(&samples_dir().join("layersplit"));
+    assert_eq!(
+        layersplit.len(),
+        2,
+        "the LayerSplit sample is a PrefillPool and a DecodePool"
+    );
+    for path in files.into_iter().chain(layersplit) {
         for doc in documents(&path) {
             assert_eq!(
                 admit(&doc, None),

@@ -46,6 +46,23 @@ fn sample_stack_is_typed_and_consistent() {
     assert_eq!(draft.kv_bytes_per_token(), Some(131_072));
 }
 
+/// The LayerSplit sample: deepseek-v3 (MLA, ../shared/data/models.json: 70,272 bytes of KV per
+/// token) in CP-4 groups with layerSplit, one group per decode replica.
+#[test]
+fn layer_split_sample_is_typed_and_consistent() {
+    let prefill: PrefillPool = load("layersplit/prefillpool.yaml");
+    let decode: DecodePool = load("layersplit/decodepool.yaml");
+    assert!(prefill.spec.layer_split);
+    assert_eq!(prefill.spec.parallelism.context, 4);
+    assert_eq!(prefill.spec.model.kv_bytes_per_token(), Some(70_272));
+    assert_eq!(decode.spec.model, prefill.spec.model);
+    assert_eq!(
+        decode.spec.prefill.pool_ref.name,
+        prefill.metadata.name.clone().unwrap()
+    );
+    assert_eq!(decode.spec.prefill.ratio, PdRatio::new(1, 1).unwrap());
+}
+
 #[test]
 fn defaults_apply_as_documented() {
     let minimal = r#"

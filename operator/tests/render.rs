@@ -126,6 +126,38 @@ fn group_statefulset_shape() {
     // LayerSplit over 2 CP ranks: layers 0..40 on rank 0, 40..80 on rank 1.
     let ls = cfg.layer_split.as_ref().unwrap();
     assert_eq!(ls.owned_by(1).next(), Some(40));
+    // The ranks of a group dial each other on the rank link, by pod DNS under the pool's own
+    // headless Service (the StatefulSet's serviceName).
+    assert_eq!(
+        cfg.ports.rank_link,
+        Some(tandem_crds::ports::RANK_LINK_PORT)
+    );
+    assert_eq!(
+        cfg.peers.group_service.as_deref(),
+        Some("llama70b-prefill-peers.default.svc")
+    );
+    assert_eq!(
+        sts.spec.service_name.as_deref(),
+        Some("llama70b-prefill-peers")
+    );
+    let ports: Vec<_> = worker
+        .ports
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|p| (p.name.as_deref().unwrap(), p.container_port))
+        .collect();
+    assert!(
+        ports.contains(&("rank-link", i32::from(tandem_crds::ports::RANK_LINK_PORT))),
+        "{ports:?}"
+    );
+    cfg.check()
+        .expect("the rendered LayerSplit config is consistent");
+    // Without LayerSplit there is no rank link.
+    prefill.spec.layer_split = false;
+    let plain = rendered(&PoolView::prefill(&prefill), &tier);
+    assert_eq!(plain.ports.rank_link, None);
+    assert_eq!(plain.peers.group_service, None);
 }
 
 #[test]

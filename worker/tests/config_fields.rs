@@ -50,6 +50,8 @@ fn full(role: WorkerRole) -> WorkerConfig {
     c.parallelism.context = 2;
     c.layer_split = LayerSplit::contiguous(c.model.layers, 2);
     c.peers.decode_service = Some("d-peers".into());
+    c.peers.group_service = Some("p-peers.serving.svc".into());
+    c.ports.rank_link = Some(7002);
     c.engine = Some(EngineSeat {
         kind: EngineKind::Simulated,
         socket_dir: "/run/tandem/engine".into(),
@@ -107,8 +109,9 @@ enum Row {
     Refused(Mutate),
     /// Listed as unused in the builtin mode (`engine` unset) when set.
     UnusedBuiltin,
-    /// Listed as unused in every mode when set.
-    UnusedAlways,
+    /// Listed as unused behind the engine API and by a decode; acted on by a built-in-engine
+    /// prefill, in the named process test (file under worker/tests, test fn).
+    UnusedEngine(&'static str, &'static str),
     /// Listed as unused by a decode worker when set.
     UnusedDecode,
     /// The process test that shows it: (file under worker/tests, test fn).
@@ -187,7 +190,13 @@ fn rows() -> Vec<(&'static str, Row)> {
                 c.layer_split = None;
             }),
         ),
-        ("layerSplit.owners", UnusedAlways),
+        (
+            "layerSplit.owners",
+            UnusedEngine(
+                "serve_layer_split.rs",
+                "a_layer_split_group_serves_each_layer_range_from_its_owner",
+            ),
+        ),
         ("memory.allocator", UnusedBuiltin),
         ("memory.clientMode", UnusedBuiltin),
         ("memory.registrationFailure", UnusedBuiltin),
@@ -320,6 +329,20 @@ fn rows() -> Vec<(&'static str, Row)> {
             Wired(
                 "serve_processes.rs",
                 "streaming_and_plain_completions_through_prefill_and_decode",
+            ),
+        ),
+        (
+            "peers.groupService",
+            Wired(
+                "serve_layer_split.rs",
+                "a_layer_split_group_serves_each_layer_range_from_its_owner",
+            ),
+        ),
+        (
+            "ports.rankLink",
+            Wired(
+                "serve_layer_split.rs",
+                "a_layer_split_group_serves_each_layer_range_from_its_owner",
             ),
         ),
         (
@@ -458,10 +481,17 @@ fn every_field_is_acted_on_refused_or_named_unused() {
                         "{path}: listed unused behind the engine API too"
                     );
                 }
-                UnusedAlways => {
+                UnusedEngine(file, test) => {
                     let p = path.split('.').next().unwrap();
                     assert!(unused_names(&base).contains(p), "{path} not listed");
-                    assert!(unused_names(&builtin).contains(p), "{path} not listed");
+                    assert_eq!(
+                        unused_names(&builtin).contains(p),
+                        role == WorkerRole::Decode,
+                        "{path} ({role:?}) in builtin mode"
+                    );
+                    let src = std::fs::read_to_string(tests_dir.join(file))
+                        .unwrap_or_else(|e| panic!("{path}: {file}: {e}"));
+                    assert!(src.contains(test), "{path}: {file} lacks {test}");
                 }
                 UnusedDecode => {
                     let names = unused_names(&base);

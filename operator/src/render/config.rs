@@ -16,7 +16,9 @@ use crate::policy::MemoryPolicy;
 use crate::quantity::{self, QuantityError};
 
 /// The ports every worker listens on (defined in `tandem-crds`, which e2e shares).
-pub use tandem_crds::ports::{CONTROL_PORT, DATA_PORT, FRONT_DOOR_PORT, HEALTH_PORT};
+pub use tandem_crds::ports::{
+    CONTROL_PORT, DATA_PORT, FRONT_DOOR_PORT, HEALTH_PORT, RANK_LINK_PORT,
+};
 
 /// Why a pool's config cannot be rendered (reported as a `Degraded` condition; nothing rolls out).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -176,6 +178,8 @@ pub fn worker_config(
         None
     };
     let svc = |name: String| format!("{name}.{}.svc", pool.namespace);
+    // The ranks of a LayerSplit group talk to each other (rank link); a single rank has no peer.
+    let grouped = layer_split.is_some() && parallelism.context > 1;
     Ok(WorkerConfig {
         api_version: CONFIG_API_VERSION.into(),
         role: match pool.role {
@@ -234,12 +238,16 @@ pub fn worker_config(
         peers: Peers {
             prefill_service: pool.paired_prefill.map(|p| svc(labels::peers_service(p))),
             decode_service: None,
+            // A LayerSplit group's ranks dial each other by pod DNS under the pool's own
+            // headless Service (the StatefulSets' serviceName).
+            group_service: grouped.then(|| svc(labels::peers_service(pool.name))),
         },
         ports: Ports {
             control: CONTROL_PORT,
             data: DATA_PORT,
             health: HEALTH_PORT,
             front_door: pool.front_door_port.map(|_| FRONT_DOOR_PORT),
+            rank_link: grouped.then_some(RANK_LINK_PORT),
         },
         // `spec.engine`: the engine-API seat (None: the worker's built-in engine).
         engine: super::engine::seat(pool),

@@ -29,7 +29,7 @@ use sha2::{Digest, Sha256};
 use tandem_interfaces::config::{CONFIG_FILE, WorkerConfig};
 use tandem_interfaces::memory::ClientMode;
 
-use super::config::{CONTROL_PORT, DATA_PORT, FRONT_DOOR_PORT, HEALTH_PORT};
+use super::config::{CONTROL_PORT, DATA_PORT, FRONT_DOOR_PORT, HEALTH_PORT, RANK_LINK_PORT};
 use super::{PoolView, engine};
 use crate::labels::{self, Role};
 
@@ -237,6 +237,9 @@ pub fn group_statefulset(
     ];
     if pool.role == Role::Decode {
         ports.push(container_port("http", FRONT_DOOR_PORT));
+    }
+    if pool.layer_split && pool.parallelism.context > 1 {
+        ports.push(container_port("rank-link", RANK_LINK_PORT));
     }
     let mut mounts = vec![config_mount.clone()];
     if standalone {

@@ -15,7 +15,7 @@
 
 use std::time::Duration;
 
-use crate::engine::content::{ChunkSpec, fill_chunk};
+use crate::engine::content::{ChunkSpec, fill_chunk, verify_chunk};
 use crate::memory::Allocator;
 use crate::memory::mmap::MmapBackend;
 use crate::memory::pool::PageId;
@@ -118,6 +118,10 @@ pub struct RankReport {
     pub waits: u64,
     /// Waits whose frame had landed before the wait began (broadcast hidden behind the indexer).
     pub waits_hidden: u64,
+    /// Chunks attention read that did not hold the KV of their (request, layer, token) — the
+    /// engine verifies every chunk it reads (local pool or receive scratch). 0 unless a wait was
+    /// skipped (the negative control) or a frame carried the wrong bytes.
+    pub corrupt_chunks_read: u64,
     /// Attention output per request, in request order.
     pub outputs: Vec<u64>,
 }
@@ -320,13 +324,7 @@ fn run_rank(
         scratch_bytes: receiver.as_ref().map_or(0, LayerReceiver::scratch_bytes),
         ..RankReport::default()
     };
-    let ctx = StepCtx {
-        spec,
-        link,
-        store: &store,
-        owners: &owners,
-        chunk_bytes,
-    };
+    let ctx = RankStepper::new(spec, link, &store, &owners);
     let run: Result<(), LayerSplitError> =
         requests.iter().enumerate().try_for_each(|(step, req)| {
             let out = ctx.step(step as u64, req, receiver.as_mut(), &mut report)?;
@@ -339,7 +337,9 @@ fn run_rank(
     Ok(report)
 }
 
-struct StepCtx<'a> {
+/// One rank's prefill steps over its store and link: what every rank of a group runs per request,
+/// in the thread group above and on the serving path (`roles::prefill::layer_split`).
+pub struct RankStepper<'a> {
     spec: &'a GroupSpec,
     link: &'a dyn RankLink,
     store: &'a RankKvStore,
@@ -347,13 +347,53 @@ struct StepCtx<'a> {
     chunk_bytes: usize,
 }
 
-impl StepCtx<'_> {
-    fn step(
+impl<'a> RankStepper<'a> {
+    /// A stepper for the rank of `link`, storing in `store`; `owners[layer]` is the owner of each
+    /// layer (every entry this rank when replicated).
+    pub fn new(
+        spec: &'a GroupSpec,
+        link: &'a dyn RankLink,
+        store: &'a RankKvStore,
+        owners: &'a [u32],
+    ) -> Self {
+        let chunk_bytes = spec.model.bytes_per_token_layer() as usize * spec.page_tokens as usize;
+        Self {
+            spec,
+            link,
+            store,
+            owners,
+            chunk_bytes,
+        }
+    }
+
+    /// One step (one request, `step` its number in the group's schedule, the same on every rank):
+    /// the steps of the module docs; returns the attention output. `receiver` is `None` when
+    /// replicated.
+    ///
+    /// # Errors
+    /// Pool exhaustion, transport, wait and frame errors ([`LayerSplitError`]).
+    pub fn step(
+        &self,
+        step: u64,
+        req: &RequestSpec,
+        receiver: Option<&mut LayerReceiver>,
+        report: &mut RankReport,
+    ) -> Result<u64, LayerSplitError> {
+        self.step_then(step, req, receiver, report, |_, _| Ok(()))
+    }
+
+    /// [`RankStepper::step`], then `then(store, pages)` while the request's pages are still held
+    /// (the serving path sends the owned layers of those pages to the decode from there).
+    ///
+    /// # Errors
+    /// As [`RankStepper::step`], and whatever `then` returns.
+    pub fn step_then(
         &self,
         step: u64,
         req: &RequestSpec,
         mut receiver: Option<&mut LayerReceiver>,
         report: &mut RankReport,
+        then: impl FnOnce(&RankKvStore, &[PageId]) -> Result<(), LayerSplitError>,
     ) -> Result<u64, LayerSplitError> {
         let rank = self.link.rank();
         let pages = self.store.allocate(req.pages as usize)?;
@@ -381,6 +421,7 @@ impl StepCtx<'_> {
                             .iter()
                             .map(|p| rx.chunk(p.0))
                             .collect::<Result<Vec<_>, _>>()?;
+                        report.corrupt_chunks_read += self.corrupt(req, layer, &chunks);
                         acc = fold(acc, attend(rank, layer, req.id, chunks));
                         continue;
                     }
@@ -392,15 +433,38 @@ impl StepCtx<'_> {
                     self.store.read_chunk(*p, layer, &mut buf)?;
                     local.push(buf.clone());
                 }
+                let views: Vec<&[u8]> = local.iter().map(Vec::as_slice).collect();
+                report.corrupt_chunks_read += self.corrupt(req, layer, &views);
                 acc = fold(
                     acc,
                     attend(rank, layer, req.id, local.iter().map(Vec::as_slice)),
                 );
             }
+            then(self.store, &pages)?;
             Ok(acc)
         })();
         self.store.free(&pages)?;
         result
+    }
+
+    /// How many of `chunks` (the request's pages in order, on `layer`) do not hold the KV of
+    /// their tokens.
+    fn corrupt(&self, req: &RequestSpec, layer: u32, chunks: &[&[u8]]) -> u64 {
+        let token_bytes = self.spec.model.bytes_per_token_layer() as usize;
+        chunks
+            .iter()
+            .enumerate()
+            .filter(|(k, c)| {
+                let spec = ChunkSpec {
+                    request: req.id,
+                    layer,
+                    first_token: *k as u32 * self.spec.page_tokens,
+                    tokens: self.spec.page_tokens,
+                    token_bytes,
+                };
+                verify_chunk(c, &spec).is_err()
+            })
+            .count() as u64
     }
 
     /// Prefill's KV writes: the deterministic content of (request, layer, token) for every stored

@@ -17,15 +17,14 @@
 //! - [`cost_model`]: the throughput model behind seed 004's +10 %..+132 % (pure arithmetic, no
 //!   measurement).
 //!
-//! Not wired into serving yet (issue 15). Where it plugs in: when `parallelism.context` is above 1
-//! and the config has a `layerSplit`, the prefill role (`roles::prefill`, pool setup) builds one
-//! [`rank_store::RankKvStore`] instead of the full target pool, connects a
-//! [`tcp_link::TcpRankLink`] to its CP peers (their addresses from the group's peers Service; the
-//! preamble already refuses a peer on another owner map) and runs
-//! [`receive::LayerReceiver::handshake`] before admitting, and its engine step calls the broadcast/wait pair of [`group`] around
-//! each layer's attention; the L3 backup (`l3::backup`) names objects with
-//! [`l3_key::LayerRangeKey`]. The operator already writes the owner map into the worker config
-//! (DESIGN §2); it needs no change.
+//! On the serving path (issue 15): `roles::prefill::layer_split` runs a prefill pod of a
+//! `layerSplit` pool as one rank of its group — the group connects over [`tcp_link::TcpRankLink`]
+//! (peers by pod DNS under `peers.groupService`, port `ports.rankLink`) and agrees on the owner
+//! map before any [`rank_store::RankKvStore`] is allocated; each room's step runs on every rank
+//! through [`group::RankStepper`] (the same steps as [`run_group`]), and each rank writes its owned
+//! layers into the decode's pages. Not yet: an engine beside the worker (the engine API) and the
+//! L3 backup's keys per owned range ([`l3_key::LayerRangeKey`]; the leader's write-back uses its
+//! own range's shard coordinates).
 //!
 //! Measured by `tandem-bench layer-split`; tested in `tests/layer_split_contract.rs`.
 

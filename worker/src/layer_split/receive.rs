@@ -9,7 +9,7 @@
 //! pool (`pool_pages × chunk_bytes`, chunk of page `p` at `p × chunk_bytes`), which is what a kernel
 //! indexing by page id reads: reading it without the wait reads whatever the previous layer left.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::error::LayerSplitError;
@@ -30,6 +30,9 @@ pub struct LayerReceiver {
     scratch: Vec<u8>,
     scratch_pages: Vec<u32>,
     scratch_request: Option<u64>,
+    /// `Step` and `StepDone` frames (the serving path's coordination), in arrival order, taken
+    /// with [`LayerReceiver::next_control`]; layer waits keep them here while they pump.
+    control: VecDeque<Frame>,
 }
 
 impl LayerReceiver {
@@ -47,6 +50,7 @@ impl LayerReceiver {
             scratch: vec![0u8; pool_pages as usize * chunk_bytes],
             scratch_pages: Vec::new(),
             scratch_request: None,
+            control: VecDeque::new(),
         }
     }
 
@@ -162,6 +166,34 @@ impl LayerReceiver {
         }
     }
 
+    /// The next `Step` or `StepDone` frame, waiting at most `timeout`; `Ok(None)` when none came.
+    /// Layer frames that arrive meanwhile are kept for their waits.
+    ///
+    /// # Errors
+    /// [`LayerSplitError::Transport`] when every peer link closed; frame errors.
+    pub fn next_control(
+        &mut self,
+        link: &dyn RankLink,
+        timeout: Duration,
+    ) -> Result<Option<Frame>, LayerSplitError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(f) = self.control.pop_front() {
+                return Ok(Some(f));
+            }
+            match self.pump(link, deadline)? {
+                Pumped::Frame => {}
+                Pumped::Timeout => return Ok(None),
+                Pumped::Closed => {
+                    return Err(LayerSplitError::Transport {
+                        peer: u32::MAX,
+                        reason: "every peer link closed".into(),
+                    });
+                }
+            }
+        }
+    }
+
     /// The scratch chunk of `page` — valid for the layer last waited on if that frame carried `page`.
     ///
     /// # Errors
@@ -251,6 +283,10 @@ impl LayerReceiver {
                     });
                 }
                 self.pending.insert((f.step, f.layer), f);
+                Ok(())
+            }
+            Frame::Step(_) | Frame::StepDone(_) => {
+                self.control.push_back(frame);
                 Ok(())
             }
         }

@@ -6,11 +6,19 @@
 //! - `Layer` (kind 2): `from u32 | step u64 | request u64 | layer u32 | chunk_bytes u32 |
 //!   page_count u32 | pages u32×page_count | payload` where `payload` is `page_count × chunk_bytes`
 //!   bytes: the layer's chunk of each listed page, in list order (seed 004: only the pages in use).
+//! - `Step` (kind 3, leader → the other ranks on the serving path): `step u64 | request u64 |
+//!   room u64 | generation u64 | region u32 | page_count u32 | dst pages u32×page_count |
+//!   addr_len u16 | data address (UTF-8)` — run this room's prefill step and write the KV of
+//!   your owned layers into the decode's pages.
+//! - `StepDone` (kind 4, a rank → the leader): `from u32 | step u64 | ok u8 | kv_bytes u64 |
+//!   reason_len u16 | reason (UTF-8)` — every write of the rank's part of the step is terminal.
 
 /// Frame magic.
 const MAGIC: &[u8; 4] = b"TLS1";
 const KIND_HELLO: u8 = 1;
 const KIND_LAYER: u8 = 2;
+const KIND_STEP: u8 = 3;
+const KIND_STEP_DONE: u8 = 4;
 /// Bytes of a `Layer` frame before its page list.
 pub const LAYER_HEADER_BYTES: usize = 4 + 1 + 4 + 8 + 8 + 4 + 4 + 4;
 
@@ -31,6 +39,12 @@ pub enum WireError {
     /// Unknown kind byte.
     #[error("unknown frame kind {0}")]
     UnknownKind(u8),
+    /// A text field that is not UTF-8.
+    #[error("text field is not UTF-8")]
+    NotUtf8,
+    /// Bytes left over after the last field of a fixed-shape frame.
+    #[error("{0} bytes after the end of the frame")]
+    Trailing(usize),
     /// Payload length differs from `page_count × chunk_bytes`.
     #[error("payload is {found} bytes, header says {expected}")]
     PayloadLength {
@@ -60,6 +74,43 @@ pub struct LayerFrame {
     pub payload: Vec<u8>,
 }
 
+/// The leader's order to run one room's prefill step (the serving path, issue 15): every rank
+/// runs the layer loop of `request` and writes its owned layers into the decode's pages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepFrame {
+    /// Step: sequence number of the room in the group's schedule (the `step` of its layer frames).
+    pub step: u64,
+    /// Request id (seeds the KV content).
+    pub request: u64,
+    /// Room id at the decode.
+    pub room: u64,
+    /// Room generation (the decode's receiver refuses writes of another generation).
+    pub generation: u64,
+    /// Destination region at the decode.
+    pub region: u32,
+    /// Destination page ids at the decode, index = page of the request.
+    pub dst_pages: Vec<u32>,
+    /// The decode's data (KV transfer) address, `host:port`.
+    pub data_addr: String,
+}
+
+/// A rank's report that its part of a step is over: the layer loop ran and every KV write it
+/// issued is terminal (completed or failed). Until the leader has one from every rank, the room
+/// has writes outstanding and no abort ack is sent for it (DESIGN contract 3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepDoneFrame {
+    /// Reporting rank.
+    pub from: u32,
+    /// The step.
+    pub step: u64,
+    /// Whether every write completed.
+    pub ok: bool,
+    /// KV bytes this rank wrote into the decode's pages.
+    pub kv_bytes: u64,
+    /// Why not, when `ok` is false (empty otherwise).
+    pub reason: String,
+}
+
 /// A decoded frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
@@ -72,6 +123,20 @@ pub enum Frame {
     },
     /// A layer broadcast.
     Layer(LayerFrame),
+    /// The leader's order to run a step.
+    Step(StepFrame),
+    /// A rank's part of a step is over.
+    StepDone(StepDoneFrame),
+}
+
+fn put_text(out: &mut Vec<u8>, text: &str) {
+    // Longer texts are cut at a char boundary below 64 KiB (addresses and reasons are short).
+    let mut end = text.len().min(u16::MAX as usize);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    out.extend_from_slice(&(end as u16).to_le_bytes());
+    out.extend_from_slice(&text.as_bytes()[..end]);
 }
 
 impl Frame {
@@ -98,6 +163,26 @@ impl Frame {
                     out.extend_from_slice(&p.to_le_bytes());
                 }
                 out.extend_from_slice(&f.payload);
+            }
+            Frame::Step(f) => {
+                out.push(KIND_STEP);
+                for v in [f.step, f.request, f.room, f.generation] {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+                out.extend_from_slice(&f.region.to_le_bytes());
+                out.extend_from_slice(&(f.dst_pages.len() as u32).to_le_bytes());
+                for p in &f.dst_pages {
+                    out.extend_from_slice(&p.to_le_bytes());
+                }
+                put_text(&mut out, &f.data_addr);
+            }
+            Frame::StepDone(f) => {
+                out.push(KIND_STEP_DONE);
+                out.extend_from_slice(&f.from.to_le_bytes());
+                out.extend_from_slice(&f.step.to_le_bytes());
+                out.push(u8::from(f.ok));
+                out.extend_from_slice(&f.kv_bytes.to_le_bytes());
+                put_text(&mut out, &f.reason);
             }
         }
         out
@@ -146,6 +231,41 @@ impl Frame {
                     payload: payload.to_vec(),
                 }))
             }
+            KIND_STEP => {
+                let (step, request, room, generation) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+                let region = r.u32()?;
+                let count = r.u32()? as usize;
+                let mut dst_pages = Vec::with_capacity(count.min(buf.len() / 4));
+                for _ in 0..count {
+                    dst_pages.push(r.u32()?);
+                }
+                let data_addr = r.text()?;
+                r.end()?;
+                Ok(Frame::Step(StepFrame {
+                    step,
+                    request,
+                    room,
+                    generation,
+                    region,
+                    dst_pages,
+                    data_addr,
+                }))
+            }
+            KIND_STEP_DONE => {
+                let from = r.u32()?;
+                let step = r.u64()?;
+                let ok = r.take(1)?[0] != 0;
+                let kv_bytes = r.u64()?;
+                let reason = r.text()?;
+                r.end()?;
+                Ok(Frame::StepDone(StepDoneFrame {
+                    from,
+                    step,
+                    ok,
+                    kv_bytes,
+                    reason,
+                }))
+            }
             k => Err(WireError::UnknownKind(k)),
         }
     }
@@ -175,6 +295,18 @@ impl<'a> Reader<'a> {
         let mut b = [0u8; 8];
         b.copy_from_slice(self.take(8)?);
         Ok(u64::from_le_bytes(b))
+    }
+    fn text(&mut self) -> Result<String, WireError> {
+        let mut b = [0u8; 2];
+        b.copy_from_slice(self.take(2)?);
+        let n = u16::from_le_bytes(b) as usize;
+        String::from_utf8(self.take(n)?.to_vec()).map_err(|_| WireError::NotUtf8)
+    }
+    fn end(&self) -> Result<(), WireError> {
+        match self.buf.len() - self.at {
+            0 => Ok(()),
+            n => Err(WireError::Trailing(n)),
+        }
     }
 }
 
@@ -207,5 +339,46 @@ mod tests {
         let mut bad = bytes;
         bad[4] = 9;
         assert_eq!(Frame::decode(&bad), Err(WireError::UnknownKind(9)));
+    }
+
+    #[test]
+    fn step_frames_round_trip_and_malformed_ones_are_errors() {
+        let step = Frame::Step(StepFrame {
+            step: 3,
+            request: 77,
+            room: 12,
+            generation: 2,
+            region: 1,
+            dst_pages: vec![4, 5, 6],
+            data_addr: "127.0.3.2:7001".into(),
+        });
+        let done = Frame::StepDone(StepDoneFrame {
+            from: 1,
+            step: 3,
+            ok: false,
+            kv_bytes: 4096,
+            reason: "write to 127.0.3.2:7001 timed out".into(),
+        });
+        for f in [step, done] {
+            let bytes = f.encode();
+            assert_eq!(Frame::decode(&bytes), Ok(f.clone()));
+            for cut in 0..bytes.len() {
+                assert!(Frame::decode(&bytes[..cut]).is_err(), "{f:?} cut at {cut}");
+            }
+            let mut long = bytes.clone();
+            long.push(0);
+            assert_eq!(Frame::decode(&long), Err(WireError::Trailing(1)));
+        }
+        let mut bad = Frame::StepDone(StepDoneFrame {
+            from: 0,
+            step: 0,
+            ok: true,
+            kv_bytes: 0,
+            reason: "ab".into(),
+        })
+        .encode();
+        let n = bad.len();
+        bad[n - 1] = 0xff;
+        assert_eq!(Frame::decode(&bad), Err(WireError::NotUtf8));
     }
 }

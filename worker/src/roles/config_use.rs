@@ -45,10 +45,17 @@ pub fn unused(cfg: &WorkerConfig) -> Vec<Unused> {
     let builtin = cfg.engine.is_none();
     let decode = cfg.role == WorkerRole::Decode;
     note(
-        cfg.layer_split.is_some(),
+        cfg.layer_split.is_some() && !builtin && !decode,
         "layerSplit",
-        "LayerSplit is not on the serving path yet (issue 15): every rank stores and sends all \
-         layers; only a prefill's L3 shard keys follow the owner map",
+        "LayerSplit with an engine beside the worker is not wired yet (issue 15): the engine \
+         stores and sends all layers; only a prefill's L3 shard keys follow the owner map (the \
+         built-in engine runs LayerSplit groups)",
+    );
+    note(
+        cfg.layer_split.is_some() && decode,
+        "layerSplit",
+        "LayerSplit is a prefill group's layout: a decode receives each layer range from its \
+         owner whatever the map",
     );
     note(builtin, "memory.allocator", BUILTIN_NO_POOLS);
     note(

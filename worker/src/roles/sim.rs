@@ -195,6 +195,22 @@ impl SimKnobs {
     }
 }
 
+/// A model identity whose token row on one layer is exactly `layout.token_bytes` bytes, so that a
+/// pool page (`memory::pool::KvPool`) of it is one page of `layout`: the simulated KV layout as a
+/// model (the prefill KV pool of snapshot sync, the owned-layer store of LayerSplit).
+pub fn layout_model(layout: KvLayout) -> crate::model::ModelIdentity {
+    crate::model::ModelIdentity {
+        name: "prefill-kv".into(),
+        layers: layout.layers.max(1),
+        attention: crate::model::Attention::Mla {
+            kv_lora_rank: layout.token_bytes.max(1),
+            rope_dim: 0,
+        },
+        dtype_bytes: 1,
+        row_extra_bytes: 0,
+    }
+}
+
 /// Pages of a decode worker's receive region: the target pool's pages, capped by
 /// [`REGION_CAP_BYTES`] and [`REGION_CAP_PAGES`], at least 1.
 pub fn region_pages(pool_bytes: u64, layout: KvLayout) -> u32 {

@@ -131,12 +131,14 @@ pub fn worker_config(role: WorkerRole, s: Shape) -> WorkerConfig {
         peers: Peers {
             prefill_service: None,
             decode_service: None,
+            group_service: None,
         },
         ports: Ports {
             control: 0,
             data: 0,
             health: 0,
             front_door: None,
+            rank_link: None,
         },
     };
     cfg.check().expect("test config is consistent");

@@ -131,12 +131,14 @@ pub fn config(role: WorkerRole, revision: &str, p: PortSet) -> WorkerConfig {
         peers: Peers {
             prefill_service: Some(SERVICE.into()),
             decode_service: None,
+            group_service: None,
         },
         ports: Ports {
             control: p.control,
             data: p.data,
             health: p.health,
             front_door: (role == WorkerRole::Decode).then_some(p.front),
+            rank_link: None,
         },
     }
 }
@@ -323,6 +325,24 @@ impl World {
         env: &[(&str, &str)],
         args: &[&str],
     ) -> (Proc, String) {
+        self.try_start_role(host, role, file, json, env, args, Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`World::start_role`] for a worker that may refuse to start: `Err` with what it printed
+    /// first (empty when it exited silently; its stderr went to the test's) when no `listening
+    /// on` line came within `within`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_start_role(
+        &self,
+        host: u8,
+        role: &str,
+        file: &str,
+        json: &[u8],
+        env: &[(&str, &str)],
+        args: &[&str],
+        within: Duration,
+    ) -> Result<(Proc, String), String> {
         let root = self.root(host);
         let etc = root.join("etc/tandem");
         std::fs::create_dir_all(&etc).unwrap();
@@ -371,14 +391,14 @@ impl World {
             }
         });
         let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| panic!("{role} printed nothing within 60 s"));
+            .recv_timeout(within)
+            .map_err(|_| format!("{role} printed nothing within {within:?}"))?;
         let addr = line
             .trim()
             .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("{role} did not start: {line:?}"))
+            .ok_or_else(|| format!("{role} did not start: {line:?}"))?
             .to_owned();
-        (proc, addr)
+        Ok((proc, addr))
     }
 
     pub fn addr(&self, host: u8, port: u16) -> SocketAddr {

@@ -513,6 +513,10 @@ impl DecodeServer {
             );
             m.insert("peer_restarts".into(), serde_json::json!(n.peer_restarts()));
             m.insert("refused_peers".into(), serde_json::json!(p.refused()));
+            m.insert(
+                "group_member_peers".into(),
+                serde_json::json!(p.group_members()),
+            );
             let by_reason: serde_json::Map<String, serde_json::Value> = AnomalyReason::ALL
                 .iter()
                 .map(|r| {

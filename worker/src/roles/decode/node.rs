@@ -122,6 +122,23 @@ pub enum DecodeError {
         /// The peer's revision (from its hello, or from its refusal's metadata; empty if unknown).
         theirs: String,
     },
+    /// The peer is a rank of a LayerSplit group other than its leader: its hello names only the
+    /// layers it owns. It writes those layers into this decode's pages when its leader orders
+    /// it, but takes no room itself; rooms go to the group's leader, whose hello names every
+    /// layer (issue 15).
+    #[error(
+        "prefill peer {peer} is a LayerSplit rank owning layers {start}..{end} of {layers}; rooms go to its group's leader"
+    )]
+    GroupMember {
+        /// Peer address.
+        peer: String,
+        /// First owned layer.
+        start: u32,
+        /// One past the last owned layer.
+        end: u32,
+        /// Layers of the model.
+        layers: u32,
+    },
     /// The prompt needs more pages than the region has in total: it can never be served here
     /// (retrying cannot help, unlike [`DecodeError::NoPages`]); the transfer never started.
     #[error("need {need} pages, the region has {total}")]
@@ -604,6 +621,17 @@ impl DecodeNode {
         };
         if !revision.is_empty() && !info.revision.is_empty() && info.revision != revision {
             return Err(mismatch(info.revision));
+        }
+        let layers = self.cfg.layout.layers;
+        if let Some(r) = info.owned_layers
+            && (r.start > 0 || r.end < layers)
+        {
+            return Err(DecodeError::GroupMember {
+                peer: addr.to_string(),
+                start: r.start,
+                end: r.end,
+                layers,
+            });
         }
         let (tx, rx) = mpsc::unbounded_channel::<pb::PeerMessage>();
         let mut request = tonic::Request::new(UnboundedReceiverStream::new(rx));

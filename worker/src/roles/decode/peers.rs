@@ -43,6 +43,8 @@ pub struct PeerSet {
     counters: Counters,
     links: Mutex<BTreeMap<String, PrefillLink>>,
     refused: Mutex<BTreeMap<String, String>>,
+    /// LayerSplit group members (not room peers), with why.
+    members: Mutex<BTreeMap<String, String>>,
     last_error: Mutex<Option<String>>,
     next: AtomicUsize,
     routing: Routing,
@@ -92,6 +94,7 @@ impl PeerSet {
             counters,
             links: Mutex::new(BTreeMap::new()),
             refused: Mutex::new(BTreeMap::new()),
+            members: Mutex::new(BTreeMap::new()),
             last_error: Mutex::new(None),
             next: AtomicUsize::new(0),
             routing,
@@ -128,9 +131,10 @@ impl PeerSet {
                 keep
             });
             lock(&self.refused).retain(|addr, _| wanted.contains(addr));
+            lock(&self.members).retain(|addr, _| wanted.contains(addr));
         }
         for addr in wanted {
-            if lock(&self.links).contains_key(&addr) {
+            if lock(&self.links).contains_key(&addr) || lock(&self.members).contains_key(&addr) {
                 continue;
             }
             match self
@@ -150,6 +154,17 @@ impl PeerSet {
                     if first {
                         self.counters.peer_revision_refusals.inc();
                         tracing::warn!(peer = %addr, error = %reason, "prefill peer of another revision skipped");
+                    }
+                }
+                Err(e @ DecodeError::GroupMember { .. }) => {
+                    // Not a room peer, and not an error: listed with its reason, logged once.
+                    let reason = e.to_string();
+                    if lock(&self.members)
+                        .insert(addr.clone(), reason.clone())
+                        .as_ref()
+                        != Some(&reason)
+                    {
+                        tracing::info!(peer = %addr, why = %reason, "prefill peer is a LayerSplit group member");
                     }
                 }
                 Err(e) => {
@@ -257,6 +272,11 @@ impl PeerSet {
     /// Addresses refused for revision, with the reason.
     pub fn refused(&self) -> BTreeMap<String, String> {
         lock(&self.refused).clone()
+    }
+
+    /// Addresses of LayerSplit group members (ranks that take no room), with the reason.
+    pub fn group_members(&self) -> BTreeMap<String, String> {
+        lock(&self.members).clone()
     }
 
     /// Addresses of the live links.

@@ -33,6 +33,7 @@
 //! - here: the CLI ([`Args`], [`run`]) and the server that wires them ([`PrefillServer`]).
 
 pub mod l3_report;
+pub mod layer_split;
 pub mod node;
 pub mod prefix_cache;
 pub mod seat;
@@ -366,13 +367,17 @@ impl PrefillServer {
         } else {
             None
         };
+        let split_slot: Arc<std::sync::OnceLock<Arc<layer_split::SplitRank>>> = Arc::default();
         if seat.is_none() {
-            let snap = snapshots.clone();
+            let (snap, split) = (snapshots.clone(), split_slot.clone());
             state.set_extra(move || {
                 let mut m = serde_json::Map::new();
                 m.insert("engine".into(), seat::report(None, None));
                 if let Some(s) = &snap {
                     m.insert("snapshot".into(), s.report());
+                }
+                if let Some(ls) = split.get() {
+                    m.insert("layer_split".into(), ls.report());
                 }
                 m
             });
@@ -400,6 +405,35 @@ impl PrefillServer {
         )
         .await
         .map_err(|e| ServeError::Bind("health", e))?;
+        // LayerSplit (issue 15): the group's ranks connect and agree on the owner map before any
+        // KV store is allocated and before this worker answers a decode (health is up meanwhile).
+        if cfg.engine.is_none()
+            && let Some(plan) =
+                layer_split::plan(cfg, &opts.worker_id).map_err(ServeError::LayerSplit)?
+        {
+            state.set_ready(Err("connecting the LayerSplit group".into()));
+            let split_opts = layer_split::SplitOptions {
+                pool_pages: crate::roles::sim::region_pages(cfg.memory.target_pool_bytes, layout),
+                ..layer_split::SplitOptions::default()
+            };
+            let (n, rt) = (node.clone(), tokio::runtime::Handle::current());
+            let resolver = super::resolve::Resolver::from_env();
+            let split = tokio::task::spawn_blocking(move || {
+                layer_split::SplitRank::start(plan, layout, n, split_opts, &resolver, &rt)
+            })
+            .await
+            .map_err(|e| ServeError::LayerSplit(e.to_string()))?
+            .map_err(ServeError::LayerSplit)?;
+            let split = Arc::new(split);
+            service.layer_split = Some(split.clone());
+            let _ = split_slot.set(split.clone());
+            state.on_refresh(move |st| match split.broken() {
+                Some(why) => st
+                    .health
+                    .degrade("layer_split", "LayerSplitLinkBroken", why),
+                None => st.health.recover("layer_split"),
+            });
+        }
         let svc = service.clone();
         let grpc = tokio::spawn(async move {
             if let Err(e) = tonic::transport::Server::builder()

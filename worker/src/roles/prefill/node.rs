@@ -371,108 +371,184 @@ impl PrefillNode {
     ) -> Result<(), Status> {
         let layout = self.cfg.layout;
         for index in first..first.saturating_add(n) {
-            let (addr, region, page, request, worker) = {
-                let plans = lock(&self.plans);
-                let plan = plans
-                    .get(&key)
-                    .ok_or_else(|| Status::not_found(format!("{key} has no plan")))?;
-                let page = *plan
-                    .pages
-                    .get(index as usize)
-                    .ok_or_else(|| Status::invalid_argument("page index out of range"))?;
-                (
-                    plan.data_addr.clone(),
-                    plan.region,
-                    page,
-                    plan.request,
-                    plan.decode_worker.clone(),
-                )
-            };
-            // Failed first, then no new write (R-ABORT-2).
-            if let Err(e) = lock(&self.rooms).begin_write(key) {
-                return Err(Status::failed_precondition(e.to_string()));
-            }
-            let ops = (0..layout.layers)
+            let request = lock(&self.plans)
+                .get(&key)
+                .map(|p| p.request)
+                .ok_or_else(|| Status::not_found(format!("{key} has no plan")))?;
+            let chunks = (0..layout.layers)
                 .map(|layer| {
                     let spec = layout.chunk(request, index, layer);
                     let mut buf = vec![0u8; spec.bytes()];
                     fill_chunk(&mut buf, &spec);
-                    WriteOp {
-                        key,
-                        region,
-                        offset: u64::from(page) * layout.page_bytes()
-                            + u64::from(layer) * layout.chunk_bytes(),
-                        data: Bytes::from(buf),
-                    }
+                    (layer, Bytes::from(buf))
                 })
                 .collect();
-            let node = self.clone();
-            let sink = Arc::new(move |_h: TransferHandle, status: &TransferStatus| {
-                let ok = *status == TransferStatus::Completed;
-                if ok {
-                    node.stats
-                        .kv_bytes_sent
-                        .fetch_add(layout.page_bytes(), Ordering::Relaxed);
-                }
-                let effects = lock(&node.rooms).end_write(key, ok).unwrap_or_default();
-                if ok {
-                    let done = {
-                        let mut plans = lock(&node.plans);
-                        plans.get_mut(&key).map(|p| {
-                            p.pages_done += 1;
-                            p.pages_done
-                        })
-                    };
-                    if let Some(d) = done {
-                        node.send_to(
-                            &worker,
-                            msg(Body::Chunk(pb::ChunkDone {
-                                room: Some(key.into()),
-                                prefill_rank: node.cfg.rank,
-                                pages_done: d,
-                                last: false,
-                            })),
-                        );
-                    }
-                } else {
-                    node.send_to(
-                        &worker,
-                        msg(Body::Failed(pb::RoomFailed {
-                            room: Some(key.into()),
-                            prefill_rank: node.cfg.rank,
-                            reason: format!("{status:?}"),
-                        })),
-                    );
-                }
-                node.perform(effects, None);
-            });
-            let submitted = WriteBatch::new(ops, self.transport.limits())
-                .and_then(|b| self.transport.submit(&addr, b, Some(sink)));
-            if let Err(e) = submitted {
-                let effects = lock(&self.rooms).end_write(key, false).unwrap_or_default();
-                let worker = lock(&self.plans).get(&key).map(|p| p.decode_worker.clone());
-                if let Some(w) = worker {
-                    self.send_to(
-                        &w,
-                        msg(Body::Failed(pb::RoomFailed {
-                            room: Some(key.into()),
-                            prefill_rank: self.cfg.rank,
-                            reason: e.to_string(),
-                        })),
-                    );
-                }
-                self.perform(effects, None);
-                return Err(Status::unavailable(e.to_string()));
-            }
-            self.publish(key);
+            self.submit_page_writes(key, index, chunks)?;
         }
         if last {
-            let effects = lock(&self.rooms)
-                .finish_input(key)
-                .map_err(|e| Status::failed_precondition(e.to_string()))?;
-            self.perform(effects, None);
+            self.finish_room_input(key)?;
         }
         Ok(())
+    }
+
+    /// Sends the `(layer, chunk)` pairs of page `index` of a room as one batch into the decode's
+    /// page (offset `page × page_bytes + layer × chunk_bytes`); on completion a `ChunkDone`, on
+    /// failure a `RoomFailed` (the room fails). Refused once the room failed (R-ABORT-2). Blocking
+    /// (connects and enqueues); call from a blocking context.
+    ///
+    /// # Errors
+    /// `NOT_FOUND` without a plan, `INVALID_ARGUMENT` for a page index outside the room,
+    /// `FAILED_PRECONDITION` for a failed room, `UNAVAILABLE` when the transport refuses.
+    pub fn submit_page_writes(
+        self: &Arc<Self>,
+        key: RoomKey,
+        index: u32,
+        chunks: Vec<(u32, Bytes)>,
+    ) -> Result<(), Status> {
+        let layout = self.cfg.layout;
+        let (addr, region, page, worker) = {
+            let plans = lock(&self.plans);
+            let plan = plans
+                .get(&key)
+                .ok_or_else(|| Status::not_found(format!("{key} has no plan")))?;
+            let page = *plan
+                .pages
+                .get(index as usize)
+                .ok_or_else(|| Status::invalid_argument("page index out of range"))?;
+            (
+                plan.data_addr.clone(),
+                plan.region,
+                page,
+                plan.decode_worker.clone(),
+            )
+        };
+        // Failed first, then no new write (R-ABORT-2).
+        if let Err(e) = lock(&self.rooms).begin_write(key) {
+            return Err(Status::failed_precondition(e.to_string()));
+        }
+        let bytes: u64 = chunks.iter().map(|(_, c)| c.len() as u64).sum();
+        let ops = chunks
+            .into_iter()
+            .map(|(layer, data)| WriteOp {
+                key,
+                region,
+                offset: u64::from(page) * layout.page_bytes()
+                    + u64::from(layer) * layout.chunk_bytes(),
+                data,
+            })
+            .collect();
+        let (node, to) = (self.clone(), worker.clone());
+        let sink = Arc::new(move |_h: TransferHandle, status: &TransferStatus| {
+            let worker = &to;
+            let ok = *status == TransferStatus::Completed;
+            if ok {
+                node.stats.kv_bytes_sent.fetch_add(bytes, Ordering::Relaxed);
+            }
+            let effects = lock(&node.rooms).end_write(key, ok).unwrap_or_default();
+            if ok {
+                let done = {
+                    let mut plans = lock(&node.plans);
+                    plans.get_mut(&key).map(|p| {
+                        p.pages_done += 1;
+                        p.pages_done
+                    })
+                };
+                if let Some(d) = done {
+                    node.send_to(
+                        worker,
+                        msg(Body::Chunk(pb::ChunkDone {
+                            room: Some(key.into()),
+                            prefill_rank: node.cfg.rank,
+                            pages_done: d,
+                            last: false,
+                        })),
+                    );
+                }
+            } else {
+                node.room_failed_to(worker, key, format!("{status:?}"));
+            }
+            node.perform(effects, None);
+        });
+        let submitted = WriteBatch::new(ops, self.transport.limits())
+            .and_then(|b| self.transport.submit(&addr, b, Some(sink)));
+        if let Err(e) = submitted {
+            let effects = lock(&self.rooms).end_write(key, false).unwrap_or_default();
+            self.room_failed_to(&worker, key, e.to_string());
+            self.perform(effects, None);
+            return Err(Status::unavailable(e.to_string()));
+        }
+        self.publish(key);
+        Ok(())
+    }
+
+    /// Tells the room's decode worker that the room failed here (`RoomFailed`).
+    fn room_failed_to(&self, worker: &str, key: RoomKey, reason: String) {
+        self.send_to(
+            worker,
+            msg(Body::Failed(pb::RoomFailed {
+                room: Some(key.into()),
+                prefill_rank: self.cfg.rank,
+                reason,
+            })),
+        );
+    }
+
+    /// Every chunk of the room was handed over: it succeeds once its writes (and parts) drain.
+    ///
+    /// # Errors
+    /// `FAILED_PRECONDITION` for an unknown or concluded room.
+    pub fn finish_room_input(&self, key: RoomKey) -> Result<(), Status> {
+        let effects = lock(&self.rooms)
+            .finish_input(key)
+            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        self.perform(effects, None);
+        Ok(())
+    }
+
+    /// A part of the room written by another process (a LayerSplit rank writing its owned
+    /// layers, `super::layer_split`) begins: it counts as an outstanding write, so no abort ack
+    /// leaves before [`PrefillNode::end_room_part`] (DESIGN contract 3).
+    ///
+    /// # Errors
+    /// `FAILED_PRECONDITION` once the room failed or concluded (R-ABORT-2).
+    pub fn begin_room_part(&self, key: RoomKey) -> Result<(), Status> {
+        lock(&self.rooms)
+            .begin_write(key)
+            .map_err(|e| Status::failed_precondition(e.to_string()))
+    }
+
+    /// The part begun by [`PrefillNode::begin_room_part`] is terminal: `ok` when every write of
+    /// it completed, else the room fails with `reason` (sent to the decode as `RoomFailed`).
+    pub fn end_room_part(&self, key: RoomKey, ok: bool, reason: &str) {
+        let effects = lock(&self.rooms).end_write(key, ok).unwrap_or_default();
+        if !ok {
+            let worker = lock(&self.plans).get(&key).map(|p| p.decode_worker.clone());
+            if let Some(w) = worker {
+                self.room_failed_to(&w, key, reason.to_owned());
+            }
+        }
+        self.perform(effects, None);
+        self.publish(key);
+    }
+
+    /// Fails the room on this side's initiative (its engine step failed): `RoomFailed` to the
+    /// decode, which aborts it and gets its ack once the room's writes drain.
+    pub fn fail_room(&self, key: RoomKey, reason: &str) {
+        let effects = lock(&self.rooms).fail(key, crate::release::sender::SenderFailure::Local);
+        let worker = lock(&self.plans).get(&key).map(|p| p.decode_worker.clone());
+        if let Some(w) = worker {
+            self.room_failed_to(&w, key, reason.to_owned());
+        }
+        self.perform(effects, None);
+        self.publish(key);
+    }
+
+    /// The room's destination as its `OpenRoom` named it: `(data address, region, decode page
+    /// ids)`; `None` for an unknown room.
+    pub fn room_destination(&self, key: RoomKey) -> Option<(String, RegionId, Vec<u32>)> {
+        lock(&self.plans)
+            .get(&key)
+            .map(|p| (p.data_addr.clone(), p.region, p.pages.clone()))
     }
 
     /// The simulated engine: compute each page (`delays[i]`, else the configured per-page time),
@@ -524,6 +600,9 @@ pub struct PrefillService {
     pub pages: Option<Arc<super::snapshot_sync::PrefillPages>>,
     /// The snapshot service (DESIGN contract 4); `None`: `SnapshotPrepare` answers `DISABLED`.
     pub snapshots: Option<Arc<super::snapshot_sync::SnapshotSync>>,
+    /// This pod's rank of a LayerSplit group (issue 15): the leader runs every room through the
+    /// group; a member takes no room and names only its owned layers in its hello.
+    pub layer_split: Option<Arc<super::layer_split::SplitRank>>,
 }
 
 impl PrefillService {
@@ -537,6 +616,7 @@ impl PrefillService {
             admitting: Arc::new(AtomicBool::new(true)),
             pages: None,
             snapshots: None,
+            layer_split: None,
         }
     }
 
@@ -608,9 +688,17 @@ impl Transfer for PrefillService {
             layout: Some(self.node.cfg.layout.into()),
             revision: self.revision.clone(),
             incarnation: self.node.incarnation,
-            owned_layers: Some(pb::LayerRange {
-                start: 0,
-                end: self.node.cfg.layout.layers,
+            // A LayerSplit member names its own layers (the decode keeps it out of its room
+            // peers); a leader, or a prefill without LayerSplit, serves every layer.
+            owned_layers: Some(match self.layer_split.as_ref().filter(|s| !s.is_leader()) {
+                Some(member) => {
+                    let (start, end) = member.owned_range();
+                    pb::LayerRange { start, end }
+                }
+                None => pb::LayerRange {
+                    start: 0,
+                    end: self.node.cfg.layout.layers,
+                },
             }),
             ..Default::default()
         }))
@@ -624,6 +712,18 @@ impl Transfer for PrefillService {
         let key = room_of(r.room).ok_or_else(|| Status::invalid_argument("open without room"))?;
         if !self.admitting.load(Ordering::SeqCst) {
             return Err(Status::unavailable("prefill is draining"));
+        }
+        if let Some(split) = &self.layer_split {
+            if !split.is_leader() {
+                return Err(Status::failed_precondition(
+                    "a LayerSplit group member takes no room: rooms go to the group's leader",
+                ));
+            }
+            if let Some(why) = split.broken() {
+                return Err(Status::unavailable(format!(
+                    "LayerSplit group link broken: {why}"
+                )));
+            }
         }
         let layout = r
             .layout
@@ -690,6 +790,7 @@ impl Transfer for PrefillService {
             let node = self.node.clone();
             let planner = self.planner.clone();
             let pool = self.pages.clone();
+            let split = self.layer_split.clone();
             let hold_until = tokio::time::Instant::now()
                 + Duration::from_millis(if r.deadline_ms > 0 {
                     r.deadline_ms
@@ -709,7 +810,34 @@ impl Transfer for PrefillService {
                     }
                     None => None,
                 };
-                let sent = node.run_engine(key, pages, delays).await;
+                let sent = match &split {
+                    // LayerSplit: the group computes, and each rank writes its owned layers.
+                    Some(split) => {
+                        let compute = (0..pages)
+                            .map(|i| {
+                                delays
+                                    .get(i as usize)
+                                    .copied()
+                                    .unwrap_or(node.cfg.compute_per_page)
+                            })
+                            .sum();
+                        let (done, rx) = tokio::sync::oneshot::channel();
+                        let job = super::layer_split::StepJob {
+                            key,
+                            request,
+                            compute,
+                            done,
+                        };
+                        match split.submit(job) {
+                            Ok(()) => rx.await.unwrap_or(false),
+                            Err(why) => {
+                                node.fail_room(key, &why);
+                                false
+                            }
+                        }
+                    }
+                    None => node.run_engine(key, pages, delays).await,
+                };
                 if let (Some(p), Some(held)) = (&pool, held) {
                     p.release(&held);
                 }

@@ -41,7 +41,6 @@ use crate::health::counters::Counters;
 use crate::memory::Allocator;
 use crate::memory::mmap::MmapBackend;
 use crate::memory::pool::{KvPool, PageId, PoolLayout, PoolRole, PoolSpec};
-use crate::model::{Attention, ModelIdentity};
 #[cfg(feature = "negative-controls")]
 use crate::release::RoomKey;
 use crate::snapshot::{
@@ -70,21 +69,6 @@ pub const DEFAULT_STALE_AFTER: Duration = Duration::from_secs(30);
 /// Longest a fence waits for writes being applied when a snapshot is aborted or sealed.
 const FENCE_WAIT: Duration = Duration::from_secs(2);
 
-/// A model identity whose token row on one layer is exactly `layout.token_bytes` bytes, so that a
-/// [`KvPool`] page is one page of `layout` (the simulated KV layout; `roles::sim`).
-fn layout_model(layout: KvLayout) -> ModelIdentity {
-    ModelIdentity {
-        name: "prefill-kv".into(),
-        layers: layout.layers.max(1),
-        attention: Attention::Mla {
-            kv_lora_rank: layout.token_bytes.max(1),
-            rope_dim: 0,
-        },
-        dtype_bytes: 1,
-        row_extra_bytes: 0,
-    }
-}
-
 /// The prefill KV pool: pages held by prefill work, and the pages finalized snapshots are copied
 /// into. Prefill work waits for pages while a sealed snapshot waits for finalize, so a snapshot is
 /// finalized at the first moment pages free (seed 002: "finalize at a moment the prefill scheduler
@@ -104,7 +88,7 @@ impl PrefillPages {
     pub fn new(layout: KvLayout, pages: u32) -> Result<Arc<PrefillPages>, String> {
         let spec = PoolSpec {
             role: PoolRole::Target,
-            model: layout_model(layout),
+            model: crate::roles::sim::layout_model(layout),
             page_tokens: layout.page_tokens.max(1),
             pages: pages.max(1),
             layout: PoolLayout::PageFirst,
