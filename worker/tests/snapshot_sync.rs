@@ -150,7 +150,14 @@ struct Occupied {
     next_turn_hit_tokens: u64,
 }
 
-/// `sessions` synced turns while `loops` clients keep the prefill's pool of `pool_pages` full with
+/// Clients of concurrent 3-page prefills that keep the 6-page pool full. Each waits for its
+/// response before its next prompt, so a page freed by a finished room stays free through that
+/// client's round trip unless other rooms queue for it: with 4 clients (two computing, two
+/// queued) a CI run found the pool full at only 49 of 100 prepares; 8 keep a queue behind the
+/// pool.
+const LOAD_CLIENTS: usize = 8;
+
+/// `sessions` synced turns while [`LOAD_CLIENTS`] clients keep the prefill's pool full with
 /// 3-page prefills; then every session's next turn.
 async fn occupied(net: u8, env: &[(&str, &str)], sessions: u64) -> Occupied {
     let w = Arc::new(World::new(net));
@@ -165,12 +172,12 @@ async fn occupied(net: u8, env: &[(&str, &str)], sessions: u64) -> Occupied {
     wait_ready(&w, PREFILL).await;
     wait_ready(&w, DECODE).await;
 
-    // Concurrent prefill work: 4 clients, each a stream of fresh 3-page prompts, hold the 6-page
-    // pool (two rooms compute, the rest wait for pages).
+    // Concurrent prefill work: LOAD_CLIENTS clients, each a stream of fresh 3-page prompts, hold
+    // the 6-page pool (two rooms compute, the rest wait for pages).
     let stop = Arc::new(AtomicBool::new(false));
     let next = Arc::new(AtomicU64::new(1));
     let mut load = Vec::new();
-    for _ in 0..4 {
+    for _ in 0..LOAD_CLIENTS {
         let (w, stop, next) = (w.clone(), stop.clone(), next.clone());
         load.push(tokio::spawn(async move {
             while !stop.load(Ordering::SeqCst) {
