@@ -11,8 +11,8 @@ pub const HEALTH_PORT: u16 = 8080;
 /// Container port of the decode front door (OpenAI-compatible HTTP); the DecodePool's Service
 /// maps `spec.frontDoor.port` to it.
 pub const FRONT_DOOR_PORT: u16 = 8000;
-/// LayerSplit rank-link port of a prefill pod in a `layerSplit` pool: the TCP mesh between the
-/// CP ranks of one group (layer broadcasts, step orders; worker `layer_split::tcp_link`).
+/// Rank-link port of a prefill pod of more than one CP rank: the TCP mesh between the CP ranks of
+/// one group (step orders, and LayerSplit's layer broadcasts; worker `layer_split::tcp_link`).
 pub const RANK_LINK_PORT: u16 = 7002;
 /// L3 protocol port of every CacheTier store replica.
 pub const L3_PORT: u16 = 7420;

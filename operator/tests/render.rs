@@ -153,11 +153,19 @@ fn group_statefulset_shape() {
     );
     cfg.check()
         .expect("the rendered LayerSplit config is consistent");
-    // Without LayerSplit there is no rank link.
+    // Without LayerSplit the CP ranks are still a group (replicated): the same link.
     prefill.spec.layer_split = false;
-    let plain = rendered(&PoolView::prefill(&prefill), &tier);
-    assert_eq!(plain.ports.rank_link, None);
-    assert_eq!(plain.peers.group_service, None);
+    let replicated = rendered(&PoolView::prefill(&prefill), &tier);
+    assert_eq!(replicated.ports.rank_link, cfg.ports.rank_link);
+    assert_eq!(replicated.peers.group_service, cfg.peers.group_service);
+    // A single CP rank has no peer, and a decode pool no rank link.
+    prefill.spec.parallelism.context = 1;
+    let single = rendered(&PoolView::prefill(&prefill), &tier);
+    assert_eq!(single.ports.rank_link, None);
+    assert_eq!(single.peers.group_service, None);
+    let decode: DecodePool = load("decodepool.yaml");
+    let d = rendered(&PoolView::decode(&decode), &tier);
+    assert_eq!((d.ports.rank_link, d.peers.group_service), (None, None));
 }
 
 #[test]

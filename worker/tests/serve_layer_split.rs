@@ -10,6 +10,8 @@
 //!   broadcast bytes a small fraction of a whole-layer broadcast, 0 corrupt chunks read, the
 //!   member's written KV bytes equal to the leader's (each wrote its half of every page), the
 //!   member kept out of the decode's room peers;
+//! - the baseline, a replicated CP group (every rank stores every layer): nothing broadcast, the
+//!   leader writes whole pages, as clean;
 //! - ranks on different owner maps refuse each other at connect: neither starts;
 //! - NEGATIVE CONTROL (feature `negative-controls`, `TANDEM_NEGATIVE_LAYER_SPLIT_SKIP_WAIT=1`):
 //!   ranks that attend without waiting on the layer's event read bytes that are not the layer's
@@ -28,13 +30,21 @@ const MEMBER: u8 = 3;
 const DECODE: u8 = 9;
 const GROUP_SERVICE: &str = "p-peers.serving.svc";
 
-fn rank_cfg(w: &World, rank_link: u16, owners: Option<Vec<u32>>) -> WorkerConfig {
+/// The owner map of a rank: the contiguous split, another map, or none (replicated).
+enum Map {
+    Contiguous,
+    Owners(Vec<u32>),
+    Replicated,
+}
+
+fn rank_cfg(w: &World, rank_link: u16, map: Map) -> WorkerConfig {
     let mut c = config(WorkerRole::Prefill, "r1", w.ports);
     c.parallelism.context = 2;
-    c.layer_split = Some(match owners {
-        Some(owners) => LayerSplit { owners },
-        None => LayerSplit::contiguous(c.model.layers, 2).unwrap(),
-    });
+    c.layer_split = match map {
+        Map::Owners(owners) => Some(LayerSplit { owners }),
+        Map::Contiguous => LayerSplit::contiguous(c.model.layers, 2),
+        Map::Replicated => None,
+    };
     c.ports.rank_link = Some(rank_link);
     c.peers.group_service = Some(GROUP_SERVICE.into());
     c.check().expect("a valid LayerSplit prefill config");
@@ -116,14 +126,13 @@ async fn send(w: &World, n: u64, input: u32) -> Value {
 struct Served {
     leader: Value,
     member: Value,
-    decode: Value,
     corrupt_at_decode: u64,
 }
 
-async fn serve(net: u8, env: &[(&str, &str)], requests: u64) -> Served {
+async fn serve(net: u8, map: Map, env: &[(&str, &str)], requests: u64) -> Served {
     let w = World::new(net);
     publish(&w);
-    let cfg = rank_cfg(&w, free_port(), None);
+    let cfg = rank_cfg(&w, free_port(), map);
     let [leader, member] = start_group(&w, [&cfg, &cfg], env, Duration::from_secs(90));
     let (_leader, _member) = (leader.unwrap(), member.unwrap());
     let _decode = w.spawn(DECODE, &config(WorkerRole::Decode, "r1", w.ports), &[]);
@@ -142,10 +151,17 @@ async fn serve(net: u8, env: &[(&str, &str)], requests: u64) -> Served {
         "the built-in engine acts on layerSplit: {}",
         l["config"]
     );
+    // The member is a group member at the decode, not a room peer.
+    let d = report(&w, DECODE).await;
+    assert!(
+        d["group_member_peers"]
+            .to_string()
+            .contains(&format!("127.0.{net}.{MEMBER}")),
+        "{d}"
+    );
     Served {
         leader: l,
         member: m,
-        decode: report(&w, DECODE).await,
         corrupt_at_decode: corrupt,
     }
 }
@@ -158,8 +174,8 @@ fn n(v: &Value, k: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_layer_split_group_serves_each_layer_range_from_its_owner() {
     let requests = 24;
-    let s = serve(174, &[], requests).await;
-    let (l, m) = (&s.leader["layer_split"], &s.member["layer_split"]);
+    let s = serve(174, Map::Contiguous, &[], requests).await;
+    let (l, m) = (&s.leader["cp_group"], &s.member["cp_group"]);
     println!("leader: {l}\nmember: {m}");
     assert_eq!(s.corrupt_at_decode, 0, "the decode verified every chunk");
     for (r, rank) in [(l, 0), (m, 1)] {
@@ -191,12 +207,36 @@ async fn a_layer_split_group_serves_each_layer_range_from_its_owner() {
     assert!(leader_bytes > 0);
     assert_eq!(n(m, "kv_bytes_written"), leader_bytes, "{m}");
     assert_eq!(n(&s.member["counters"], "kv_bytes_sent"), 0);
-    // The member is a group member at the decode, not a room peer.
-    let members = s.decode["group_member_peers"].to_string();
-    assert!(
-        members.contains(&format!("127.0.174.{MEMBER}")),
-        "{}",
-        s.decode
+    // Half of each page per rank: the same memory caches twice the pages.
+    assert_eq!(
+        n(l, "prefix_cache_pages"),
+        2 * n(l, "replicated_prefix_cache_pages"),
+        "{l}"
+    );
+}
+
+/// The baseline LayerSplit replaces, in the same harness: a CP group whose ranks store every
+/// layer. Nothing is broadcast, nobody waits, the leader writes whole pages, and the decode's
+/// KV is as clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replicated_group_computes_together_and_its_leader_writes_whole_pages() {
+    let requests = 12;
+    let s = serve(177, Map::Replicated, &[], requests).await;
+    let (l, m) = (&s.leader["cp_group"], &s.member["cp_group"]);
+    println!("replicated leader: {l}\nreplicated member: {m}");
+    assert_eq!(s.corrupt_at_decode, 0);
+    for r in [l, m] {
+        assert_eq!(r["layout"], "replicated");
+        assert_eq!(n(r, "steps"), requests, "{r}");
+        assert_eq!(n(r, "stored_kv_bytes"), n(r, "replicated_kv_bytes"), "{r}");
+        assert_eq!(n(r, "frames_sent") + n(r, "waits"), 0, "{r}");
+        assert_eq!(n(r, "corrupt_chunks_read"), 0, "{r}");
+    }
+    assert_eq!(n(m, "kv_bytes_written"), 0, "{m}");
+    assert!(n(&s.leader["counters"], "kv_bytes_sent") > 0);
+    assert_eq!(
+        n(l, "prefix_cache_pages"),
+        n(l, "replicated_prefix_cache_pages")
     );
 }
 
@@ -205,8 +245,8 @@ async fn ranks_on_different_owner_maps_refuse_each_other_before_any_store() {
     let w = World::new(175);
     publish(&w);
     let port = free_port();
-    let contiguous = rank_cfg(&w, port, None);
-    let shifted = rank_cfg(&w, port, Some(vec![0, 0, 0, 1, 1, 1, 1, 1]));
+    let contiguous = rank_cfg(&w, port, Map::Contiguous);
+    let shifted = rank_cfg(&w, port, Map::Owners(vec![0, 0, 0, 1, 1, 1, 1, 1]));
     let started = std::time::Instant::now();
     let [a, b] = start_group(&w, [&contiguous, &shifted], &[], Duration::from_secs(60));
     assert!(
@@ -220,13 +260,52 @@ async fn ranks_on_different_owner_maps_refuse_each_other_before_any_store() {
     assert!(started.elapsed() < Duration::from_secs(30));
 }
 
+/// A group runs no step without every rank, and a restarted rank can only join a group whose
+/// ranks all connect anew: when one rank goes away, the others stop (non-zero exit, after their
+/// teardown) so that their pods restart and the group re-forms — not a leader that keeps taking
+/// rooms it cannot run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_goes_away_breaks_the_group_and_the_leader_stops() {
+    let w = World::new(178);
+    publish(&w);
+    let cfg = rank_cfg(&w, free_port(), Map::Contiguous);
+    let [leader, member] = start_group(&w, [&cfg, &cfg], &[], Duration::from_secs(90));
+    let (mut leader, member) = (leader.unwrap(), member.unwrap());
+    let _decode = w.spawn(DECODE, &config(WorkerRole::Decode, "r1", w.ports), &[]);
+    wait_ready(&w, LEADER).await;
+    wait_ready(&w, DECODE).await;
+    assert_eq!(send(&w, 1, 900).await["corrupt_chunks"], 0);
+    drop(member); // killed: its rank link closes
+    let status = tokio::task::spawn_blocking(move || {
+        let s = leader.wait_exit(Duration::from_secs(30));
+        (s, leader)
+    })
+    .await
+    .unwrap()
+    .0
+    .expect("the leader stops once its group broke");
+    assert!(!status.success(), "a broken group is a failure: {status:?}");
+    // Stopped through its teardown (not a crash): the report names the group's drain step.
+    let (_, steps) = w.teardown_of(LEADER);
+    assert!(
+        steps.iter().any(|(_, step, _)| step.contains("CP rank")),
+        "{steps:?}"
+    );
+}
+
 /// NEGATIVE CONTROL: without the wait, attention reads the receive scratch before the owner's
 /// layer is there — bytes that are not the layer's KV — and the engine counts them.
 #[cfg(feature = "negative-controls")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn negative_control_skipping_the_layer_wait_reads_stale_kv() {
-    let s = serve(176, &[("TANDEM_NEGATIVE_LAYER_SPLIT_SKIP_WAIT", "1")], 6).await;
-    let (l, m) = (&s.leader["layer_split"], &s.member["layer_split"]);
+    let s = serve(
+        176,
+        Map::Contiguous,
+        &[("TANDEM_NEGATIVE_LAYER_SPLIT_SKIP_WAIT", "1")],
+        6,
+    )
+    .await;
+    let (l, m) = (&s.leader["cp_group"], &s.member["cp_group"]);
     println!("NEGATIVE CONTROL leader: {l}\nmember: {m}");
     assert_eq!(l["negative_control_skip_wait"], true);
     for r in [l, m] {

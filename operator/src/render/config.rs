@@ -178,8 +178,9 @@ pub fn worker_config(
         None
     };
     let svc = |name: String| format!("{name}.{}.svc", pool.namespace);
-    // The ranks of a LayerSplit group talk to each other (rank link); a single rank has no peer.
-    let grouped = layer_split.is_some() && parallelism.context > 1;
+    // The CP ranks of a prefill group talk to each other (the rank link: step orders, and the
+    // layer broadcasts of LayerSplit); a single rank has no peer.
+    let grouped = pool.role == Role::Prefill && parallelism.context > 1;
     Ok(WorkerConfig {
         api_version: CONFIG_API_VERSION.into(),
         role: match pool.role {

@@ -238,7 +238,7 @@ pub fn group_statefulset(
     if pool.role == Role::Decode {
         ports.push(container_port("http", FRONT_DOOR_PORT));
     }
-    if pool.layer_split && pool.parallelism.context > 1 {
+    if pool.role == Role::Prefill && pool.parallelism.context > 1 {
         ports.push(container_port("rank-link", RANK_LINK_PORT));
     }
     let mut mounts = vec![config_mount.clone()];

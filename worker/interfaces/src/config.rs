@@ -277,9 +277,9 @@ pub struct Peers {
     pub prefill_service: Option<String>,
     /// Headless Service of the decode pool's pods.
     pub decode_service: Option<String>,
-    /// The worker's own pool's headless Service (`<pool>-peers.<ns>.svc`), set for a LayerSplit
-    /// prefill: the CP ranks of a group find each other as `<pod>.<groupService>` (StatefulSet pod
-    /// DNS), the pod being `<group StatefulSet>-<ordinal>`.
+    /// The worker's own pool's headless Service (`<pool>-peers.<ns>.svc`), set for a prefill of
+    /// more than one CP rank: the CP ranks of a group find each other as `<pod>.<groupService>`
+    /// (StatefulSet pod DNS), the pod being `<group StatefulSet>-<ordinal>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group_service: Option<String>,
 }
@@ -296,8 +296,8 @@ pub struct Ports {
     pub health: u16,
     /// OpenAI-compatible front door (decode only).
     pub front_door: Option<u16>,
-    /// The LayerSplit rank link between the CP ranks of a prefill group (TCP; set with
-    /// `layerSplit`).
+    /// The rank link between the CP ranks of a prefill group (TCP; set for a prefill of more
+    /// than one CP rank; layer broadcasts under LayerSplit, and the step orders).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rank_link: Option<u16>,
 }
@@ -498,16 +498,16 @@ impl WorkerConfig {
             if ls.owners.iter().any(|o| *o >= self.parallelism.context) {
                 return bad("layerSplit names a CP rank outside parallelism.context".into());
             }
-            if self.role == WorkerRole::Prefill
-                && self.parallelism.context > 1
-                && (self.ports.rank_link.is_none() || self.peers.group_service.is_none())
-            {
-                return bad(
-                    "layerSplit over more than one CP rank needs ports.rankLink and \
-                     peers.groupService: the ranks of a group connect to each other"
-                        .into(),
-                );
-            }
+        }
+        if self.role == WorkerRole::Prefill
+            && self.parallelism.context > 1
+            && (self.ports.rank_link.is_none() || self.peers.group_service.is_none())
+        {
+            return bad(
+                "a prefill of more than one CP rank needs ports.rankLink and peers.groupService: \
+                 the ranks of a group connect to each other"
+                    .into(),
+            );
         }
         Ok(())
     }

@@ -396,6 +396,9 @@ impl<'a> RankStepper<'a> {
         then: impl FnOnce(&RankKvStore, &[PageId]) -> Result<(), LayerSplitError>,
     ) -> Result<u64, LayerSplitError> {
         let rank = self.link.rank();
+        if let Some(rx) = receiver.as_deref_mut() {
+            rx.forget_before(step);
+        }
         let pages = self.store.allocate(req.pages as usize)?;
         let result = (|| {
             self.write_kv(req, &pages)?;

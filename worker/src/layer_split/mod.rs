@@ -17,14 +17,14 @@
 //! - [`cost_model`]: the throughput model behind seed 004's +10 %..+132 % (pure arithmetic, no
 //!   measurement).
 //!
-//! On the serving path (issue 15): `roles::prefill::layer_split` runs a prefill pod of a
-//! `layerSplit` pool as one rank of its group — the group connects over [`tcp_link::TcpRankLink`]
-//! (peers by pod DNS under `peers.groupService`, port `ports.rankLink`) and agrees on the owner
-//! map before any [`rank_store::RankKvStore`] is allocated; each room's step runs on every rank
-//! through [`group::RankStepper`] (the same steps as [`run_group`]), and each rank writes its owned
-//! layers into the decode's pages. Not yet: an engine beside the worker (the engine API) and the
-//! L3 backup's keys per owned range ([`l3_key::LayerRangeKey`]; the leader's write-back uses its
-//! own range's shard coordinates).
+//! On the serving path (issue 15): `roles::prefill::cp_group` runs a prefill pod of more than one
+//! CP rank as one rank of its group — the group connects over [`tcp_link::TcpRankLink`] (peers by
+//! pod DNS under `peers.groupService`, port `ports.rankLink`) and agrees on the owner map (or on
+//! replication) before any [`rank_store::RankKvStore`] is allocated; each room's step runs on every
+//! rank through [`group::RankStepper`] (the same steps as [`run_group`]), and under LayerSplit each
+//! rank writes its owned layers into the decode's pages. Not yet: an engine beside the worker (the
+//! engine API), and the L3 backup's keys per owned range ([`l3_key::LayerRangeKey`]; the leader's
+//! write-back uses its own range's shard coordinates).
 //!
 //! Measured by `tandem-bench layer-split`; tested in `tests/layer_split_contract.rs`.
 

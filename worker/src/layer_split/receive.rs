@@ -20,7 +20,10 @@ use super::wire::{Frame, LayerFrame};
 /// Pending frames, the per-layer delivery record and the receive scratch of one rank.
 pub struct LayerReceiver {
     rank: u32,
-    map: OwnerMap,
+    /// `None`: a replicated group (every rank stores every layer; nothing is broadcast, and a
+    /// layer frame is refused), whose link still carries the hello and the step frames.
+    map: Option<OwnerMap>,
+    cp_size: u32,
     chunk_bytes: usize,
     pool_pages: u32,
     pending: HashMap<(u64, u32), LayerFrame>,
@@ -41,7 +44,8 @@ impl LayerReceiver {
         let layers = map.layers() as usize;
         Self {
             rank,
-            map,
+            cp_size: map.cp_size(),
+            map: Some(map),
             chunk_bytes,
             pool_pages,
             pending: HashMap::new(),
@@ -51,6 +55,35 @@ impl LayerReceiver {
             scratch_pages: Vec::new(),
             scratch_request: None,
             control: VecDeque::new(),
+        }
+    }
+
+    /// A receiver for `rank` of a replicated group of `cp_size` ranks: no scratch, no layer
+    /// frame accepted; the hello (digest 0) and the step frames only.
+    pub fn replicated(rank: u32, cp_size: u32) -> Self {
+        Self {
+            rank,
+            map: None,
+            cp_size,
+            chunk_bytes: 0,
+            pool_pages: 0,
+            pending: HashMap::new(),
+            delivered: Vec::new(),
+            hellos: HashMap::new(),
+            scratch: Vec::new(),
+            scratch_pages: Vec::new(),
+            scratch_request: None,
+            control: VecDeque::new(),
+        }
+    }
+
+    /// The owner of `layer`; under replication no layer has a broadcasting owner.
+    fn owner(&self, layer: u32) -> Result<u32, LayerSplitError> {
+        match &self.map {
+            Some(m) => m.owner(layer),
+            None => Err(LayerSplitError::BadFrame(format!(
+                "layer {layer}: a replicated group broadcasts no layer"
+            ))),
         }
     }
 
@@ -70,7 +103,7 @@ impl LayerReceiver {
         link: &dyn RankLink,
         timeout: Duration,
     ) -> Result<(), LayerSplitError> {
-        let digest = self.map.digest();
+        let digest = self.map.as_ref().map_or(0, OwnerMap::digest);
         let hello = Frame::Hello {
             rank: self.rank,
             digest,
@@ -129,7 +162,7 @@ impl LayerReceiver {
         layer: u32,
         timeout: Duration,
     ) -> Result<Arrival, LayerSplitError> {
-        let owner = self.map.owner(layer)?;
+        let owner = self.owner(layer)?;
         if owner == self.rank {
             return Err(LayerSplitError::NeverBroadcast { step, layer, owner });
         }
@@ -194,6 +227,17 @@ impl LayerReceiver {
         }
     }
 
+    /// Drops layer frames kept for steps before `step`: a step that failed (or whose wait was
+    /// skipped) leaves its later layers' frames behind, and nobody will wait for them.
+    pub fn forget_before(&mut self, step: u64) {
+        self.pending.retain(|(s, _), _| *s >= step);
+    }
+
+    /// Layer frames kept for a later wait.
+    pub fn pending_frames(&self) -> usize {
+        self.pending.len()
+    }
+
     /// The scratch chunk of `page` — valid for the layer last waited on if that frame carried `page`.
     ///
     /// # Errors
@@ -227,11 +271,10 @@ impl LayerReceiver {
         self.scratch_request = Some(frame.request);
     }
 
+    /// Takes one frame, waiting until `deadline` at most (a deadline already passed still takes
+    /// a frame that has landed: a zero-timeout poll reads the link).
     fn pump(&mut self, link: &dyn RankLink, deadline: Instant) -> Result<Pumped, LayerSplitError> {
         let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Ok(Pumped::Timeout);
-        }
         match link.recv(left) {
             Received::Frame(bytes) => {
                 self.accept(Frame::decode(&bytes)?)?;
@@ -245,17 +288,17 @@ impl LayerReceiver {
     fn accept(&mut self, frame: Frame) -> Result<(), LayerSplitError> {
         match frame {
             Frame::Hello { rank, digest } => {
-                if rank >= self.map.cp_size() || rank == self.rank {
+                if rank >= self.cp_size || rank == self.rank {
                     return Err(LayerSplitError::RankOutOfRange {
                         rank,
-                        cp_size: self.map.cp_size(),
+                        cp_size: self.cp_size,
                     });
                 }
                 self.hellos.insert(rank, digest);
                 Ok(())
             }
             Frame::Layer(f) => {
-                let owner = self.map.owner(f.layer)?;
+                let owner = self.owner(f.layer)?;
                 if f.from != owner {
                     return Err(LayerSplitError::WrongSender {
                         from: f.from,

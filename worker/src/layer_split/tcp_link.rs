@@ -25,6 +25,7 @@
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -35,6 +36,22 @@ use super::transport::{RankLink, Received};
 const PREAMBLE_MAGIC: &[u8; 4] = b"TLSC";
 /// Bytes of the preamble: magic, rank, CP size, digest.
 const PREAMBLE_BYTES: usize = 4 + 4 + 4 + 8;
+/// TCP keepalive of every rank stream: a peer whose host vanished without a FIN (a dead node, a
+/// partition) ends its streams after about 10 s idle + 3 probes 5 s apart, instead of never.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+const KEEPALIVE_RETRIES: u32 = 3;
+
+/// Turns TCP keepalive on for a rank stream ([`KEEPALIVE_IDLE`]); best effort.
+fn keepalive(s: &TcpStream) {
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_RETRIES);
+    if let Err(e) = socket2::SockRef::from(s).set_tcp_keepalive(&ka) {
+        tracing::debug!(error = %e, "rank stream keepalive not set");
+    }
+}
 
 /// Limits of a [`TcpRankLink`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,6 +88,8 @@ pub struct TcpRankLink {
     /// peer vanished without closing (no FIN: a dead node, a partition).
     incoming: Vec<TcpStream>,
     readers: Vec<JoinHandle<()>>,
+    /// Peers whose stream ended (EOF, reset, keepalive, a bad frame length, a failed write).
+    closed: Arc<Mutex<std::collections::BTreeSet<u32>>>,
 }
 
 fn transport(peer: u32, reason: impl Into<String>) -> LayerSplitError {
@@ -166,7 +185,30 @@ impl TcpRankLink {
         digest: u64,
         cfg: TcpLinkConfig,
     ) -> Result<Self, LayerSplitError> {
-        let cp_size = addrs.len() as u32;
+        Self::connect_with(
+            rank,
+            addrs.len() as u32,
+            |peer| addrs.get(peer as usize).copied(),
+            listener,
+            digest,
+            cfg,
+        )
+    }
+
+    /// [`TcpRankLink::connect`] with each peer's address asked of `dial_addr` before every dial
+    /// of a peer not dialled yet (`None`: not known yet, try again later): a pod's name may
+    /// still resolve to the pod it replaces while that one terminates.
+    ///
+    /// # Errors
+    /// As [`TcpRankLink::connect`].
+    pub fn connect_with(
+        rank: u32,
+        cp_size: u32,
+        mut dial_addr: impl FnMut(u32) -> Option<SocketAddr>,
+        listener: TcpListener,
+        digest: u64,
+        cfg: TcpLinkConfig,
+    ) -> Result<Self, LayerSplitError> {
         if rank >= cp_size {
             return Err(LayerSplitError::RankOutOfRange { rank, cp_size });
         }
@@ -195,11 +237,15 @@ impl TcpRankLink {
                 let attempt = left
                     .min(Duration::from_millis(200))
                     .max(Duration::from_millis(1));
-                if let Ok(mut s) = TcpStream::connect_timeout(&addrs[peer as usize], attempt) {
+                let Some(addr) = dial_addr(peer) else {
+                    continue;
+                };
+                if let Ok(mut s) = TcpStream::connect_timeout(&addr, attempt) {
                     let ok = s.set_nodelay(true).is_ok()
                         && s.set_write_timeout(Some(cfg.io_timeout)).is_ok()
                         && s.write_all(&preamble(rank, cp_size, digest)).is_ok();
                     if ok {
+                        keepalive(&s);
                         outgoing[peer as usize] = Some(s);
                     }
                 }
@@ -217,7 +263,10 @@ impl TcpRankLink {
                         ));
                         let connected: Vec<bool> = incoming.iter().map(Option::is_some).collect();
                         match accept_preamble(&mut s, rank, cp_size, digest, &connected) {
-                            Ok(from) => incoming[from as usize] = Some(s),
+                            Ok(from) => {
+                                keepalive(&s);
+                                incoming[from as usize] = Some(s);
+                            }
                             Err(Refusal::OwnerMap { from, digest: peer }) => {
                                 refused.get_or_insert(LayerSplitError::OwnerMapMismatch {
                                     local_rank: rank,
@@ -266,6 +315,7 @@ impl TcpRankLink {
         let (inbox_tx, inbox) = channel();
         let mut handles = Vec::new();
         let mut readers = Vec::new();
+        let closed = Arc::new(Mutex::new(std::collections::BTreeSet::new()));
         for (peer, stream) in incoming.into_iter().enumerate() {
             if let Some(s) = stream {
                 let handle = s
@@ -273,9 +323,13 @@ impl TcpRankLink {
                     .map_err(|e| transport(peer as u32, format!("stream handle: {e}")))?;
                 let tx = inbox_tx.clone();
                 let max = cfg.max_frame_bytes;
+                let gone = closed.clone();
                 let h = std::thread::Builder::new()
                     .name(format!("ls-r{rank}-from{peer}"))
-                    .spawn(move || read_frames(s, max, cfg.io_timeout, &tx))
+                    .spawn(move || {
+                        read_frames(s, max, cfg.io_timeout, &tx);
+                        lock_set(&gone).insert(peer as u32);
+                    })
                     .map_err(|e| transport(peer as u32, format!("reader thread: {e}")))?;
                 handles.push(handle);
                 readers.push(h);
@@ -288,9 +342,14 @@ impl TcpRankLink {
             match stream {
                 Some(s) => {
                     let (tx, rx) = channel::<Vec<u8>>();
+                    let gone = closed.clone();
                     let h = std::thread::Builder::new()
                         .name(format!("ls-r{rank}-to{peer}"))
-                        .spawn(move || write_frames(s, &rx))
+                        .spawn(move || {
+                            if !write_frames(s, &rx) {
+                                lock_set(&gone).insert(peer as u32);
+                            }
+                        })
                         .map_err(|e| transport(peer as u32, format!("writer thread: {e}")))?;
                     queues.push(Some(tx));
                     writers.push(h);
@@ -306,8 +365,22 @@ impl TcpRankLink {
             writers,
             incoming: handles,
             readers,
+            closed,
         })
     }
+
+    /// Peers whose stream to or from this rank has ended (EOF, reset, keepalive expiry, a bad
+    /// frame length, a failed write), in rank order. A group cannot run a step without every
+    /// rank, so one entry means the group is broken; empty while the link is whole.
+    pub fn closed_peers(&self) -> Vec<u32> {
+        lock_set(&self.closed).iter().copied().collect()
+    }
+}
+
+fn lock_set(
+    m: &Mutex<std::collections::BTreeSet<u32>>,
+) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<u32>> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Reader thread: `len u32 | frame` into `inbox` until EOF, a bad length or a failed read.
@@ -333,17 +406,21 @@ fn read_frames(mut s: TcpStream, max: u32, io_timeout: Duration, inbox: &Sender<
 }
 
 /// Writer thread: every queued frame as `len u32 | frame`, then a write shutdown once the queue
-/// closes (the link was dropped) or a write fails.
-fn write_frames(mut s: TcpStream, queue: &Receiver<Vec<u8>>) {
+/// closes (the link was dropped) or a write fails. Returns false when a write failed.
+fn write_frames(mut s: TcpStream, queue: &Receiver<Vec<u8>>) -> bool {
+    let mut ok = true;
     while let Ok(frame) = queue.recv() {
         let Ok(len) = u32::try_from(frame.len()) else {
+            ok = false;
             break;
         };
         if s.write_all(&len.to_le_bytes()).is_err() || s.write_all(&frame).is_err() {
+            ok = false;
             break;
         }
     }
     let _ = s.shutdown(Shutdown::Write);
+    ok
 }
 
 impl RankLink for TcpRankLink {
@@ -468,6 +545,28 @@ mod tests {
         drop(b);
         assert_eq!(recv_frame(&a), b"last");
         assert!(matches!(a.recv(Duration::from_secs(10)), Received::Closed));
+    }
+
+    /// In a group of three, one rank going away is seen by the others as that one peer closed,
+    /// although the link as a whole still has a live peer (`recv` does not say `Closed`).
+    #[test]
+    fn a_peer_that_goes_away_is_named_among_the_closed_peers() {
+        let mut links = mesh(3, 7);
+        let c = links.pop().unwrap();
+        let (b, a) = (links.pop().unwrap(), links.pop().unwrap());
+        assert!(a.closed_peers().is_empty() && b.closed_peers().is_empty());
+        // `c`'s last frame reaches `a` before its stream ends: synchronise on it.
+        c.send(0, b"bye".to_vec()).unwrap();
+        drop(c);
+        assert_eq!(recv_frame(&a), b"bye");
+        let end = Instant::now() + Duration::from_secs(10);
+        while a.closed_peers() != vec![2] && Instant::now() < end {
+            std::thread::yield_now();
+        }
+        assert_eq!(a.closed_peers(), vec![2]);
+        // The link still carries the live peer's frames.
+        b.send(0, b"still here".to_vec()).unwrap();
+        assert_eq!(recv_frame(&a), b"still here");
     }
 
     /// A peer that stays connected but silent (no FIN, as a dead node) does not keep the link's

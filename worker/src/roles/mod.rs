@@ -94,10 +94,10 @@ pub enum ServeError {
     /// The snapshot buffer or its receiver could not start (DESIGN contract 4).
     #[error("snapshot sync: {0}")]
     Snapshot(String),
-    /// The LayerSplit group could not be formed (a peer never came, another owner map, the
-    /// owned-layer store): refused before any room (issue 15).
-    #[error("LayerSplit group: {0}")]
-    LayerSplit(String),
+    /// The CP group could not be formed (a peer never came, another owner map, the rank's KV
+    /// store): refused before any room (issue 15).
+    #[error("CP group: {0}")]
+    CpGroup(String),
     /// The decode transfer side could not start.
     #[error(transparent)]
     Decode(#[from] decode::node::DecodeError),

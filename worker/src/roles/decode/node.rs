@@ -122,22 +122,19 @@ pub enum DecodeError {
         /// The peer's revision (from its hello, or from its refusal's metadata; empty if unknown).
         theirs: String,
     },
-    /// The peer is a rank of a LayerSplit group other than its leader: its hello names only the
-    /// layers it owns. It writes those layers into this decode's pages when its leader orders
-    /// it, but takes no room itself; rooms go to the group's leader, whose hello names every
-    /// layer (issue 15).
+    /// The peer is a CP rank of a prefill group other than its leader (its hello's `group`): it
+    /// writes its part of a room's KV into this decode's pages when its leader orders it, but
+    /// takes no room itself; rooms go to the group's leader, CP rank 0 (issue 15).
     #[error(
-        "prefill peer {peer} is a LayerSplit rank owning layers {start}..{end} of {layers}; rooms go to its group's leader"
+        "prefill peer {peer} is CP rank {cp_rank} of a group of {cp_size}; rooms go to CP rank 0"
     )]
     GroupMember {
         /// Peer address.
         peer: String,
-        /// First owned layer.
-        start: u32,
-        /// One past the last owned layer.
-        end: u32,
-        /// Layers of the model.
-        layers: u32,
+        /// Its CP rank (not 0).
+        cp_rank: u32,
+        /// Its group's CP size.
+        cp_size: u32,
     },
     /// The prompt needs more pages than the region has in total: it can never be served here
     /// (retrying cannot help, unlike [`DecodeError::NoPages`]); the transfer never started.
@@ -622,15 +619,11 @@ impl DecodeNode {
         if !revision.is_empty() && !info.revision.is_empty() && info.revision != revision {
             return Err(mismatch(info.revision));
         }
-        let layers = self.cfg.layout.layers;
-        if let Some(r) = info.owned_layers
-            && (r.start > 0 || r.end < layers)
-        {
+        if let Some(g) = info.group.filter(|g| g.cp_rank != 0) {
             return Err(DecodeError::GroupMember {
                 peer: addr.to_string(),
-                start: r.start,
-                end: r.end,
-                layers,
+                cp_rank: g.cp_rank,
+                cp_size: g.cp_size,
             });
         }
         let (tx, rx) = mpsc::unbounded_channel::<pb::PeerMessage>();
@@ -1115,7 +1108,17 @@ impl DecodeNode {
         let result = tokio::time::timeout(deadline, done_rx).await;
         match result {
             Ok(Ok(Ok(()))) => {
-                let corrupt = self.verify(request.request_id, &pages);
+                // Verifying every chunk is CPU work proportional to the KV (61 layers × the
+                // pages): the runtime's other tasks move off this thread meanwhile, or heartbeats
+                // of every link wait behind it (a CP-4 group's live run lost its prefill to
+                // `HeartbeatLost` that way). No await point: a client hanging up cannot cut the
+                // room between its verification and its commit.
+                let corrupt = match tokio::runtime::Handle::current().runtime_flavor() {
+                    tokio::runtime::RuntimeFlavor::MultiThread => {
+                        tokio::task::block_in_place(|| self.verify(request.request_id, &pages))
+                    }
+                    _ => self.verify(request.request_id, &pages),
+                };
                 if let Some(entry) = lock(&self.state).rooms.get_mut(&key) {
                     let _ = entry.room.commit();
                 }

@@ -22,6 +22,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// How long a CP group member stays out of the hellos before it is asked again.
+pub const MEMBER_RECHECK: Duration = Duration::from_secs(30);
+
 /// What the peer set dials.
 #[derive(Debug, Clone)]
 pub struct PeerTarget {
@@ -43,8 +46,10 @@ pub struct PeerSet {
     counters: Counters,
     links: Mutex<BTreeMap<String, PrefillLink>>,
     refused: Mutex<BTreeMap<String, String>>,
-    /// LayerSplit group members (not room peers), with why.
-    members: Mutex<BTreeMap<String, String>>,
+    /// CP group members other than leaders (not room peers), with why and when their hello
+    /// said so; asked again after [`MEMBER_RECHECK`] (a restarted pod at the same address, or
+    /// another parallelism, may lead a group now).
+    members: Mutex<BTreeMap<String, (String, std::time::Instant)>>,
     last_error: Mutex<Option<String>>,
     next: AtomicUsize,
     routing: Routing,
@@ -131,7 +136,8 @@ impl PeerSet {
                 keep
             });
             lock(&self.refused).retain(|addr, _| wanted.contains(addr));
-            lock(&self.members).retain(|addr, _| wanted.contains(addr));
+            lock(&self.members)
+                .retain(|addr, (_, at)| wanted.contains(addr) && at.elapsed() < MEMBER_RECHECK);
         }
         for addr in wanted {
             if lock(&self.links).contains_key(&addr) || lock(&self.members).contains_key(&addr) {
@@ -159,12 +165,10 @@ impl PeerSet {
                 Err(e @ DecodeError::GroupMember { .. }) => {
                     // Not a room peer, and not an error: listed with its reason, logged once.
                     let reason = e.to_string();
-                    if lock(&self.members)
-                        .insert(addr.clone(), reason.clone())
-                        .as_ref()
-                        != Some(&reason)
-                    {
-                        tracing::info!(peer = %addr, why = %reason, "prefill peer is a LayerSplit group member");
+                    let before = lock(&self.members)
+                        .insert(addr.clone(), (reason.clone(), std::time::Instant::now()));
+                    if before.map(|(r, _)| r).as_ref() != Some(&reason) {
+                        tracing::info!(peer = %addr, why = %reason, "prefill peer is a CP group member");
                     }
                 }
                 Err(e) => {
@@ -274,9 +278,12 @@ impl PeerSet {
         lock(&self.refused).clone()
     }
 
-    /// Addresses of LayerSplit group members (ranks that take no room), with the reason.
+    /// Addresses of CP group members other than leaders (ranks that take no room), with why.
     pub fn group_members(&self) -> BTreeMap<String, String> {
-        lock(&self.members).clone()
+        lock(&self.members)
+            .iter()
+            .map(|(a, (why, _))| (a.clone(), why.clone()))
+            .collect()
     }
 
     /// Addresses of the live links.

@@ -32,8 +32,8 @@
 //!   with per-layer events, stores; contracts 5 and 7);
 //! - here: the CLI ([`Args`], [`run`]) and the server that wires them ([`PrefillServer`]).
 
+pub mod cp_group;
 pub mod l3_report;
-pub mod layer_split;
 pub mod node;
 pub mod prefix_cache;
 pub mod seat;
@@ -94,10 +94,26 @@ pub fn run(args: Args) -> Result<(), RoleError> {
             Err(e) => return Err(RoleError::Failed(e.to_string())),
         };
         println!("listening on {}", server.control_addr);
-        let signal = stop.await;
-        tracing::info!(signal, "stopping prefill");
+        let broken = tokio::select! {
+            signal = stop => {
+                tracing::info!(signal, "stopping prefill");
+                None
+            }
+            why = server.group_broken() => Some(why),
+        };
+        if let Some(why) = &broken {
+            // A CP group runs no step without every rank, and re-forms only when all its ranks
+            // connect anew: drain, then exit non-zero so the pod restarts into the new group.
+            tracing::error!(error = %why, "CP group broken: stopping so that the group re-forms");
+            server
+                .state
+                .set_ready(Err(format!("CP group broken: {why}")));
+        }
         super::print_teardown(&server.shutdown().await);
-        Ok(())
+        match broken {
+            Some(why) => Err(RoleError::Failed(format!("CP group broken: {why}"))),
+            None => Ok(()),
+        }
     })
 }
 
@@ -188,6 +204,7 @@ pub struct PrefillServer {
     cache: Arc<PrefixCache>,
     layout: crate::control::KvLayout,
     seat: Option<seat::Seat>,
+    group: Option<Arc<cp_group::GroupRank>>,
 }
 
 impl PrefillServer {
@@ -234,9 +251,19 @@ impl PrefillServer {
         state.set_section("incarnation", serde_json::json!(node.incarnation()));
         let mut service = PrefillService::new(node.clone());
         service.revision = cfg.revision.clone();
+        // A CP group of the built-in engine (issue 15): pure, from the config and the pod name;
+        // connected below. With an engine beside the worker each pod stays its own prefill.
+        let group_plan = match &cfg.engine {
+            None => cp_group::plan(cfg, &opts.worker_id).map_err(ServeError::CpGroup)?,
+            Some(_) => None,
+        };
         let page_bytes = layout.page_bytes().max(1);
-        let l2_pages =
+        let whole_pages =
             usize::try_from(cfg.memory.target_pool_bytes / page_bytes).unwrap_or(usize::MAX);
+        // Under LayerSplit the same host memory per rank holds more pages (seed 004).
+        let l2_pages = group_plan
+            .as_ref()
+            .map_or(whole_pages, |p| p.prefix_cache_pages(whole_pages));
         let l3 = cfg.cache.as_ref().map(|c| {
             let (tp, cp) = cfg.parallelism.ranks_of(rank).unwrap_or((0, 0));
             let (start, end) = cfg
@@ -367,17 +394,17 @@ impl PrefillServer {
         } else {
             None
         };
-        let split_slot: Arc<std::sync::OnceLock<Arc<layer_split::SplitRank>>> = Arc::default();
+        let group_slot: Arc<std::sync::OnceLock<Arc<cp_group::GroupRank>>> = Arc::default();
         if seat.is_none() {
-            let (snap, split) = (snapshots.clone(), split_slot.clone());
+            let (snap, group) = (snapshots.clone(), group_slot.clone());
             state.set_extra(move || {
                 let mut m = serde_json::Map::new();
                 m.insert("engine".into(), seat::report(None, None));
                 if let Some(s) = &snap {
                     m.insert("snapshot".into(), s.report());
                 }
-                if let Some(ls) = split.get() {
-                    m.insert("layer_split".into(), ls.report());
+                if let Some(g) = group.get() {
+                    m.insert("cp_group".into(), g.report());
                 }
                 m
             });
@@ -405,33 +432,30 @@ impl PrefillServer {
         )
         .await
         .map_err(|e| ServeError::Bind("health", e))?;
-        // LayerSplit (issue 15): the group's ranks connect and agree on the owner map before any
-        // KV store is allocated and before this worker answers a decode (health is up meanwhile).
-        if cfg.engine.is_none()
-            && let Some(plan) =
-                layer_split::plan(cfg, &opts.worker_id).map_err(ServeError::LayerSplit)?
-        {
-            state.set_ready(Err("connecting the LayerSplit group".into()));
-            let split_opts = layer_split::SplitOptions {
+        // A CP group (issue 15): its ranks connect and agree on the owner map (LayerSplit) or on
+        // replication before any KV store is allocated and before this worker answers a decode
+        // (health is up meanwhile).
+        if let Some(plan) = group_plan {
+            state.set_ready(Err("connecting the CP group".into()));
+            let group_opts = cp_group::GroupOptions {
                 pool_pages: crate::roles::sim::region_pages(cfg.memory.target_pool_bytes, layout),
-                ..layer_split::SplitOptions::default()
+                prefix_cache_pages: (l2_pages, whole_pages),
+                ..cp_group::GroupOptions::default()
             };
             let (n, rt) = (node.clone(), tokio::runtime::Handle::current());
             let resolver = super::resolve::Resolver::from_env();
-            let split = tokio::task::spawn_blocking(move || {
-                layer_split::SplitRank::start(plan, layout, n, split_opts, &resolver, &rt)
+            let group = tokio::task::spawn_blocking(move || {
+                cp_group::GroupRank::start(plan, layout, n, group_opts, &resolver, &rt)
             })
             .await
-            .map_err(|e| ServeError::LayerSplit(e.to_string()))?
-            .map_err(ServeError::LayerSplit)?;
-            let split = Arc::new(split);
-            service.layer_split = Some(split.clone());
-            let _ = split_slot.set(split.clone());
-            state.on_refresh(move |st| match split.broken() {
-                Some(why) => st
-                    .health
-                    .degrade("layer_split", "LayerSplitLinkBroken", why),
-                None => st.health.recover("layer_split"),
+            .map_err(|e| ServeError::CpGroup(e.to_string()))?
+            .map_err(ServeError::CpGroup)?;
+            let group = Arc::new(group);
+            service.cp_group = Some(group.clone());
+            let _ = group_slot.set(group.clone());
+            state.on_refresh(move |st| match group.broken() {
+                Some(why) => st.health.degrade("cp_group", "CpGroupBroken", why),
+                None => st.health.recover("cp_group"),
             });
         }
         let svc = service.clone();
@@ -486,6 +510,7 @@ impl PrefillServer {
             None => tracing::info!(%control_addr, %health_addr, revision = %cfg.revision, ?layout,
                 engine = "builtin", "prefill serving with the built-in simulated engine"),
         }
+        let group = service.cp_group.clone();
         Ok(Self {
             state,
             control_addr,
@@ -499,7 +524,16 @@ impl PrefillServer {
             cache,
             layout,
             seat,
+            group,
         })
+    }
+
+    /// Resolves with the reason once this worker's CP group breaks; never without a group.
+    pub async fn group_broken(&self) -> String {
+        match &self.group {
+            Some(g) => g.broken_signal().await,
+            None => std::future::pending().await,
+        }
     }
 
     /// Drains and stops through the ordered teardown of DESIGN contract 9
@@ -543,6 +577,19 @@ impl PrefillServer {
                 }
             },
         );
+        if let Some(group) = self.group.clone() {
+            plan.register(
+                Phase::DrainRooms,
+                "a CP rank other than the leader serves its leader's steps until the leader leaves",
+                move || {
+                    if group.drain_member(deadline) {
+                        Ok(())
+                    } else {
+                        Err("the group's leader was still there at the grace deadline".into())
+                    }
+                },
+            );
+        }
         let (cache, layout) = (self.cache.clone(), self.layout);
         let tiers = self.seat.as_ref().and_then(|s| s.tiers.clone());
         plan.register(

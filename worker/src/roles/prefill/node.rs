@@ -506,7 +506,7 @@ impl PrefillNode {
     }
 
     /// A part of the room written by another process (a LayerSplit rank writing its owned
-    /// layers, `super::layer_split`) begins: it counts as an outstanding write, so no abort ack
+    /// layers, `super::cp_group`) begins: it counts as an outstanding write, so no abort ack
     /// leaves before [`PrefillNode::end_room_part`] (DESIGN contract 3).
     ///
     /// # Errors
@@ -541,6 +541,19 @@ impl PrefillNode {
         }
         self.perform(effects, None);
         self.publish(key);
+    }
+
+    /// Whether the room is open here and has neither failed nor concluded (an abort marks it
+    /// failed at once).
+    pub fn room_open(&self, key: RoomKey) -> bool {
+        matches!(
+            lock(&self.rooms).state(key),
+            Some(
+                SenderState::Bootstrapping
+                    | SenderState::WaitingForInput
+                    | SenderState::Transferring
+            )
+        )
     }
 
     /// The room's destination as its `OpenRoom` named it: `(data address, region, decode page
@@ -600,9 +613,9 @@ pub struct PrefillService {
     pub pages: Option<Arc<super::snapshot_sync::PrefillPages>>,
     /// The snapshot service (DESIGN contract 4); `None`: `SnapshotPrepare` answers `DISABLED`.
     pub snapshots: Option<Arc<super::snapshot_sync::SnapshotSync>>,
-    /// This pod's rank of a LayerSplit group (issue 15): the leader runs every room through the
-    /// group; a member takes no room and names only its owned layers in its hello.
-    pub layer_split: Option<Arc<super::layer_split::SplitRank>>,
+    /// This pod's rank of a CP group (issue 15): the leader runs every room through the group;
+    /// another rank takes no room, and its hello says where it stands in the group.
+    pub cp_group: Option<Arc<super::cp_group::GroupRank>>,
 }
 
 impl PrefillService {
@@ -616,7 +629,7 @@ impl PrefillService {
             admitting: Arc::new(AtomicBool::new(true)),
             pages: None,
             snapshots: None,
-            layer_split: None,
+            cp_group: None,
         }
     }
 
@@ -688,17 +701,22 @@ impl Transfer for PrefillService {
             layout: Some(self.node.cfg.layout.into()),
             revision: self.revision.clone(),
             incarnation: self.node.incarnation,
-            // A LayerSplit member names its own layers (the decode keeps it out of its room
-            // peers); a leader, or a prefill without LayerSplit, serves every layer.
-            owned_layers: Some(match self.layer_split.as_ref().filter(|s| !s.is_leader()) {
-                Some(member) => {
-                    let (start, end) = member.owned_range();
+            // A rank of a CP group names its place (the decode takes rooms to its leader only)
+            // and the layers it stores; a prefill of one rank stores every layer.
+            owned_layers: Some(match &self.cp_group {
+                Some(g) => {
+                    let (start, end) = g.plan().owned_range();
                     pb::LayerRange { start, end }
                 }
                 None => pb::LayerRange {
                     start: 0,
                     end: self.node.cfg.layout.layers,
                 },
+            }),
+            group: self.cp_group.as_ref().map(|g| pb::CpGroup {
+                cp_rank: g.plan().cp_rank,
+                cp_size: g.plan().cp_size,
+                layer_split: g.plan().layer_split(),
             }),
             ..Default::default()
         }))
@@ -713,16 +731,14 @@ impl Transfer for PrefillService {
         if !self.admitting.load(Ordering::SeqCst) {
             return Err(Status::unavailable("prefill is draining"));
         }
-        if let Some(split) = &self.layer_split {
-            if !split.is_leader() {
+        if let Some(group) = &self.cp_group {
+            if !group.is_leader() {
                 return Err(Status::failed_precondition(
-                    "a LayerSplit group member takes no room: rooms go to the group's leader",
+                    "a CP rank other than its group's leader takes no room: rooms go to CP rank 0",
                 ));
             }
-            if let Some(why) = split.broken() {
-                return Err(Status::unavailable(format!(
-                    "LayerSplit group link broken: {why}"
-                )));
+            if let Some(why) = group.broken() {
+                return Err(Status::unavailable(format!("CP group link broken: {why}")));
             }
         }
         let layout = r
@@ -790,7 +806,7 @@ impl Transfer for PrefillService {
             let node = self.node.clone();
             let planner = self.planner.clone();
             let pool = self.pages.clone();
-            let split = self.layer_split.clone();
+            let group = self.cp_group.clone();
             let hold_until = tokio::time::Instant::now()
                 + Duration::from_millis(if r.deadline_ms > 0 {
                     r.deadline_ms
@@ -810,9 +826,9 @@ impl Transfer for PrefillService {
                     }
                     None => None,
                 };
-                let sent = match &split {
-                    // LayerSplit: the group computes, and each rank writes its owned layers.
-                    Some(split) => {
+                let sent = match &group {
+                    // A CP group computes it together; each rank writes its layers.
+                    Some(group) => {
                         let compute = (0..pages)
                             .map(|i| {
                                 delays
@@ -822,13 +838,13 @@ impl Transfer for PrefillService {
                             })
                             .sum();
                         let (done, rx) = tokio::sync::oneshot::channel();
-                        let job = super::layer_split::StepJob {
+                        let job = super::cp_group::StepJob {
                             key,
                             request,
                             compute,
                             done,
                         };
-                        match split.submit(job) {
+                        match group.submit(job) {
                             Ok(()) => rx.await.unwrap_or(false),
                             Err(why) => {
                                 node.fail_room(key, &why);
