@@ -70,10 +70,10 @@ fn demo_replays_a_trace_slice_through_scale_and_rolling_restart() {
     // restarts at 15 % to keep the decode restarts under traffic (a CI rehearsal at 25 % took
     // 109 s from `restart.id` to the last decode, ending after the replay). The budget is kept
     // until a run shows the restarts under load without it. Corruption and systematic loss still
-    // fail the run. The slice is 300 requests at the trace's own pace (they span 102 s): once the
-    // decode verified its KV off the runtime's threads (session 13), 200 requests at half pace
-    // finished in 65 s, before the first decode restart (68 s), and the run saw no restart under
-    // traffic.
+    // fail the run. The slice is 300 requests at the trace's own pace (they span 102 s): after
+    // session 13's changes two CI rehearsals served 200 requests at half pace in 65 s, before the
+    // first decode restart (68 s), and saw no restart under traffic (the replay had been slower:
+    // 143 s in an earlier run).
     .args(["--concurrency-limit", "8", "--retry-budget", "8"])
     .args(["--scale-at", "10", "--restart-at", "15"])
     .arg("--builtin-engine")
