@@ -69,9 +69,9 @@ use crate::memory::Allocator;
 use crate::memory::mmap::MmapBackend;
 use crate::release::RoomKey;
 use crate::roles::resolve::Resolver;
-use crate::transfer::{RegionId, TransferStatus, Transport, WriteBatch, WriteOp};
+use crate::transfer::{RegionId, TransferStatus, Transport, WriteBatch};
 
-use super::node::PrefillNode;
+use super::node::{PrefillNode, page_write_ops};
 
 /// Negative control (feature `negative-controls`): `1` makes every rank of a LayerSplit group
 /// attend without waiting on the layer's event.
@@ -940,7 +940,7 @@ impl Engine {
         let key = RoomKey::new(s.room, s.generation);
         let transport = self.node.transport().clone();
         let (layers, chunk) = (self.written.clone(), self.layout.chunk_bytes());
-        let page_bytes = self.layout.page_bytes();
+        let layout = self.layout;
         let (tx, outcomes) = std::sync::mpsc::channel::<(bool, u64)>();
         let mut issued = 0usize;
         let (dst, addr, region) = (s.dst_pages.clone(), s.data_addr.clone(), RegionId(s.region));
@@ -955,16 +955,7 @@ impl Engine {
                     )));
                 };
                 let chunks = Self::layer_chunks(store, &layers, *page, chunk as usize)?;
-                let bytes: u64 = chunks.iter().map(|(_, c)| c.len() as u64).sum();
-                let ops = chunks
-                    .into_iter()
-                    .map(|(layer, data)| WriteOp {
-                        key,
-                        region,
-                        offset: u64::from(*dst_page) * page_bytes + u64::from(layer) * chunk,
-                        data,
-                    })
-                    .collect();
+                let (ops, bytes) = page_write_ops(layout, key, region, *dst_page, chunks);
                 let tx = tx.clone();
                 let sink = Arc::new(move |_h, st: &TransferStatus| {
                     let _ = tx.send((*st == TransferStatus::Completed, bytes));

@@ -100,6 +100,29 @@ pub trait RoomPlanner: Send + Sync {
     fn computed(&self, request: &pb::RequestSpec, layout: KvLayout, plan: &ComputePlan);
 }
 
+/// The writes of `(layer, chunk)` pairs into decode page `page` of `region` (offset
+/// `page × page_bytes + layer × chunk_bytes` of `layout`), and their bytes: one page's batch, as
+/// the built-in engine and every rank of a CP group send it.
+pub fn page_write_ops(
+    layout: KvLayout,
+    key: RoomKey,
+    region: RegionId,
+    page: u32,
+    chunks: Vec<(u32, Bytes)>,
+) -> (Vec<WriteOp>, u64) {
+    let bytes = chunks.iter().map(|(_, c)| c.len() as u64).sum();
+    let ops = chunks
+        .into_iter()
+        .map(|(layer, data)| WriteOp {
+            key,
+            region,
+            offset: u64::from(page) * layout.page_bytes() + u64::from(layer) * layout.chunk_bytes(),
+            data,
+        })
+        .collect();
+    (ops, bytes)
+}
+
 /// The prefill side of every room on this worker.
 ///
 /// With the built-in engine the node owns the sender room table; with an engine beside it
@@ -426,17 +449,7 @@ impl PrefillNode {
         if let Err(e) = lock(&self.rooms).begin_write(key) {
             return Err(Status::failed_precondition(e.to_string()));
         }
-        let bytes: u64 = chunks.iter().map(|(_, c)| c.len() as u64).sum();
-        let ops = chunks
-            .into_iter()
-            .map(|(layer, data)| WriteOp {
-                key,
-                region,
-                offset: u64::from(page) * layout.page_bytes()
-                    + u64::from(layer) * layout.chunk_bytes(),
-                data,
-            })
-            .collect();
+        let (ops, bytes) = page_write_ops(layout, key, region, page, chunks);
         let (node, to) = (self.clone(), worker.clone());
         let sink = Arc::new(move |_h: TransferHandle, status: &TransferStatus| {
             let worker = &to;
