@@ -32,9 +32,9 @@ use clap::{Parser, ValueEnum};
 use futures::FutureExt;
 use kube::Client;
 use kube_lease_manager::LeaseManagerBuilder;
-use tandem_operator::controller::Context;
 use tandem_operator::controller::run::{Scope, run};
 use tandem_operator::controller::watches::WatchHealth;
+use tandem_operator::controller::{Context, ReconcileSlots};
 use tandem_operator::metrics::Metrics;
 
 /// Log line format.
@@ -81,6 +81,15 @@ struct Args {
     /// reason says `ReadyApproximation`.
     #[arg(long, env = "TANDEM_PROBE_REPORTS", default_value_t = true, action = clap::ArgAction::Set)]
     probe_reports: bool,
+    /// Read children, tiers and pairs from the watch-fed caches (default). `false` reads them
+    /// from the API server on every reconcile (the behaviour before the caches: a baseline for
+    /// `tandem-e2e scale`, or to rule the caches out when debugging).
+    #[arg(long, env = "TANDEM_READ_CACHE", default_value_t = true, action = clap::ArgAction::Set)]
+    read_cache: bool,
+    /// Reconciles of each kind doing their reads and writes at once; the others wait for a slot
+    /// (the queue depth stays visible in `tandem_operator_reconciles_in_flight`).
+    #[arg(long, env = "TANDEM_MAX_CONCURRENT_RECONCILES", default_value_t = tandem_operator::controller::DEFAULT_MAX_CONCURRENT_RECONCILES)]
+    max_concurrent_reconciles: u16,
 }
 
 #[derive(Clone)]
@@ -233,6 +242,8 @@ async fn main() -> anyhow::Result<()> {
     metrics.leading.set(1);
     let mut ctx = Context::new(client, metrics);
     ctx.probe_reports = args.probe_reports;
+    ctx.read_cache = args.read_cache;
+    ctx.reconcile_slots = ReconcileSlots::new(args.max_concurrent_reconciles);
     ctx.resync = std::time::Duration::from_secs(args.resync_seconds.max(1));
     ctx.watches = watches;
     let scope = Scope {

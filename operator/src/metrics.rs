@@ -9,9 +9,14 @@
 //!   `status`, `scale`, `finalizer`, `event`, `pod-gate` — the [`crate::gang`] condition on a
 //!   pod: every API write a reconcile makes, events included), the figure a steady state keeps at
 //!   zero growth;
-//! - `tandem_operator_reconciles_in_flight{kind}` — reconciles running now. kube-runtime's
-//!   scheduler starts every due object at once (no concurrency limit is set) and holds back only
-//!   an object already being reconciled, so this is the work outstanding: the queue depth;
+//! - `tandem_operator_reconciles_in_flight{kind}` — reconciles started now. kube-runtime's
+//!   scheduler starts every due object at once and holds back only an object already being
+//!   reconciled, so this is the work outstanding: the queue depth;
+//! - `tandem_operator_reconciles_running{kind}` — of those, the ones doing their reads and writes
+//!   (at most `--max-concurrent-reconciles` per kind; the rest wait for a slot);
+//! - `tandem_operator_fresh_reads_total{kind}` — reconciles that decided a delete or a refusal on
+//!   cached reads and read again from the API server to confirm it (`controller::cache`);
+//! - `tandem_operator_cached_children{resource}` — objects in the child caches now;
 //! - `tandem_operator_watches_failing` — watches failing now (each retried with back-off; `/readyz`
 //!   names them).
 
@@ -30,6 +35,13 @@ use prometheus_client::registry::Registry;
 pub struct KindLabels {
     /// `CacheTier`, `PrefillPool` or `DecodePool`.
     pub kind: String,
+}
+
+/// Label set `{resource}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResourceLabels {
+    /// The plural resource name (`pods`, `statefulsets`, ...).
+    pub resource: String,
 }
 
 /// Label set `{kind, reason}`.
@@ -71,12 +83,18 @@ pub struct Metrics {
     pub resources: Family<StateLabels, Gauge>,
     /// API writes by kind and verb.
     pub writes: Family<WriteLabels, Counter>,
-    /// Reconciles running now, by kind (the queue depth, see the module docs).
+    /// Reconciles started now, by kind (the queue depth, see the module docs).
     pub in_flight: Family<KindLabels, Gauge>,
+    /// Reconciles doing their reads and writes now (holding a slot), by kind.
+    pub running: Family<KindLabels, Gauge>,
     /// 1 while this replica holds the leader-election Lease (or runs without election), else 0.
     pub leading: Gauge,
     /// Watches failing now.
     pub watches_failing: Gauge,
+    /// Reconciles that read again from the API server to confirm a delete or a refusal, by kind.
+    pub fresh_reads: Family<KindLabels, Counter>,
+    /// Objects in the child caches, by resource (`statefulsets`, `services`, `configmaps`, `pods`).
+    pub cached_children: Family<ResourceLabels, Gauge>,
     /// State of each resource, `(kind, namespace/name) → state`, to recompute the gauge.
     states: Arc<Mutex<BTreeMap<(String, String), String>>>,
 }
@@ -99,12 +117,30 @@ impl Metrics {
         let writes = Family::<WriteLabels, Counter>::default();
         let leading = Gauge::default();
         let in_flight = Family::<KindLabels, Gauge>::default();
+        let running = Family::<KindLabels, Gauge>::default();
+        registry.register(
+            "reconciles_running",
+            "Reconciles doing their reads and writes now (at most --max-concurrent-reconciles per kind)",
+            running.clone(),
+        );
         registry.register(
             "reconciles_in_flight",
             "Reconciles running now, by kind (the work outstanding)",
             in_flight.clone(),
         );
         let watches_failing = Gauge::default();
+        let fresh_reads = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "fresh_reads",
+            "Reconciles that read again from the API server to confirm a delete or refusal decided on the caches",
+            fresh_reads.clone(),
+        );
+        let cached_children = Family::<ResourceLabels, Gauge>::default();
+        registry.register(
+            "cached_children",
+            "Objects in the operator's child caches, by resource",
+            cached_children.clone(),
+        );
         registry.register(
             "watches_failing",
             "Watches failing now (retried with back-off; /readyz names them)",
@@ -142,8 +178,11 @@ impl Metrics {
             resources,
             writes,
             in_flight,
+            running,
             leading,
             watches_failing,
+            fresh_reads,
+            cached_children,
             states: Arc::default(),
         }
     }
@@ -175,6 +214,13 @@ impl Metrics {
                 })
                 .set(counts.get(*s).copied().unwrap_or(0));
         }
+    }
+
+    /// Counts one reconcile that read again from the API server to confirm a delete or refusal.
+    pub fn fresh_read(&self, kind: &str) {
+        self.fresh_reads
+            .get_or_create(&KindLabels { kind: kind.into() })
+            .inc();
     }
 
     /// Counts one write.

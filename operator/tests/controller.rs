@@ -17,10 +17,13 @@ mod support;
 use std::path::Path;
 use std::sync::Arc;
 
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::watcher;
 use kube::{Api, Client};
 use serde_json::{Value, json};
 use support::{Call, FakeApi, paths};
 use tandem_crds::{CacheTier, DecodePool, PrefillPool};
+use tandem_operator::controller::cache::{Caches, Trim};
 use tandem_operator::controller::{Context, cache_tier, decode_pool, prefill_pool};
 use tandem_operator::metrics::Metrics;
 
@@ -1463,4 +1466,182 @@ async fn a_refused_pool_still_closes_the_gate_of_a_partial_group() {
         pod_condition(&fake, &ranks[1], "Ready").as_deref(),
         Some("False")
     );
+}
+
+/// A store holding `items` as a watch's first list would, trimmed as the operator's caches trim
+/// them (a reconcile reading a trimmed field would then decide differently here).
+fn store_of<K>(items: Vec<Value>) -> Store<K>
+where
+    K: kube::Resource<DynamicType = ()> + Trim + Clone + serde::de::DeserializeOwned + 'static,
+{
+    let (store, mut writer) = reflector::store::<K>();
+    writer.apply_watcher_event(&watcher::Event::Init);
+    for o in items {
+        let mut obj: K = serde_json::from_value(o).unwrap();
+        obj.trim();
+        writer.apply_watcher_event(&watcher::Event::InitApply(obj));
+    }
+    writer.apply_watcher_event(&watcher::Event::InitDone);
+    store
+}
+
+/// The fake's objects of a collection.
+fn all(fake: &FakeApi, collection: &str) -> Vec<Value> {
+    fake.names(collection)
+        .iter()
+        .filter_map(|n| fake.get(collection, n))
+        .collect()
+}
+
+/// Hands `ctx` caches holding the fake's objects now, with `pods` instead of the fake's pods when
+/// given (a pod watch lagging behind).
+fn set_cache(fake: &FakeApi, ctx: &Context, pods: Option<Vec<Value>>) {
+    let caches = Caches {
+        statefulsets: store_of(all(fake, paths::STS)),
+        services: store_of(all(fake, paths::SVC)),
+        config_maps: store_of(all(fake, paths::CM)),
+        pods: store_of(pods.unwrap_or_else(|| all(fake, paths::PODS))),
+        tiers: store_of(all(fake, paths::TIERS)),
+        prefills: store_of(all(fake, paths::PREFILLS)),
+        decodes: store_of(all(fake, paths::DECODES)),
+    };
+    *ctx.caches.write().unwrap() = Some(caches);
+}
+
+/// Reads (GET) other than of `own` (a reconcile's fresh read of its own object, and the test
+/// helper's read that hands it the object): children's LISTs, tiers, the pair.
+fn reads_besides_own(calls: &[Call], own: &str) -> Vec<String> {
+    calls
+        .iter()
+        .filter(|c| c.method == "GET" && c.path != own)
+        .map(|c| c.path.clone())
+        .collect()
+}
+
+/// Issue 17 (reconcile latency flat in N): with the caches, a steady resync of each kind reads
+/// only its own object from the API server (before: four LISTs of its children, the tiers, the
+/// pair, a LIST of DecodePools; the DecodePool four more LISTs of its PrefillPool's children)
+/// and still writes nothing.
+#[tokio::test]
+async fn with_the_caches_a_steady_resync_reads_only_its_own_object_and_writes_nothing() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    let ctx = context(client);
+    converge(&fake, &ctx).await;
+    let own = [
+        format!("{}/{TIER}", paths::TIERS),
+        format!("{}/{PREFILL}", paths::PREFILLS),
+        format!("{}/{DECODE}", paths::DECODES),
+    ];
+    let reconcile = |i: usize| {
+        let ctx = ctx.clone();
+        async move {
+            match i {
+                0 => reconcile_tier(&ctx).await,
+                1 => reconcile_prefill(&ctx).await,
+                _ => reconcile_decode(&ctx).await,
+            }
+        }
+    };
+    let mut without = 0;
+    for (i, own) in own.iter().enumerate() {
+        fake.clear_calls();
+        reconcile(i).await;
+        without += reads_besides_own(&fake.calls(), own).len();
+    }
+    assert!(
+        without >= 20,
+        "without caches a round reads more: {without}"
+    );
+
+    set_cache(&fake, &ctx, None);
+    for (i, own) in own.iter().enumerate() {
+        fake.clear_calls();
+        reconcile(i).await;
+        assert_eq!(
+            reads_besides_own(&fake.calls(), own),
+            Vec::<String>::new(),
+            "{own}"
+        );
+        assert_eq!(summary(&fake.writes()), Vec::<String>::new(), "{own}");
+    }
+}
+
+/// Restarts a two-pod prefill group once (a rank's container restarted) and returns the pods as
+/// they were at that decision, a stale cache's view after the group came back.
+async fn restart_once(fake: &FakeApi, ctx: &Arc<Context>) -> (Vec<Value>, [String; 2]) {
+    converge(fake, ctx).await;
+    let g0 = format!("{PREFILL}-g0");
+    let pods = [format!("{g0}-0"), format!("{g0}-1")];
+    restarted(fake, &pods[1], 1);
+    let stale = all(fake, paths::PODS);
+    fake.clear_calls();
+    reconcile_prefill(ctx).await;
+    assert_eq!(deleted_pods(&fake.calls()), pods.to_vec());
+    fake.materialize_pods();
+    (stale, pods)
+}
+
+/// A reconcile that sees, in a lagging pod cache, the restarted rank that already made its group
+/// restart decides the same restart again — and confirms it on pods listed now, which are the
+/// group's new, clean pods: it deletes nothing, raises no event, and the restart stays counted
+/// once. (The pods of a StatefulSet keep their names: acting on the stale copy would delete the
+/// freshly recreated namesakes.)
+#[tokio::test]
+async fn a_stale_pod_cache_never_restarts_a_group_twice() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    fake.edit(paths::PREFILLS, PREFILL, |o| {
+        o["spec"]["parallelism"]["tensor"] = json!(2);
+    });
+    let ctx = context(client);
+    let (stale, _) = restart_once(&fake, &ctx).await;
+
+    set_cache(&fake, &ctx, Some(stale));
+    fake.clear_calls();
+    reconcile_prefill(&ctx).await;
+    let calls = fake.calls();
+    assert_eq!(deleted_pods(&calls), Vec::<String>::new());
+    assert_eq!(event_reasons(&calls), Vec::<String>::new());
+    assert!(
+        calls
+            .iter()
+            .any(|c| c.method == "GET" && c.path == paths::PODS),
+        "the delete was confirmed on listed pods"
+    );
+    let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
+    assert_eq!(p["status"]["groupRestarts"][0]["restarts"], json!(1), "{p}");
+    assert_eq!(
+        ctx.metrics
+            .fresh_reads
+            .get_or_create(&tandem_operator::metrics::KindLabels {
+                kind: "PrefillPool".into()
+            })
+            .get(),
+        1
+    );
+}
+
+/// Negative control: acting on the cached pods' word deletes the group's new pods and counts a
+/// second restart that never happened.
+#[tokio::test]
+async fn negative_control_acting_on_a_stale_pod_cache_restarts_the_group_twice() {
+    let (fake, client) = FakeApi::start();
+    seed(&fake);
+    fake.edit(paths::PREFILLS, PREFILL, |o| {
+        o["spec"]["parallelism"]["tensor"] = json!(2);
+    });
+    let mut ctx = Context::new(client, Metrics::new());
+    ctx.probe_reports = false;
+    ctx.unsafe_modes.act_on_cached_children = true;
+    let ctx = Arc::new(ctx);
+    let (stale, pods) = restart_once(&fake, &ctx).await;
+
+    set_cache(&fake, &ctx, Some(stale));
+    fake.clear_calls();
+    reconcile_prefill(&ctx).await;
+    let calls = fake.calls();
+    assert_eq!(deleted_pods(&calls), pods.to_vec());
+    let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
+    assert_eq!(p["status"]["groupRestarts"][0]["restarts"], json!(2), "{p}");
 }

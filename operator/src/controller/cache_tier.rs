@@ -24,6 +24,7 @@ use tandem_crds::{CacheTier, CacheTierStatus, DecodePool, PrefillPool};
 use super::blocked::{self, Block, Reported, blocked_conditions, previous_conditions};
 use super::children::{self, need, normal, warning};
 use super::pool::apply::apply_child;
+use super::pool::observe::{Read, observe};
 use super::probe;
 use super::refusal::Refusal;
 use super::{BUSY, Context, Result, teardown};
@@ -77,14 +78,17 @@ pub async fn reconcile(ct: Arc<CacheTier>, ctx: Arc<Context>) -> Result<Action> 
     let stss: Api<StatefulSet> = Api::namespaced(ctx.client.clone(), &ns);
     let svcs: Api<Service> = Api::namespaced(ctx.client.clone(), &ns);
     let cms: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
-    let pods_api: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
     let parent = ct.object_ref(&());
     let store = labels::store_name(&name);
-    let sts = stss.get_opt(&store).await?;
-    let pods = children::list(&pods_api, &name, Role::Cache).await?;
+    let deleting = children::terminating(ct.as_ref()) && !ctx.reconcile_while_deleting();
+    // Teardown decides on children listed now; otherwise the caches serve.
+    let read = if deleting { Read::Listed } else { Read::Cached };
+    let mut observed = observe(&ctx, &ns, &name, Role::Cache, read).await?;
+    let sts = observed.statefulsets.remove(&store);
+    let pods = std::mem::take(&mut observed.pods);
     let prev = ct.status.as_ref();
 
-    if children::terminating(ct.as_ref()) && !ctx.reconcile_while_deleting() {
+    if deleting {
         ctx.metrics.set_state(KIND, &key, Some("Terminating"));
         if !teardown::holds_finalizer(ct.as_ref()) {
             return Ok(Action::await_change());
@@ -114,7 +118,7 @@ pub async fn reconcile(ct: Arc<CacheTier>, ctx: Arc<Context>) -> Result<Action> 
     };
     let replicas = ct.spec.replicas.max(0);
     let cm = tier::tier_config_map(&ct, &cfg, &owner)?;
-    let cm_existing = cms.get_opt(&labels::config_map(&name)).await?;
+    let cm_existing = observed.config_maps.remove(&labels::config_map(&name));
     apply_child(
         &ctx,
         KIND,
@@ -127,7 +131,7 @@ pub async fn reconcile(ct: Arc<CacheTier>, ctx: Arc<Context>) -> Result<Action> 
     )
     .await?;
     let svc = tier::store_service(&ct, &owner);
-    let svc_existing = svcs.get_opt(&store).await?;
+    let svc_existing = observed.services.remove(&store);
     apply_child(
         &ctx,
         KIND,

@@ -59,8 +59,10 @@ pub enum ApplyReason {
 }
 
 /// Applies `desired` (server-side apply, field manager `tandem-operator`, force) when `existing`
-/// is missing, carries another desired hash, or — with `replicas` — has drifted replicas.
-/// Returns why it applied, or `None` when nothing was written.
+/// is missing, carries another desired hash, or — with `replicas` — has drifted replicas; but
+/// not while reads come from the caches and this very object (same hash) was applied and its
+/// watch event has not arrived ([`super::cache::PendingApplies`]: `existing` is then older than
+/// the operator's own write). Returns why it applied, or `None` when nothing was written.
 pub async fn apply_if_changed<K>(
     ctx: &Context,
     kind: &str,
@@ -70,9 +72,13 @@ pub async fn apply_if_changed<K>(
     replicas: Option<(i32, Option<i32>)>,
 ) -> Result<Option<ApplyReason>>
 where
-    K: Resource + Clone + Serialize + DeserializeOwned + Debug,
+    K: Resource<DynamicType = ()> + Clone + Serialize + DeserializeOwned + Debug,
 {
     let hash = stamp(&mut desired)?;
+    let cached = ctx.caches().is_some();
+    if cached && ctx.pending_applies.pending(&desired, &hash) {
+        return Ok(None);
+    }
     let reason = match existing {
         None => Some(ApplyReason::Missing),
         Some(e) if e.annotations().get(DESIRED_HASH) != Some(&hash) => Some(ApplyReason::Changed),
@@ -87,12 +93,22 @@ where
     };
     if reason.is_some() {
         let name = desired.name_any();
-        api.patch(
-            &name,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&desired),
-        )
-        .await?;
+        // Recorded before the write: its watch event may be routed before the patch returns
+        // (and must then clear the record, not precede it).
+        if cached {
+            ctx.pending_applies.applied(&desired, &hash);
+        }
+        let applied = api
+            .patch(
+                &name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&desired),
+            )
+            .await;
+        if let Err(e) = applied {
+            ctx.pending_applies.seen(&desired);
+            return Err(e.into());
+        }
         ctx.metrics.write(kind, "apply");
     }
     Ok(reason)

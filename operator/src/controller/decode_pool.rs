@@ -10,8 +10,9 @@ use kube::runtime::controller::Action;
 use kube::{Api, ResourceExt};
 use tandem_crds::{DecodePool, PrefillPool};
 
+use super::cache::{Caches, FIRST_LIST_WAIT};
 use super::children::{self, normal, warning};
-use super::pool::observe::{self, PoolChildren};
+use super::pool::observe::{self, PoolChildren, Read};
 use super::pool::status::{CapacityState, PairProgress, resolved_conditions};
 use super::pool::{self, Desired, Note, PoolKind, SPEC_REPLICAS};
 use super::prefill_pool::pairing_decode_pools;
@@ -72,24 +73,34 @@ impl PoolKind for DecodePool {
         PoolView::decode(self)
     }
 
-    async fn read(ctx: &Context, ns: &str, dp: &Self) -> Result<DecodeWorld> {
+    async fn read(ctx: &Context, ns: &str, dp: &Self, read: Read) -> Result<DecodeWorld> {
         let name = dp.name_any();
         let prefill_name = &dp.spec.prefill.pool_ref.name;
-        let prefill_api: Api<PrefillPool> = Api::namespaced(ctx.client.clone(), ns);
+        let prefill = match ctx.caches().filter(|_| read == Read::Cached) {
+            Some(c) => {
+                c.ready(FIRST_LIST_WAIT).await?;
+                Caches::get(&c.prefills, ns, prefill_name)
+            }
+            None => {
+                let api: Api<PrefillPool> = Api::namespaced(ctx.client.clone(), ns);
+                api.get_opt(prefill_name).await?
+            }
+        };
         let mut world = DecodeWorld {
-            prefill: prefill_api.get_opt(prefill_name).await?,
-            tier: revision::read_tier(ctx, &dp.view()).await?,
+            prefill,
+            tier: revision::read_tier(ctx, &dp.view(), read).await?,
             ..DecodeWorld::default()
         };
         if let Some(p) = &world.prefill {
-            world.rivals = pairing_decode_pools(ctx, ns, prefill_name)
+            world.rivals = pairing_decode_pools(ctx, ns, prefill_name, read)
                 .await?
                 .iter()
                 .filter(|d| !children::terminating(*d) && d.name_any() != name)
                 .map(|d| d.name_any())
                 .collect();
-            world.prefill_tier = revision::read_tier(ctx, &PoolView::prefill(p)).await?;
-            world.prefill_children = observe::observe(ctx, ns, prefill_name, Role::Prefill).await?;
+            world.prefill_tier = revision::read_tier(ctx, &PoolView::prefill(p), read).await?;
+            world.prefill_children =
+                observe::observe(ctx, ns, prefill_name, Role::Prefill, read).await?;
         }
         Ok(world)
     }

@@ -22,11 +22,15 @@
 //!   never creates or applies a child (scale-to-zero goes through the `/scale` subresource, which
 //!   cannot create).
 //!
-//! Children are read with label-selected LIST calls on every reconcile (no informer caches of
-//! children): simple and exact, at the cost of a few reads per reconcile.
+//! A reconcile reads its own object fresh (a quorum GET) and the rest — children, tiers, the
+//! pair — from watch-fed caches ([`cache`]; one watch per kind for the whole operator, which also
+//! triggers the controllers); it lists children only to confirm a decision that deletes (a pod or
+//! a group's StatefulSet) and in teardown. Without the caches (a [`Context`] that [`run`] did not
+//! start, as in the controller tests) every read goes to the API server.
 
 pub mod backoff;
 pub mod blocked;
+pub mod cache;
 pub mod cache_tier;
 pub mod children;
 pub mod decode_pool;
@@ -41,6 +45,8 @@ pub mod watches;
 
 use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::Client;
@@ -75,6 +81,61 @@ pub struct UnsafeModes {
     /// Decide from the object the reconcile was handed (the reflector's copy, possibly older
     /// than the operator's last status write) instead of a fresh read.
     pub trust_cached_status: bool,
+    /// Act on a delete decided from the child caches without listing the children again.
+    pub act_on_cached_children: bool,
+}
+
+/// Default of `tandem-operator --max-concurrent-reconciles` (per kind).
+pub const DEFAULT_MAX_CONCURRENT_RECONCILES: u16 = 32;
+
+/// Per-kind limits on reconciles doing their reads and writes at once (controller-runtime's
+/// `MaxConcurrentReconciles`; kube-runtime's own `concurrency` would also hide the waiting ones
+/// from the queue-depth gauge). Cheap to clone (clones share the slots).
+#[derive(Debug, Clone)]
+pub struct ReconcileSlots {
+    per_kind: u16,
+    kinds: Arc<std::sync::Mutex<std::collections::BTreeMap<&'static str, Arc<Semaphore>>>>,
+    closed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl ReconcileSlots {
+    /// `per_kind` slots for each kind (at least 1).
+    pub fn new(per_kind: u16) -> Self {
+        Self {
+            per_kind: per_kind.max(1),
+            kinds: Arc::default(),
+            closed: Arc::default(),
+        }
+    }
+
+    /// Waits for a slot of `kind`; the slot is held until the permit drops. `None` once
+    /// [`ReconcileSlots::close`]d (at shutdown): the reconcile must not run.
+    pub async fn acquire(&self, kind: &'static str) -> Option<OwnedSemaphorePermit> {
+        use std::sync::atomic::Ordering;
+        let sem = self.kinds.lock().ok().map(|mut m| {
+            let sem = m
+                .entry(kind)
+                .or_insert_with(|| Arc::new(Semaphore::new(usize::from(self.per_kind))))
+                .clone();
+            if self.closed.load(Ordering::SeqCst) {
+                sem.close();
+            }
+            sem
+        })?;
+        sem.acquire_owned().await.ok()
+    }
+
+    /// Shutdown: every waiting and later [`ReconcileSlots::acquire`] answers `None` (the
+    /// reconciles already running finish; the queue behind them is not worked off — the watches
+    /// have stopped, and a deposed leader must stop writing).
+    pub fn close(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Ok(m) = self.kinds.lock() {
+            for sem in m.values() {
+                sem.close();
+            }
+        }
+    }
 }
 
 /// Shared state of the controllers.
@@ -96,6 +157,15 @@ pub struct Context {
     pub error_backoff: Arc<ErrorBackoff>,
     /// Which watches are failing (read by `/readyz`).
     pub watches: WatchHealth,
+    /// Whether [`run::run`] hands its caches to the reconciles (default); `false`, every
+    /// reconcile reads from the API server (`tandem-operator --read-cache false`, a baseline).
+    pub read_cache: bool,
+    /// How many reconciles of each kind do their reads and writes at once.
+    pub reconcile_slots: ReconcileSlots,
+    /// Applies on their way to the caches (`children::apply_if_changed`; cleared by the watches).
+    pub pending_applies: cache::PendingApplies,
+    /// The caches while [`run::run`] runs them; `None`, reads go to the API server.
+    pub caches: Arc<std::sync::RwLock<Option<cache::Caches>>>,
     /// Negative-control switches (tests only).
     #[cfg(feature = "negative-controls")]
     pub unsafe_modes: UnsafeModes,
@@ -116,9 +186,23 @@ impl Context {
             probe_reports: true,
             resync: RESYNC,
             error_backoff: Arc::default(),
+            read_cache: true,
+            pending_applies: cache::PendingApplies::default(),
+            reconcile_slots: ReconcileSlots::new(DEFAULT_MAX_CONCURRENT_RECONCILES),
+            caches: Arc::default(),
             #[cfg(feature = "negative-controls")]
             unsafe_modes: UnsafeModes::default(),
         }
+    }
+
+    /// The caches, when [`run::run`] runs them and reads may use them: not while a watch is
+    /// failing or (re)listing (its store may be frozen or behind; reads then go to the API server,
+    /// [`watches::WatchHealth::settled`]).
+    pub fn caches(&self) -> Option<cache::Caches> {
+        if !self.watches.settled() {
+            return None;
+        }
+        self.caches.read().ok().and_then(|c| c.clone())
     }
 
     /// Negative control: apply children even when unchanged (always false in a release build).
@@ -141,6 +225,14 @@ impl Context {
     pub fn trust_cached_status(&self) -> bool {
         #[cfg(feature = "negative-controls")]
         return self.unsafe_modes.trust_cached_status;
+        #[cfg(not(feature = "negative-controls"))]
+        false
+    }
+
+    /// Negative control: delete on the cached children's word (always false in a release build).
+    pub fn act_on_cached_children(&self) -> bool {
+        #[cfg(feature = "negative-controls")]
+        return self.unsafe_modes.act_on_cached_children;
         #[cfg(not(feature = "negative-controls"))]
         false
     }
@@ -207,6 +299,9 @@ pub enum Error {
     /// The object lacks a field the API server always sets (name, namespace, uid).
     #[error("object has no {0}")]
     MissingField(&'static str),
+    /// The child caches have not listed yet.
+    #[error(transparent)]
+    NotListed(#[from] cache::NotListed),
 }
 
 impl Error {
@@ -217,9 +312,49 @@ impl Error {
             Error::Kube(_) => "Client".into(),
             Error::Serialize(_) => "Serialize".into(),
             Error::MissingField(_) => "MissingField".into(),
+            Error::NotListed(_) => "NotListed".into(),
         }
     }
 }
 
 /// Result of a reconcile.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod slot_tests {
+    use futures::FutureExt;
+
+    use super::ReconcileSlots;
+
+    /// A kind's slots bound the reconciles that run at once; another kind has its own; a slot
+    /// freed lets a waiting reconcile in.
+    #[tokio::test]
+    async fn a_kinds_slots_bound_its_running_reconciles() {
+        let slots = ReconcileSlots::new(2);
+        let a = slots.acquire("PrefillPool").await.expect("slot");
+        let _b = slots.acquire("PrefillPool").await.expect("slot");
+        let mut third = Box::pin(slots.acquire("PrefillPool"));
+        assert!(
+            (&mut third).now_or_never().is_none(),
+            "two of two slots held"
+        );
+        assert!(
+            slots.acquire("DecodePool").now_or_never().is_some(),
+            "another kind has its own slots"
+        );
+        drop(a);
+        let c = third.now_or_never().flatten();
+        assert!(c.is_some(), "a freed slot lets it in");
+        let mut waiting = Box::pin(slots.acquire("PrefillPool"));
+        assert!((&mut waiting).now_or_never().is_none());
+        slots.close();
+        assert!(
+            matches!(waiting.now_or_never(), Some(None)),
+            "closed: the waiter is turned away"
+        );
+        assert!(
+            matches!(slots.acquire("CacheTier").now_or_never(), Some(None)),
+            "and every later one"
+        );
+    }
+}

@@ -18,8 +18,9 @@ use kube::runtime::controller::Action;
 use kube::{Api, ResourceExt};
 use tandem_crds::{DecodePool, PrefillPool};
 
+use super::cache::{Caches, FIRST_LIST_WAIT};
 use super::children::{self, normal};
-use super::pool::observe::{PoolChildren, observe_pods};
+use super::pool::observe::{PoolChildren, Read, observe_pods};
 use super::pool::status::{CapacityState, resolved_conditions};
 use super::pool::{self, Desired, Note, PoolKind, SPEC_REPLICAS};
 use super::refusal::Refusal;
@@ -33,13 +34,28 @@ use crate::status::{self, ConditionType, Decided, Reason};
 /// Kind name for metrics and logs.
 pub const KIND: &str = "PrefillPool";
 
-/// The DecodePools in `ns` that pair with PrefillPool `name`, by name.
-pub async fn pairing_decode_pools(ctx: &Context, ns: &str, name: &str) -> Result<Vec<DecodePool>> {
-    let api: Api<DecodePool> = Api::namespaced(ctx.client.clone(), ns);
-    let mut v: Vec<DecodePool> = api
-        .list(&ListParams::default())
-        .await?
-        .items
+/// The DecodePools in `ns` that pair with PrefillPool `name`, by name (from the caches with
+/// [`Read::Cached`] when they run, else listed).
+///
+/// # Errors
+/// API failures; [`NotListed`](super::cache::NotListed) when the caches have not listed in time.
+pub async fn pairing_decode_pools(
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+    read: Read,
+) -> Result<Vec<DecodePool>> {
+    let all = match ctx.caches().filter(|_| read == Read::Cached) {
+        Some(c) => {
+            c.ready(FIRST_LIST_WAIT).await?;
+            Caches::in_namespace(&c.decodes, ns)
+        }
+        None => {
+            let api: Api<DecodePool> = Api::namespaced(ctx.client.clone(), ns);
+            api.list(&ListParams::default()).await?.items
+        }
+    };
+    let mut v: Vec<DecodePool> = all
         .into_iter()
         .filter(|d| d.spec.prefill.pool_ref.name == name)
         .collect();
@@ -95,14 +111,14 @@ impl PoolKind for PrefillPool {
         PoolView::prefill(self)
     }
 
-    async fn read(ctx: &Context, ns: &str, pp: &Self) -> Result<PrefillWorld> {
+    async fn read(ctx: &Context, ns: &str, pp: &Self, read: Read) -> Result<PrefillWorld> {
         let mut world = PrefillWorld {
-            pairs: pairing_decode_pools(ctx, ns, &pp.name_any()).await?,
-            tier: revision::read_tier(ctx, &pp.view()).await?,
+            pairs: pairing_decode_pools(ctx, ns, &pp.name_any(), read).await?,
+            tier: revision::read_tier(ctx, &pp.view(), read).await?,
             pair_tier: TierRead::None,
         };
         let pair_tier = match world.pair() {
-            Some(d) => revision::read_tier(ctx, &PoolView::decode(d)).await?,
+            Some(d) => revision::read_tier(ctx, &PoolView::decode(d), read).await?,
             None => TierRead::None,
         };
         world.pair_tier = pair_tier;
@@ -186,8 +202,9 @@ impl PoolKind for PrefillPool {
         // Decode drains first: wait while a pairing DecodePool still has pods.
         let ns = pp.namespace().unwrap_or_default();
         let mut blocking = Vec::new();
-        for d in pairing_decode_pools(ctx, &ns, &pp.name_any()).await? {
-            let dpods = observe_pods(ctx, &ns, &d.name_any(), Role::Decode).await?;
+        for d in pairing_decode_pools(ctx, &ns, &pp.name_any(), Read::Listed).await? {
+            // Teardown decides on pods listed now.
+            let dpods = observe_pods(ctx, &ns, &d.name_any(), Role::Decode, Read::Listed).await?;
             if dpods > 0 {
                 blocking.push(format!("DecodePool/{} ({dpods} pods left)", d.name_any()));
             }

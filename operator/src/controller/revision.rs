@@ -13,6 +13,7 @@ use sha2::{Digest, Sha256};
 use tandem_crds::CacheTier;
 use tandem_interfaces::config::WorkerConfig;
 
+use super::cache::{Caches, FIRST_LIST_WAIT, Read};
 use super::{Context, Result};
 use crate::policy::{self, MemoryPolicy, PolicyConflict, TierLookup};
 use crate::render::config::{RenderError, worker_config};
@@ -92,20 +93,29 @@ impl TierRead {
     }
 }
 
-/// Reads the tier a pool names (the I/O half of resolving a pool).
+/// Reads the tier a pool names (the I/O half of resolving a pool): from the caches with
+/// [`Read::Cached`] when they run, else from the API server.
 ///
 /// # Errors
-/// API failures reading the tier (a missing tier is `Named { tier: None }`, not an error).
-pub async fn read_tier(ctx: &Context, view: &PoolView<'_>) -> Result<TierRead> {
-    Ok(match view.cache_tier_ref {
-        None => TierRead::None,
-        Some(r) => {
-            let api: Api<CacheTier> = Api::namespaced(ctx.client.clone(), view.namespace);
-            TierRead::Named {
-                name: r.name.clone(),
-                tier: api.get_opt(&r.name).await?.map(Box::new),
-            }
+/// API failures reading the tier (a missing tier is `Named { tier: None }`, not an error);
+/// [`NotListed`](super::cache::NotListed) when the caches have not listed in time.
+pub async fn read_tier(ctx: &Context, view: &PoolView<'_>, read: Read) -> Result<TierRead> {
+    let Some(r) = view.cache_tier_ref else {
+        return Ok(TierRead::None);
+    };
+    let tier = match ctx.caches().filter(|_| read == Read::Cached) {
+        Some(c) => {
+            c.ready(FIRST_LIST_WAIT).await?;
+            Caches::get(&c.tiers, view.namespace, &r.name)
         }
+        None => {
+            let api: Api<CacheTier> = Api::namespaced(ctx.client.clone(), view.namespace);
+            api.get_opt(&r.name).await?
+        }
+    };
+    Ok(TierRead::Named {
+        name: r.name.clone(),
+        tier: tier.map(Box::new),
     })
 }
 

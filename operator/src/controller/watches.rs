@@ -38,12 +38,13 @@ pub struct Failing {
     pub retry_in: Duration,
 }
 
-/// The first lists of the watches: which were built, which have listed, and whether the
-/// `all watches listed` line was logged.
+/// The lists of the watches: which were built, which have listed, which are (re)listing now,
+/// and whether the `all watches listed` line was logged.
 #[derive(Debug, Default)]
 struct Lists {
     built: BTreeSet<String>,
     listed: BTreeSet<String>,
+    listing: BTreeSet<String>,
     announced: bool,
 }
 
@@ -102,7 +103,25 @@ impl WatchHealth {
     pub fn built(&self, watch: &str) {
         if let Ok(mut l) = self.lists.lock() {
             l.built.insert(watch.to_owned());
+            l.listing.insert(watch.to_owned());
         }
+    }
+
+    /// Records that `watch` started a (re)list (its `Init`): until its `InitDone` its store holds
+    /// the previous state.
+    pub fn listing(&self, watch: &str) {
+        if let Ok(mut l) = self.lists.lock() {
+            l.listing.insert(watch.to_owned());
+        }
+    }
+
+    /// Whether every built watch is streaming: none failing, none (re)listing. While one is not,
+    /// its store may be frozen or behind, and reconciles read from the API server instead
+    /// (`Context::caches`).
+    pub fn settled(&self) -> bool {
+        let listing = self.lists.lock().map_or(true, |l| !l.listing.is_empty());
+        let failing = self.failing.lock().map_or(true, |m| !m.is_empty());
+        !listing && !failing
     }
 
     /// Records that `watch` completed a list (its `InitDone`); the first time every built watch
@@ -111,6 +130,7 @@ impl WatchHealth {
         let Ok(mut l) = self.lists.lock() else {
             return false;
         };
+        l.listing.remove(watch);
         if l.listed.insert(watch.to_owned()) {
             tracing::debug!(watch, "watch listed");
         }
@@ -216,10 +236,12 @@ where
 {
     health.built(&name);
     let lists = (health.clone(), name.clone());
-    let stream = stream.inspect(move |e| {
-        if matches!(e, Ok(watcher::Event::InitDone)) {
+    let stream = stream.inspect(move |e| match e {
+        Ok(watcher::Event::Init) => lists.0.listing(&lists.1),
+        Ok(watcher::Event::InitDone) => {
             lists.0.listed(&lists.1);
         }
+        _ => {}
     });
     resilient(name, health.clone(), backoff::WATCH, stream)
 }

@@ -103,23 +103,71 @@ pub async fn gang_gates(
 ) -> Result<()> {
     let now = jiff::Timestamp::now();
     for w in gang::decide(group_size, &observed.gang_pods()) {
-        let patch = serde_json::json!({"status": {"conditions": [{
+        let mut patch = serde_json::json!({"status": {"conditions": [{
             "type": gang::GROUP_READY,
             "status": w.status(),
             "reason": w.reason,
             "message": w.message,
             "lastTransitionTime": Time(now),
         }]}});
+        // Decided on this version of the pod: a newer one (changed since, or a recreated
+        // namesake) refuses the patch (409) and its own event brings the next decision.
+        let version = observed
+            .pods
+            .iter()
+            .find(|p| p.name_any() == w.pod)
+            .and_then(|p| p.resource_version());
+        if let Some(v) = version {
+            patch["metadata"] = serde_json::json!({ "resourceVersion": v });
+        }
         match pods
             .patch_status(&w.pod, &PatchParams::default(), &Patch::Strategic(&patch))
             .await
         {
             Ok(_) => ctx.metrics.write(kind, "pod-gate"),
-            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {
+                tracing::debug!(pod = %w.pod, code = s.code, "gate not patched: the pod changed or went");
+            }
             Err(e) => return Err(e.into()),
         }
     }
     Ok(())
+}
+
+/// The rollout plan for `observed` (halted groups take no part in it).
+pub fn rollout_plan(
+    view: &PoolView<'_>,
+    desired: &Desired,
+    observed: &PoolChildren,
+    recovery: &RecoveryPlan,
+) -> RolloutPlan {
+    let obs: Vec<_> = observed
+        .observations(desired.groups, view.group_size())
+        .into_iter()
+        .filter(|g| !recovery.halted(g.index))
+        .collect();
+    rollout::plan(&obs, &desired.resolved.config.revision, desired.gate)
+}
+
+/// Whether [`converge`] would delete something for `observed`: a whole-group restart or a halt of
+/// `recovery`, a group StatefulSet out of range, or the rollout's next group restart. The pool's
+/// reconcile confirms such a decision on children it has just listed before acting on it
+/// ([`super::super::cache`]).
+pub fn would_delete(
+    view: &PoolView<'_>,
+    desired: &Desired,
+    observed: &PoolChildren,
+    recovery: &RecoveryPlan,
+) -> bool {
+    let out_of_range = observed.statefulsets.values().any(|s| {
+        children::group_of(s).is_none_or(|g| g >= desired.groups) && !children::terminating(s)
+    });
+    !recovery.actions.is_empty()
+        || out_of_range
+        || matches!(
+            rollout_plan(view, desired, observed, recovery).action,
+            RolloutAction::RestartGroup { .. }
+        )
 }
 
 /// Converges a pool's children to `desired` (its groups rendered from its config, revision
@@ -257,12 +305,7 @@ pub async fn converge(
         }
     }
 
-    let obs: Vec<_> = observed
-        .observations(groups, view.group_size())
-        .into_iter()
-        .filter(|g| !recovery.halted(g.index))
-        .collect();
-    let plan = rollout::plan(&obs, &cfg.revision, desired.gate);
+    let plan = rollout_plan(view, desired, observed, recovery);
     if let RolloutAction::RestartGroup { group, pods } = &plan.action {
         for p in pods {
             children::delete(ctx, kind, &pod_api, p).await?;

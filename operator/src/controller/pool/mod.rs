@@ -31,7 +31,7 @@ use kube::runtime::events::EventType;
 use kube::{Api, ResourceExt};
 use tandem_crds::{PoolStatus, ScalingStatus};
 
-use self::observe::PoolChildren;
+use self::observe::{PoolChildren, Read};
 use self::status::{CapacityState, PairProgress, StatusFacts, blocked_status};
 use super::blocked::{self, Block, Reported};
 use super::children::{self, need, normal};
@@ -102,11 +102,13 @@ pub trait PoolKind: Reported<Status = PoolStatus> {
     /// The pool as the render layer sees it.
     fn view(&self) -> PoolView<'_>;
 
-    /// The read stage's kind-specific reads (the pool lives in `ns`).
+    /// The read stage's kind-specific reads (the pool lives in `ns`), from the caches or the API
+    /// server as `read` says.
     fn read(
         ctx: &Context,
         ns: &str,
         pool: &Self,
+        read: Read,
     ) -> impl Future<Output = Result<Self::World>> + Send;
 
     /// The validate stage (pure).
@@ -172,41 +174,70 @@ pub async fn reconcile<K: PoolKind>(handed: Arc<K>, ctx: Arc<Context>) -> Result
             None => return Ok(Action::await_change()),
         }
     };
-    let observed = observe::observe(&ctx, &ns, &name, K::ROLE).await?;
+    // Whether any read below may come from the caches (they may settle or unsettle between two
+    // reads: asked before and after).
+    let caches_before = ctx.caches().is_some();
+    let mut observed = observe::observe(&ctx, &ns, &name, K::ROLE, Read::Cached).await?;
     if children::terminating(pool.as_ref()) && !ctx.reconcile_while_deleting() {
         ctx.metrics.set_state(K::KIND, &key, Some("Terminating"));
+        // Teardown deletes and counts pods: it decides on children listed now.
+        if observed.cached {
+            observed = observe::observe_listed(&ctx, &ns, &name, K::ROLE).await?;
+        }
         return teardown_pool(&ctx, &api, pool.as_ref(), &observed).await;
     }
     children::ensure_finalizer(&ctx, K::KIND, &api, pool.as_ref()).await?;
     let owner = need(pool.controller_owner_ref(&()), "metadata.uid")?;
-    let world = K::read(&ctx, &ns, &pool).await?;
-
-    // Validate.
-    let validated = match K::validate(&pool, &world) {
-        Ok(v) => v,
-        Err(refusal) => {
-            // A refused pool touches no child, but the pods it already runs keep gang
-            // readiness: a partial group must leave the endpoints whatever the spec says.
-            let pods = Api::namespaced(ctx.client.clone(), &ns);
-            apply::gang_gates(&ctx, K::KIND, &pods, pool.view().group_size(), &observed).await?;
-            let block = Block::from(&refusal);
-            let owner = K::replicas_owner(&pool, &world);
-            let status = blocked_status(pool.as_ref(), &observed, &block, owner);
-            return blocked::report(&ctx, &api, pool.as_ref(), &block, status).await;
-        }
-    };
-
-    // Desired.
-    let mut desired = K::desire(&pool, &world, validated, &observed, Timestamp::now());
+    let mut world = K::read(&ctx, &ns, &pool, Read::Cached).await?;
+    let mut cached = caches_before || ctx.caches().is_some();
     let view = pool.view();
     let prev = pool.status();
-    let recovery = recovery::plan(
-        &observed.observations(desired.groups, view.group_size()),
-        prev.map(|s| s.group_restarts.as_slice())
-            .unwrap_or_default(),
-        &desired.resolved.config.revision,
-        view.max_group_restarts,
-    );
+
+    // Validate, desired; decided from the caches, and once more from the API server when the
+    // decision refuses the pool or deletes something (module `cache`: decide from the cache, act
+    // on a fresh read; a refusal publishes a Warning, and a pool applied together with its pair
+    // may not be in the cache yet). At most two passes: a listed observation is final.
+    let (mut desired, recovery) = loop {
+        let validated = match K::validate(&pool, &world) {
+            Ok(v) => v,
+            Err(_) if cached => {
+                ctx.metrics.fresh_read(K::KIND);
+                observed = observe::observe_listed(&ctx, &ns, &name, K::ROLE).await?;
+                world = K::read(&ctx, &ns, &pool, Read::Listed).await?;
+                cached = false;
+                continue;
+            }
+            Err(refusal) => {
+                // A refused pool touches no child, but the pods it already runs keep gang
+                // readiness: a partial group must leave the endpoints whatever the spec says.
+                let pods = Api::namespaced(ctx.client.clone(), &ns);
+                apply::gang_gates(&ctx, K::KIND, &pods, view.group_size(), &observed).await?;
+                let block = Block::from(&refusal);
+                let owner = K::replicas_owner(&pool, &world);
+                let status = blocked_status(pool.as_ref(), &observed, &block, owner);
+                return blocked::report(&ctx, &api, pool.as_ref(), &block, status).await;
+            }
+        };
+        let desired = K::desire(&pool, &world, validated, &observed, Timestamp::now());
+        let recovery = recovery::plan(
+            &observed.observations(desired.groups, view.group_size()),
+            prev.map(|s| s.group_restarts.as_slice())
+                .unwrap_or_default(),
+            &desired.resolved.config.revision,
+            view.max_group_restarts,
+        );
+        if cached
+            && !ctx.act_on_cached_children()
+            && apply::would_delete(&view, &desired, &observed, &recovery)
+        {
+            ctx.metrics.fresh_read(K::KIND);
+            observed = observe::observe_listed(&ctx, &ns, &name, K::ROLE).await?;
+            world = K::read(&ctx, &ns, &pool, Read::Listed).await?;
+            cached = false;
+            continue;
+        }
+        break (desired, recovery);
+    };
     status::degrade_for_recovery(&mut desired.conditions, &recovery, view.max_group_restarts);
     // What the pool's unready workers say about themselves, and (issue 17) pods on nodes without
     // the placement's topology label (I/O; the merges are pure). Each raises a Warning on the flip.

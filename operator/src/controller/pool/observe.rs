@@ -1,5 +1,6 @@
-//! The read stage of a pool: its children as listed now (label-selected LIST calls, no child
-//! informer caches), and what the rollout and teardown read from them.
+//! The read stage of a pool: its children, from the watch-fed caches ([`super::super::cache`])
+//! or listed now (label-selected LIST calls: to confirm a delete, in teardown, and when no cache
+//! runs), and what the rollout and teardown read from them.
 
 use std::collections::BTreeMap;
 
@@ -7,15 +8,19 @@ use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Service};
 use kube::{Api, ResourceExt};
 
+pub use super::super::cache::Read;
+use super::super::cache::{Caches, FIRST_LIST_WAIT};
 use super::super::children;
 use super::super::{Context, Result};
 use crate::gang::{self, GangPod, GateCondition};
 use crate::labels::{self, Role};
 use crate::rollout::{GroupObservation, PodObservation};
 
-/// The children of a pool as listed now.
+/// The children of a pool, from the caches or as listed now ([`PoolChildren::cached`]).
 #[derive(Debug, Default, Clone)]
 pub struct PoolChildren {
+    /// Whether these come from the caches (possibly a moment old) rather than a LIST just made.
+    pub cached: bool,
     /// Group StatefulSets by name.
     pub statefulsets: BTreeMap<String, StatefulSet>,
     /// Services by name (peers, front door).
@@ -116,10 +121,46 @@ pub fn gang_pod(p: &Pod) -> GangPod {
     }
 }
 
-/// Lists the children of pool `name` with role `role`.
-pub async fn observe(ctx: &Context, ns: &str, name: &str, role: Role) -> Result<PoolChildren> {
+/// The children of pool `name` with role `role`: with [`Read::Cached`], from the caches when
+/// [`run`](super::super::run) started them (after their first lists, waited for at most
+/// [`FIRST_LIST_WAIT`](super::super::cache::FIRST_LIST_WAIT)), else listed now.
+///
+/// # Errors
+/// API failures of the LISTs; [`NotListed`](super::super::cache::NotListed) when the caches have
+/// not listed in time.
+pub async fn observe(
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+    role: Role,
+    read: Read,
+) -> Result<PoolChildren> {
+    let Some(cache) = ctx.caches().filter(|_| read == Read::Cached) else {
+        return observe_listed(ctx, ns, name, role).await;
+    };
+    cache.ready(FIRST_LIST_WAIT).await?;
+    Ok(PoolChildren {
+        cached: true,
+        statefulsets: children::by_name(Caches::children(&cache.statefulsets, ns, name, role)),
+        services: children::by_name(Caches::children(&cache.services, ns, name, role)),
+        config_maps: children::by_name(Caches::children(&cache.config_maps, ns, name, role)),
+        pods: Caches::children(&cache.pods, ns, name, role),
+    })
+}
+
+/// The children of pool `name` with role `role` as listed now (four label-selected LISTs).
+///
+/// # Errors
+/// API failures.
+pub async fn observe_listed(
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+    role: Role,
+) -> Result<PoolChildren> {
     let c = &ctx.client;
     Ok(PoolChildren {
+        cached: false,
         statefulsets: children::by_name(
             children::list(&Api::<StatefulSet>::namespaced(c.clone(), ns), name, role).await?,
         ),
@@ -133,8 +174,22 @@ pub async fn observe(ctx: &Context, ns: &str, name: &str, role: Role) -> Result<
     })
 }
 
-/// Counts the pods of pool `name` with role `role`.
-pub async fn observe_pods(ctx: &Context, ns: &str, name: &str, role: Role) -> Result<u32> {
+/// Counts the pods of pool `name` with role `role` (with [`Read::Cached`], from the caches when
+/// they run).
+///
+/// # Errors
+/// As [`observe`].
+pub async fn observe_pods(
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+    role: Role,
+    read: Read,
+) -> Result<u32> {
+    if let Some(cache) = ctx.caches().filter(|_| read == Read::Cached) {
+        cache.ready(FIRST_LIST_WAIT).await?;
+        return Ok(Caches::children(&cache.pods, ns, name, role).len() as u32);
+    }
     let pods = children::list(&Api::<Pod>::namespaced(ctx.client.clone(), ns), name, role).await?;
     Ok(pods.len() as u32)
 }
