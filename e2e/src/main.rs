@@ -71,6 +71,10 @@ struct ScaleArgs {
     /// The operator's --resync-seconds (default N / 5, clamped to 20..300).
     #[arg(long)]
     resync_seconds: Option<u64>,
+    /// The operator's --child-cache: `false` runs the baseline that LISTs children on every
+    /// reconcile.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    read_cache: bool,
     /// Added to every cluster port.
     #[arg(long, default_value_t = 0)]
     port_offset: u16,
@@ -399,6 +403,7 @@ async fn scale(args: ScaleArgs) -> anyhow::Result<ExitCode> {
         gpus_per_node: args.gpus_per_node,
         scale_groups: args.scale_groups,
         resync_seconds: args.resync_seconds,
+        read_cache: args.read_cache,
         samples: args.samples,
         operator_bin: args.operator_bin,
         build: if args.cached_only {

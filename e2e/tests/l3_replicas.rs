@@ -126,7 +126,7 @@ async fn scenario(h: &Harness) -> Result<(), String> {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let load = Load::start(s.front_doors()?);
+    let load = Load::start(s.front_doors().await?);
     let outcome = async {
         ramped_write_share(h, &s, t0).await?;
         new_address(h, &s, t0).await
@@ -400,12 +400,19 @@ impl<'a> Stack<'a> {
             .unwrap_or_default()
     }
 
-    /// The decode Service's addresses in the runner's hosts file, as front-door URLs.
-    fn front_doors(&self) -> Result<Vec<String>, String> {
+    /// The decode Service's addresses in the runner's hosts file, as front-door URLs. The pool
+    /// turns Ready from its pods' readiness; the Service's endpoints, and the hosts file the
+    /// runner writes from them, follow a moment later: waited for, at most 30 s.
+    async fn front_doors(&self) -> Result<Vec<String>, String> {
         let service = format!("{DECODE}.{NS}.svc.cluster.local");
-        let ips = resolve(&self.hosts(), &service);
+        let ips = poll(Duration::from_secs(30), || async {
+            let ips = resolve(&self.hosts(), &service);
+            (!ips.is_empty()).then_some(ips)
+        })
+        .await
+        .unwrap_or_default();
         if ips.is_empty() {
-            return Err(format!("{service} resolves to no address"));
+            return Err(format!("{service} resolves to no address within 30 s"));
         }
         Ok(ips
             .iter()

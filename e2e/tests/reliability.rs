@@ -1094,10 +1094,18 @@ fn store_service() -> String {
 
 /// Phase 5 (item 6): bad input through the decode Service; the same process keeps serving.
 async fn front_door(h: &Harness, s: &Stack<'_>, t0: Instant) -> Result<(), String> {
-    let hosts = std::fs::read_to_string(h.cluster.config.runner_dir().join("hosts"))
-        .map_err(|e| e.to_string())?;
+    // The Service's endpoints (and the runner's hosts file) follow the pods' readiness a moment
+    // after the pool turns Ready: wait for the one decode, at most 30 s.
+    let hosts_file = h.cluster.config.runner_dir().join("hosts");
     let service = format!("{DECODE}.{NS}.svc.cluster.local");
-    let ips = resolve(&hosts, &service);
+    let one = poll(Duration::from_secs(30), || async {
+        let hosts = std::fs::read_to_string(&hosts_file).unwrap_or_default();
+        let ips = resolve(&hosts, &service);
+        (ips.len() == 1).then_some(ips)
+    })
+    .await;
+    let hosts = std::fs::read_to_string(&hosts_file).map_err(|e| e.to_string())?;
+    let ips = one.unwrap_or_else(|| resolve(&hosts, &service));
     let [svc_ip] = ips.as_slice() else {
         return Err(format!(
             "{service} resolves to {ips:?}, expected the one decode"

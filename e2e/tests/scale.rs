@@ -38,6 +38,7 @@ async fn five_stacks_and_one_pool_scaled_to_eight_on_kwok() {
         gpus_per_node: 8,
         scale_groups: 8,
         resync_seconds: Some(10),
+        read_cache: true,
         samples: None,
         operator_bin: Some(operator.clone()),
         build: if required {
@@ -178,9 +179,14 @@ async fn required_zone_placement_packs_groups_and_pairs_decode_with_prefill_on_k
             out: tmp.path().join(name).join("report"),
             port_offset: ports,
             state_dir: Some(tmp.path().join(name).join("cluster")),
-            gpus_per_node: 8,
+            // Two nodes of 32 GPUs, one per zone: either zone alone holds all three stacks (27
+            // GPUs). With 8-GPU nodes (24 and 16 GPUs per zone) the scheduler could start two
+            // stacks' groups in the smaller zone and leave a group's second pod unschedulable
+            // (Required keeps it there): seen twice in seven runs.
+            gpus_per_node: 32,
             scale_groups: 0,
             resync_seconds: Some(10),
+            read_cache: true,
             samples: Some(samples),
             operator_bin: Some(operator.clone()),
             build: if required {

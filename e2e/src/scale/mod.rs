@@ -83,6 +83,9 @@ pub struct ScaleOptions {
     pub scale_groups: u32,
     /// The operator's `--resync-seconds` (default: N / 5 clamped to 20..300).
     pub resync_seconds: Option<u64>,
+    /// The operator's `--child-cache` (default true; false: the baseline that LISTs children on
+    /// every reconcile).
+    pub read_cache: bool,
     /// Directory of the three sample manifests (default `manifests/samples`).
     pub samples: Option<PathBuf>,
     /// The operator binary (default `$TANDEM_OPERATOR_BIN`, else next to this executable or one
@@ -107,6 +110,7 @@ impl Default for ScaleOptions {
             gpus_per_node: 8,
             scale_groups: 64,
             resync_seconds: None,
+            read_cache: true,
             samples: None,
             operator_bin: None,
             build: BuildMode::BuildIfMissing,
@@ -309,6 +313,8 @@ impl Operator {
                 &resync.to_string(),
                 "--probe-reports",
                 "false",
+                "--read-cache",
+                if opts.read_cache { "true" } else { "false" },
             ])
             .env("KUBECONFIG", &cluster.kubeconfig)
             .env("RUST_LOG", "warn")
@@ -771,6 +777,7 @@ async fn measure_with(
         nodes,
         gpus_per_node: opts.gpus_per_node,
         resync_seconds: resync,
+        read_cache: opts.read_cache,
         apply_s,
         all_ready_s,
         settled_s,

@@ -28,6 +28,8 @@ pub struct RunFigures {
     pub gpus_per_node: u32,
     /// The operator's `--resync-seconds`.
     pub resync_seconds: u64,
+    /// The operator's `--child-cache` (false: children LISTed on every reconcile, the baseline).
+    pub read_cache: bool,
     /// Seconds to apply every stack.
     pub apply_s: f64,
     /// Seconds from the first apply until every object was Ready.
@@ -154,6 +156,15 @@ pub struct ScaleReport {
     pub checks: Vec<(String, bool, String)>,
 }
 
+/// How the run's operator read children.
+fn children_read(r: &RunFigures) -> &'static str {
+    if r.read_cache {
+        "reads cached"
+    } else {
+        "reads from the API server"
+    }
+}
+
 fn ms(v: Option<f64>) -> String {
     match v {
         Some(v) if v.is_infinite() => "> 8.2 s".into(),
@@ -166,10 +177,11 @@ fn ms(v: Option<f64>) -> String {
 pub fn row_line(r: &RunFigures) -> String {
     let a = r.apply_to_ready_ms;
     format!(
-        "N = {}: apply-to-Ready p50 {:.0} ms p99 {:.0} ms; reconcile p50 {} p99 {}; queue depth \
+        "N = {} ({}): apply-to-Ready p50 {:.0} ms p99 {:.0} ms; reconcile p50 {} p99 {}; queue depth \
          max {:.0}; peak RSS {:.1} MiB; CPU {:.1} s to settled, {:.1} % steady; writes per steady \
          resync {} ({} writes over {:.0} reconciles)",
         r.n,
+        children_read(r),
         a.map_or(f64::NAN, |a| a.p50),
         a.map_or(f64::NAN, |a| a.p99),
         ms(r.reconcile_p50_le_s),
@@ -253,18 +265,19 @@ impl ScaleReport {
             let _ = writeln!(m, "- {line}");
         }
         m.push_str(
-            "\n| N | nodes | apply (s) | all Ready (s) | apply→Ready p50 (ms) | p99 (ms) | max (ms) | \
+            "\n| N | reads | nodes | apply (s) | all Ready (s) | apply→Ready p50 (ms) | p99 (ms) | max (ms) | \
              reconcile p50 | reconcile p99 | steady reconcile p99 | queue depth max / mean | \
              peak RSS (MiB) | CPU to settled (s) | steady CPU (%) | steady reconciles | writes \
              per steady resync | load avg (1 min) at apply / settled |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
         for r in &self.runs {
             let a = r.apply_to_ready_ms;
             let _ = writeln!(
                 m,
-                "| {} | {} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {:.0} / {:.2} | {:.1} | {:.1} | {:.1} | {:.0} | {} | {:.1} / {:.1} |",
+                "| {} | {} | {} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {:.0} / {:.2} | {:.1} | {:.1} | {:.1} | {:.0} | {} | {:.1} / {:.1} |",
                 r.n,
+                if r.read_cache { "cached" } else { "API" },
                 r.nodes,
                 r.apply_s,
                 r.all_ready_s,
@@ -544,6 +557,7 @@ mod tests {
             nodes: 8,
             gpus_per_node: 8,
             resync_seconds: 20,
+            read_cache: true,
             apply_s: 1.0,
             all_ready_s: 5.0,
             settled_s: 10.0,
@@ -583,7 +597,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         ok.write(dir.path()).unwrap();
         let md = std::fs::read_to_string(dir.path().join("scale.md")).unwrap();
-        assert!(md.contains("| 10 | 8 |"), "{md}");
+        assert!(md.contains("| 10 | cached | 8 |"), "{md}");
         let svg = std::fs::read_to_string(dir.path().join("apply_to_ready.svg")).unwrap();
         assert!(svg.starts_with("<svg"), "{}", &svg[..40.min(svg.len())]);
         assert!(dir.path().join("scale.json").exists());
