@@ -352,7 +352,41 @@ async fn rolled_out(h: &Harness, layout: &str) -> Result<(), String> {
             .then_some(())
     })
     .await
-    .ok_or_else(|| format!("{PREFILL} did not roll onto layout {layout} in {ROLLOUT:?}"))
+    .ok_or_else(|| {
+        format!(
+            "{PREFILL} did not roll onto layout {layout} in {ROLLOUT:?}; {}",
+            rollout_state(h)
+        )
+    })
+}
+
+/// What a stuck rollout looks like: each prefill pod's revision, readiness, gang gate and
+/// restarts, and the pool's rollout status, group restarts and Degraded condition.
+fn rollout_state(h: &Harness) -> String {
+    let pods = h
+        .kubectl(&[
+            "get",
+            "pods",
+            "-l",
+            &format!("{POOL}={PREFILL}"),
+            "-o",
+            "jsonpath={range .items[*]}{.metadata.name} rev={.metadata.labels.serving\\.tandem\\.dev/revision} \
+             deleting={.metadata.deletionTimestamp} ready={.status.conditions[?(@.type==\"Ready\")].status} \
+             gate={.status.conditions[?(@.type==\"serving.tandem.dev/group-ready\")].reason} \
+             restarts={.status.containerStatuses[*].restartCount}; {end}",
+        ])
+        .unwrap_or_else(|e| e);
+    let pool = h
+        .kubectl(&[
+            "get",
+            "prefillpool",
+            PREFILL,
+            "-o",
+            "jsonpath=rollout={.status.rollout} groupRestarts={.status.groupRestarts} \
+             degraded={.status.conditions[?(@.type==\"Degraded\")].message}",
+        ])
+        .unwrap_or_else(|e| e);
+    format!("pods: {pods} pool: {pool}")
 }
 
 /// What a replay of the slice saw.

@@ -3,7 +3,9 @@
 //! halts to make.
 //!
 //! A group *fails* when a container of one of its pods at the target revision restarted (the
-//! kubelet's `restartCount`, native sidecars included). Then:
+//! kubelet's `restartCount`, native sidecars included) — for a group of several pods, only while
+//! none of its live pods is at another revision (ranks of two revisions cannot form a group; the
+//! rollout restarts the old pods). Then:
 //! - a group of **several pods** (`tensor × context > 1`) is restarted whole — every pod deleted,
 //!   the StatefulSet recreates them — because one rank coming back alone cannot rejoin the
 //!   group's collectives; each such restart is counted in `status.groupRestarts`;
@@ -100,8 +102,15 @@ pub fn plan(
                 .filter(|p| !p.terminating && p.revision == target)
                 .collect();
             let in_place = live.iter().map(|p| p.restarts).max().unwrap_or(0);
+            // Ranks beside a pod of another revision cannot form their group: that is the
+            // rollout's to fix (it restarts the old pods, `rollout::GroupState::Stale`), not a
+            // failure of the group to count against its budget.
+            let mixed = g
+                .pods
+                .iter()
+                .any(|p| !p.terminating && p.revision != target);
             if g.desired_pods > 1 {
-                if in_place > 0 {
+                if in_place > 0 && !mixed {
                     if counted >= budget {
                         record.halted = true;
                         out.actions.push(RecoveryAction::Halt {
@@ -174,6 +183,21 @@ mod tests {
             restarts,
             halted,
         }
+    }
+
+    /// A rank that crashed beside a pod the StatefulSet brought back at the old revision is not
+    /// the group's failure: nothing is counted until the rollout has replaced the old pod.
+    #[test]
+    fn a_mixed_group_is_the_rollouts_to_fix_not_a_failure() {
+        let mut g = group(0, 2, &[1, 0]);
+        g.pods[1].revision = "r0".into();
+        assert_eq!(plan(&[g.clone()], &[], "r1", 3), RecoveryPlan::default());
+        // Once the old pod is gone and the group is whole at r1, the crash counts.
+        g.pods[1].revision = "r1".into();
+        assert_eq!(
+            plan(&[g], &[], "r1", 3).records,
+            vec![record(0, "r1", 1, false)]
+        );
     }
 
     #[test]

@@ -60,8 +60,9 @@ pub struct GroupObservation {
 pub enum GroupState {
     /// Every desired pod exists at the target revision, Ready, not terminating.
     Updated,
-    /// Complete and settled (no pod terminating, every target-revision pod Ready) but some pods
-    /// are at an old revision: the group is due for a restart.
+    /// Complete (every desired pod present, none terminating) but some pods are at an old
+    /// revision: the group is due for a restart (of its old pods; new pods of a mixed group
+    /// cannot become Ready beside them).
     Stale,
     /// Pods terminating: routing has stopped and the workers drain.
     Draining,
@@ -80,17 +81,18 @@ impl GroupObservation {
         if self.pods.len() < self.desired_pods as usize {
             return GroupState::Restarting;
         }
-        if self.pods.iter().any(|p| p.revision == target && !p.ready) {
-            return GroupState::LoadingBack;
-        }
+        // Old pods first: a group of several pods at more than one revision never becomes Ready
+        // (its gang gate says `GroupMixedRevision`, and ranks of two revisions refuse each
+        // other), so waiting for its new pods would wait forever. The StatefulSet controller
+        // recreates a pod from the template it has seen: one deleted right after the template
+        // changed can come back at the old revision.
         if self.pods.iter().any(|p| p.revision != target) {
             return GroupState::Stale;
         }
-        if self.pods.iter().all(|p| p.ready) {
-            GroupState::Updated
-        } else {
-            GroupState::LoadingBack
+        if self.pods.iter().any(|p| !p.ready) {
+            return GroupState::LoadingBack;
         }
+        GroupState::Updated
     }
 
     /// Every desired pod exists, is Ready and is not terminating (any revision).
@@ -281,6 +283,37 @@ pub fn plan(groups: &[GroupObservation], target: &str, gate: Option<PrefillGate>
     }
 }
 
+/// [`plan`] for a pool whose status says a rollout is under way (`rolling`: its last phase was
+/// not Idle). Once no pod is left at an old revision the rollout is not over until every group
+/// is Updated: a group still draining, restarting or loading back keeps its phase. Without this a
+/// pool whose last old pods were deleted and already gone (a group of 0 pods has no old pod)
+/// would report `Idle` and `RolloutComplete` while its group is down.
+pub fn plan_rollout(
+    groups: &[GroupObservation],
+    target: &str,
+    gate: Option<PrefillGate>,
+    rolling: bool,
+) -> RolloutPlan {
+    let p = plan(groups, target, gate);
+    if !rolling || p.phase != phase::IDLE {
+        return p;
+    }
+    let coming_up = groups.iter().find_map(|g| match g.state(target) {
+        GroupState::Draining => Some((g.index, phase::DRAINING)),
+        GroupState::Restarting => Some((g.index, phase::RESTARTING)),
+        GroupState::LoadingBack => Some((g.index, phase::LOADING_BACK)),
+        GroupState::Updated | GroupState::Stale => None,
+    });
+    match coming_up {
+        Some((group, phase)) => RolloutPlan {
+            phase,
+            group: Some(group),
+            ..p
+        },
+        None => p,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -359,6 +392,25 @@ mod tests {
         ));
     }
 
+    /// The last old pods deleted and already gone: the group has no pod at all, so none is
+    /// old; a rollout under way stays `Restarting` (then `LoadingBack`) until the group is
+    /// Updated, where a pool that was not rolling (a scale-up) stays `Idle`.
+    #[test]
+    fn a_rollout_ends_only_when_its_groups_are_updated() {
+        let gone = group(0, vec![]);
+        let p = plan_rollout(&[gone.clone(), settled(1, "b")], "b", None, true);
+        assert_eq!((p.phase, p.group), (phase::RESTARTING, Some(0)));
+        assert_eq!(p.action, RolloutAction::Wait);
+        assert_eq!(p.updated_groups, 1);
+        let warming = group(0, vec![pod(0, 0, "b", true), pod(0, 1, "b", false)]);
+        let p = plan_rollout(&[warming], "b", None, true);
+        assert_eq!((p.phase, p.group), (phase::LOADING_BACK, Some(0)));
+        let p = plan_rollout(&[settled(0, "b")], "b", None, true);
+        assert_eq!((p.phase, p.group), (phase::IDLE, None));
+        let p = plan_rollout(&[gone], "b", None, false);
+        assert_eq!(p.phase, phase::IDLE, "a scale-up is no rollout");
+    }
+
     #[test]
     fn decode_waits_for_a_same_revision_prefill_group() {
         let closed = PrefillGate {
@@ -392,6 +444,17 @@ mod tests {
     fn only_old_pods_of_a_mixed_group_are_deleted() {
         // A pod the StatefulSet recreated from the new template is already at b.
         let g = group(0, vec![pod(0, 0, "b", true), pod(0, 1, "a", true)]);
+        let p = plan(&[g], "b", None);
+        assert_eq!(
+            p.action,
+            RolloutAction::RestartGroup {
+                group: 0,
+                pods: vec!["p-g0-1".into()]
+            }
+        );
+        // Its new pod not Ready, as a gang gate keeps it beside an old one: still restarted,
+        // never left waiting for a readiness that cannot come.
+        let g = group(0, vec![pod(0, 0, "b", false), pod(0, 1, "a", false)]);
         let p = plan(&[g], "b", None);
         assert_eq!(
             p.action,

@@ -224,6 +224,7 @@ impl PoolKind for DecodePool {
             conditions: vec![degraded, policy, ic],
             notes,
             busy,
+            rolling: pool::rolling(dp.status.as_ref()),
         }
     }
 

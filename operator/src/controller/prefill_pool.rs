@@ -183,6 +183,7 @@ impl PoolKind for PrefillPool {
             capacity: CapacityState::Steady,
             notes,
             busy: false,
+            rolling: pool::rolling(prev),
         }
     }
 

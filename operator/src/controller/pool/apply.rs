@@ -146,7 +146,12 @@ pub fn rollout_plan(
         .into_iter()
         .filter(|g| !recovery.halted(g.index))
         .collect();
-    rollout::plan(&obs, &desired.resolved.config.revision, desired.gate)
+    rollout::plan_rollout(
+        &obs,
+        &desired.resolved.config.revision,
+        desired.gate,
+        desired.rolling,
+    )
 }
 
 /// Whether [`converge`] would delete something for `observed`: a whole-group restart or a halt of

@@ -88,6 +88,9 @@ pub struct Desired {
     pub notes: Vec<Note>,
     /// Something is moving besides the rollout (requeue soon).
     pub busy: bool,
+    /// A rollout is under way ([`rolling`] of the pool's status): it ends only once every
+    /// group is Updated ([`crate::rollout::plan_rollout`]).
+    pub rolling: bool,
 }
 
 /// What distinguishes a pool kind; the stages that are the same for both live in this module.
@@ -310,16 +313,21 @@ pub async fn reconcile<K: PoolKind>(handed: Arc<K>, ctx: Arc<Context>) -> Result
     Ok(Action::requeue(if busy { BUSY } else { ctx.resync }))
 }
 
-/// `RolloutComplete` when the previous status had a rollout under way and this plan is idle.
+/// Whether `status` says a rollout is under way: its `rollout.phase` is not Idle.
+pub fn rolling(status: Option<&PoolStatus>) -> bool {
+    status
+        .and_then(|p| p.rollout.as_ref())
+        .is_some_and(|r| r.phase != phase::IDLE)
+}
+
+/// `RolloutComplete` when the previous status had a rollout under way and this plan is idle
+/// (every group Updated: [`crate::rollout::plan_rollout`]).
 pub fn rollout_complete(
     prev: Option<&PoolStatus>,
     plan: &RolloutPlan,
     revision: &str,
 ) -> Option<Note> {
-    let was_rolling = prev
-        .and_then(|p| p.rollout.as_ref())
-        .is_some_and(|r| r.phase != phase::IDLE);
-    (was_rolling && plan.phase == phase::IDLE).then(|| Note {
+    (rolling(prev) && plan.phase == phase::IDLE).then(|| Note {
         type_: normal(),
         reason: "RolloutComplete",
         action: "Rollout",
