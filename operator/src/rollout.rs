@@ -4,7 +4,8 @@
 //! Group StatefulSets use `updateStrategy: OnDelete`, so applying a new pod template restarts
 //! nothing; the controller restarts groups itself, one at a time, lowest index first:
 //!
-//! 1. **Draining** — the old-revision pods of the chosen group are deleted. Deleting a pod is how
+//! 1. **Draining** — the pods of the chosen group are deleted (all of them: a group found at two
+//!    revisions cannot form, so its new pods restart with the old). Deleting a pod is how
 //!    routing stops: a terminating pod's endpoint is published `ready=false` at once, and the
 //!    worker's `/readyz` turns 503 on SIGTERM, then it drains or aborts its rooms and flushes L2 to
 //!    L3 within the grace period (DESIGN contract 9). Pod labels are never edited: a pod that lost
@@ -104,7 +105,8 @@ impl GroupObservation {
 
 /// Rollout phase names, as written to `status.rollout.phase`.
 pub mod phase {
-    /// No group is at an old revision.
+    /// No group is at an old revision, and (for a rollout under way, [`super::plan_rollout`])
+    /// every group is Updated.
     pub const IDLE: &str = "Idle";
     /// A decode pool waits for enough Updated prefill groups of the target revision
     /// ([`PrefillGate`]).
@@ -217,7 +219,8 @@ pub fn plan(groups: &[GroupObservation], target: &str, gate: Option<PrefillGate>
         .iter()
         .any(|g| g.pods.iter().any(|p| p.revision != target));
     if !has_old {
-        // Groups still coming up at the target revision are reported by `Progressing`.
+        // Groups still coming up at the target revision: `plan_rollout` keeps a rollout's phase
+        // until they are Updated; a scale-up's are reported by `Progressing`.
         return RolloutPlan {
             phase: phase::IDLE,
             group: None,
@@ -266,18 +269,16 @@ pub fn plan(groups: &[GroupObservation], target: &str, gate: Option<PrefillGate>
             }),
         };
     }
+    // The whole group: a pod already at the target beside old ones is a rank that could not
+    // form its group (and may have crashed trying); it restarts with the others, so the group
+    // comes back whole and with no restart counted against it.
     RolloutPlan {
         phase: phase::DRAINING,
         group: Some(stale.index),
         updated_groups,
         action: RolloutAction::RestartGroup {
             group: stale.index,
-            pods: stale
-                .pods
-                .iter()
-                .filter(|p| p.revision != target)
-                .map(|p| p.name.clone())
-                .collect(),
+            pods: stale.pods.iter().map(|p| p.name.clone()).collect(),
         },
         prefill_wait: None,
     }
@@ -440,29 +441,23 @@ mod tests {
         assert_eq!(p.prefill_wait, None);
     }
 
+    /// A pod the StatefulSet recreated from the new template sits beside an old one: its gang
+    /// gate keeps it not Ready (`GroupMixedRevision`), so the group is restarted whole at once,
+    /// never left waiting in LoadingBack for a readiness that cannot come.
     #[test]
-    fn only_old_pods_of_a_mixed_group_are_deleted() {
-        // A pod the StatefulSet recreated from the new template is already at b.
-        let g = group(0, vec![pod(0, 0, "b", true), pod(0, 1, "a", true)]);
-        let p = plan(&[g], "b", None);
-        assert_eq!(
-            p.action,
-            RolloutAction::RestartGroup {
-                group: 0,
-                pods: vec!["p-g0-1".into()]
-            }
-        );
-        // Its new pod not Ready, as a gang gate keeps it beside an old one: still restarted,
-        // never left waiting for a readiness that cannot come.
-        let g = group(0, vec![pod(0, 0, "b", false), pod(0, 1, "a", false)]);
-        let p = plan(&[g], "b", None);
-        assert_eq!(
-            p.action,
-            RolloutAction::RestartGroup {
-                group: 0,
-                pods: vec!["p-g0-1".into()]
-            }
-        );
+    fn a_group_at_two_revisions_restarts_whole() {
+        for new_ready in [false, true] {
+            let g = group(0, vec![pod(0, 0, "b", new_ready), pod(0, 1, "a", false)]);
+            let p = plan(&[g], "b", None);
+            assert_eq!(p.phase, phase::DRAINING);
+            assert_eq!(
+                p.action,
+                RolloutAction::RestartGroup {
+                    group: 0,
+                    pods: vec!["p-g0-0".into(), "p-g0-1".into()]
+                }
+            );
+        }
     }
 
     /// Drives a simulated pool through a whole rollout: at every step at most one group is away
@@ -486,11 +481,11 @@ mod tests {
                     assert_eq!(plan(&groups, "b", None).phase, phase::DRAINING);
                     let g = &mut groups[group as usize];
                     g.pods = vec![pod(group, 0, "b", false), pod(group, 1, "b", false)];
-                    // The last group's loadback is reported by `Progressing`, not the rollout.
-                    let ph = plan(&groups, "b", None).phase;
-                    assert!(
-                        ph == phase::LOADING_BACK || (group == 3 && ph == phase::IDLE),
-                        "{ph}"
+                    // The last group's loadback: no old pod is left, but the rollout is under
+                    // way until that group is Updated.
+                    assert_eq!(
+                        plan_rollout(&groups, "b", None, true).phase,
+                        phase::LOADING_BACK
                     );
                     let g = &mut groups[group as usize];
                     for pd in &mut g.pods {
