@@ -143,13 +143,20 @@ async fn report(addr: std::net::SocketAddr) -> Value {
 }
 
 async fn complete(front: std::net::SocketAddr, max_tokens: u32) -> (u16, Value) {
-    let (code, frames) = http(
-        front,
-        "POST",
-        "/v1/completions",
-        Some(completion(PROMPT, max_tokens, false)),
-    )
-    .await;
+    complete_body(front, completion(PROMPT, max_tokens, false)).await
+}
+
+/// [`complete`] of a prompt whose pages share no prefix hash with any other request's (`n`
+/// picks the hashes): a room that must compute never finds a sibling's pages in the prefill's
+/// tiers (the simulated engine stores a room's prefix pages before its compute time has passed).
+async fn complete_unshared(front: std::net::SocketAddr, max_tokens: u32, n: u64) -> (u16, Value) {
+    let mut body = completion(PROMPT, max_tokens, false);
+    body["kv_block_hashes"] = serde_json::json!([1000 * n + 1, 1000 * n + 2, 1000 * n + 3]);
+    complete_body(front, body).await
+}
+
+async fn complete_body(front: std::net::SocketAddr, body: Value) -> (u16, Value) {
+    let (code, frames) = http(front, "POST", "/v1/completions", Some(body)).await;
     (
         code,
         serde_json::from_str(&text(&frames)).unwrap_or(Value::Null),
@@ -406,9 +413,11 @@ async fn a_decode_engine_killed_while_its_kv_is_in_flight_leaks_no_page_on_eithe
         readyz(dh).await.0 == 200
     })
     .await;
+    // Two prompts without a shared prefix: had the second found the first's pages in the
+    // prefill's L2, it would complete at once (seen in CI: `rooms_completed` 1 below).
     let mut tasks = Vec::new();
-    for _ in 0..2 {
-        tasks.push(tokio::spawn(complete(front, 3)));
+    for n in 0..2 {
+        tasks.push(tokio::spawn(complete_unshared(front, 3, n + 1)));
     }
     // Both rooms are open on the prefill, whose engine is computing them.
     until(Duration::from_secs(20), || async {
