@@ -59,23 +59,25 @@ fn demo_replays_a_trace_slice_through_scale_and_rolling_restart() {
         "--time-scale",
         "1.0",
     ])
-    // Retry budget 8 (backoff 0.1 s doubling to 2 s: ~9 s of retries): on this 2-core debug build
-    // the rolling restart used to leave the new revision with one Ready prefill group for both new
-    // decodes for ~25 s (each prefill group takes ~30 s to load back from L3), and old decodes
-    // briefly without a peer of their revision; with budget 6 (~5 s) a CI run lost 2 of 200 in
-    // that window (issue 17 note). The operator's prefill gate now holds each decode restart to
-    // its P:D share of new prefill groups (8:2: 4, then 7), which moves the decode restarts ~100 s
-    // after `restart.id`: at the default 60 % that was past the end of this replay (decode
-    // restarts at 159 s and 181 s, replay done at 143 s), so the slice scales at 10 % and
-    // restarts at 15 % to keep the decode restarts under traffic (a CI rehearsal at 25 % took
-    // 109 s from `restart.id` to the last decode, ending after the replay). The budget is kept
-    // until a run shows the restarts under load without it. Corruption and systematic loss still
-    // fail the run. The slice is 300 requests at the trace's own pace (they span 102 s): after
-    // session 13's changes two CI rehearsals served 200 requests at half pace in 65 s, before the
-    // first decode restart (68 s), and saw no restart under traffic (the replay had been slower:
-    // 143 s in an earlier run).
+    // Retry budget 8 (backoff 0.1 s doubling to 2 s: ~9 s of retries): while the rolling restart
+    // runs, the new revision briefly has fewer Ready prefill groups than its decodes want and the
+    // old decodes briefly lack a peer of their revision; with budget 6 (~5 s) a CI run lost 2 of
+    // 200 in that window (issue 17 note). Corruption and systematic loss still fail the run.
+    //
+    // The slice must restart decode groups while requests still run (asserted below). The
+    // operator's prefill gate holds the k-th decode restart until ceil((k+1)·P/D) prefill groups
+    // are back at the new revision (8:2: 4, then 7), and each prefill group is Ready only after
+    // its L3 loadback. With the whole L2 to load back (~1,200 pages per pod after 300 requests at
+    // the trace's pace) a loadback on this 2-core machine runs into its 30 s deadline, so the
+    // first decode restart came ~123 s after `restart.id` — a CI run (stop 27) saw it at 143 s,
+    // 2 s after the replay's last request (141 s). TANDEM_L3_LOADBACK_PAGES=256 bounds each
+    // loadback to a few seconds, so the decode restarts fall mid-replay; the loadback still runs
+    // on every restarted prefill (the restart check requires pages loaded back). The slice is
+    // 300 requests at the trace's own pace (they span 102 s), scaling at 10 % and restarting at
+    // 15 %.
     .args(["--concurrency-limit", "8", "--retry-budget", "8"])
     .args(["--scale-at", "10", "--restart-at", "15"])
+    .args(["--pod-env", "TANDEM_L3_LOADBACK_PAGES=256"])
     .arg("--builtin-engine")
     .arg("--state-dir")
     .arg(tmp.path().join("cluster"))
