@@ -170,7 +170,11 @@ fn one() -> i32 {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct RolloutStatus {
-    /// `Idle`, `StopRouting`, `Draining`, `Flushing`, `Restarting`, `LoadingBack`, `Admitting`.
+    /// `Idle`; `WaitingForPrefill` (a DecodePool: too few prefill groups at the new revision
+    /// yet); `WaitingForStatefulSet` (the group's StatefulSet controller has not yet seen the new
+    /// pod template); `Draining` (the group's pods are terminating: routing stopped, rooms
+    /// drain, L2 flushes to L3); `Restarting` (its pods are being recreated); `LoadingBack` (its
+    /// new pods are not Ready yet: L3 loadback).
     pub phase: String,
     /// Groups already at the target revision and ready.
     #[serde(default)]

@@ -173,6 +173,7 @@ mod tests {
                 .enumerate()
                 .map(|(i, r)| pod(index, i as u32, "r1", *r))
                 .collect(),
+            template_revision: Some("r1".into()),
         }
     }
 
@@ -285,6 +286,7 @@ mod tests {
                 index: 0,
                 desired_pods: 2,
                 pods: vec![],
+                template_revision: Some("r2".into()),
             },
             group(1, 2, &[0, 0]),
         ];

@@ -4,6 +4,9 @@
 //! Group StatefulSets use `updateStrategy: OnDelete`, so applying a new pod template restarts
 //! nothing; the controller restarts groups itself, one at a time, lowest index first:
 //!
+//! 0. **WaitingForStatefulSet** — until the group's StatefulSet controller has observed the new
+//!    template ([`GroupObservation::template_revision`]): it recreates a deleted pod from the
+//!    spec it has seen.
 //! 1. **Draining** — the pods of the chosen group are deleted (all of them: a group found at two
 //!    revisions cannot form, so its new pods restart with the old). Deleting a pod is how
 //!    routing stops: a terminating pod's endpoint is published `ready=false` at once, and the
@@ -54,6 +57,12 @@ pub struct GroupObservation {
     pub desired_pods: u32,
     /// Pods found with this group's labels.
     pub pods: Vec<PodObservation>,
+    /// The revision of the pod template the group's StatefulSet controller recreates pods from:
+    /// the StatefulSet's `serving.tandem.dev/revision` label once its `status.observedGeneration`
+    /// has reached its `metadata.generation`; `None` while the controller has not yet seen the
+    /// StatefulSet's latest spec (or there is no StatefulSet). A pod deleted before the controller
+    /// has seen a new template comes back from the old one.
+    pub template_revision: Option<String>,
 }
 
 /// Where a group stands relative to the target revision.
@@ -117,6 +126,10 @@ pub mod phase {
     pub const RESTARTING: &str = "Restarting";
     /// The current group's new pods are not Ready yet (L3 loadback).
     pub const LOADING_BACK: &str = "LoadingBack";
+    /// The next group's StatefulSet controller has not yet observed the new pod template
+    /// ([`super::GroupObservation::template_revision`]): its pods are deleted once it has, so they
+    /// come back at the target revision.
+    pub const WAITING_FOR_STATEFUL_SET: &str = "WaitingForStatefulSet";
 }
 
 /// What the controller does next.
@@ -269,6 +282,20 @@ pub fn plan(groups: &[GroupObservation], target: &str, gate: Option<PrefillGate>
             }),
         };
     }
+    // Only once the StatefulSet controller works from the target template: it recreates a
+    // deleted pod from the spec it has observed, so a delete that races the template update
+    // brings the pod back at the old revision — a wasted restart (a second drain and loadback),
+    // and for a group of several pods a group at two revisions. The StatefulSet's status update
+    // is a watch event, so the next reconcile comes with it.
+    if stale.template_revision.as_deref() != Some(target) {
+        return RolloutPlan {
+            phase: phase::WAITING_FOR_STATEFUL_SET,
+            group: Some(stale.index),
+            updated_groups,
+            action: RolloutAction::Wait,
+            prefill_wait: None,
+        };
+    }
     // The whole group: a pod already at the target beside old ones is a rank that could not
     // form its group (and may have crashed trying); it restarts with the others, so the group
     // comes back whole and with no restart counted against it.
@@ -329,11 +356,14 @@ mod tests {
         }
     }
 
+    /// A group of two pods whose StatefulSet controller already works from the target
+    /// template "b" (the tests' target).
     fn group(index: u32, pods: Vec<PodObservation>) -> GroupObservation {
         GroupObservation {
             index,
             desired_pods: 2,
             pods,
+            template_revision: Some("b".into()),
         }
     }
 
@@ -439,6 +469,38 @@ mod tests {
             RolloutAction::RestartGroup { group: 0, .. }
         ));
         assert_eq!(p.prefill_wait, None);
+    }
+
+    /// A delete that races the template update is recreated from the old template (the
+    /// StatefulSet controller recreates from the spec it has observed): the rollout deletes a
+    /// group's pods only once its StatefulSet's controller has observed the target template.
+    #[test]
+    fn a_group_restarts_only_once_its_statefulset_works_from_the_target_template() {
+        for seen in [None, Some("a")] {
+            let mut g = settled(0, "a");
+            g.template_revision = seen.map(str::to_owned);
+            let p = plan(&[g, settled(1, "a")], "b", None);
+            assert_eq!(p.phase, phase::WAITING_FOR_STATEFUL_SET, "{seen:?}");
+            assert_eq!(p.group, Some(0));
+            assert_eq!(p.action, RolloutAction::Wait, "{seen:?}");
+        }
+        let p = plan(&[settled(0, "a"), settled(1, "a")], "b", None);
+        assert!(matches!(
+            p.action,
+            RolloutAction::RestartGroup { group: 0, .. }
+        ));
+        // A decode pool behind its prefill gate says so first: that is the longer wait.
+        let mut g = settled(0, "a");
+        g.template_revision = None;
+        let closed = PrefillGate {
+            updated_prefill: 0,
+            prefill_groups: 1,
+            decode_groups: 1,
+        };
+        assert_eq!(
+            plan(&[g], "b", Some(closed)).phase,
+            phase::WAITING_FOR_PREFILL
+        );
     }
 
     /// A pod the StatefulSet recreated from the new template sits beside an old one: its gang

@@ -450,6 +450,16 @@ async fn a_restart_rolls_prefill_first_then_decode_one_group_at_a_time() {
     );
     let d = fake.get(paths::DECODES, DECODE).unwrap();
     assert_eq!(d["status"]["rollout"]["phase"], "WaitingForPrefill");
+    // The prefill reconcile writes the new templates; a pod deleted before the StatefulSet
+    // controller has seen them would come back from the old one.
+    reconcile_prefill(&ctx).await;
+    assert!(
+        deleted_pods(&fake.calls()).is_empty(),
+        "no pod deleted before the StatefulSet controller observed the new template"
+    );
+    let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
+    assert_eq!(p["status"]["rollout"]["phase"], "WaitingForStatefulSet");
+    fake.observe_statefulsets();
     reconcile_prefill(&ctx).await;
     assert_eq!(
         deleted_pods(&fake.calls()),

@@ -281,6 +281,11 @@ impl FakeApi {
                                 }
                             }
                             merge(&mut o["metadata"], &patch["metadata"]);
+                            // As the API server does: a spec change moves the generation.
+                            if o["spec"] != existing["spec"] {
+                                let g = existing["metadata"]["generation"].as_i64().unwrap_or(1);
+                                o["metadata"]["generation"] = json!(g + 1);
+                            }
                             o
                         }
                         None => {
@@ -421,11 +426,29 @@ impl FakeApi {
         self.calls().into_iter().filter(Call::is_write).collect()
     }
 
+    /// The StatefulSet controller's sync of every StatefulSet, as far as the operator reads it:
+    /// `status.observedGeneration` set to `metadata.generation` (a pod it recreates from now on
+    /// comes from the latest template).
+    pub fn observe_statefulsets(&self) {
+        for n in self.names(paths::STS) {
+            let Some(s) = self.get(paths::STS, &n) else {
+                continue;
+            };
+            if s["status"]["observedGeneration"] != s["metadata"]["generation"] {
+                self.edit(paths::STS, &n, |o| {
+                    o["status"]["observedGeneration"] = o["metadata"]["generation"].clone();
+                });
+            }
+        }
+    }
+
     /// Creates the pods of every StatefulSet (as the StatefulSet controller and the scheduler
     /// and kubelet would), `ContainersReady` and scheduled, from the current template (its
     /// readiness gates included: `Ready` waits for their conditions); drops pods beyond
-    /// `spec.replicas`. Existing pods keep their labels (OnDelete).
+    /// `spec.replicas`. Existing pods keep their labels (OnDelete). Every StatefulSet's
+    /// `status.observedGeneration` reaches its generation ([`Self::observe_statefulsets`]).
     pub fn materialize_pods(&self) {
+        self.observe_statefulsets();
         let sets: Vec<Value> = self
             .names(paths::STS)
             .iter()

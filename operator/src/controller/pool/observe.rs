@@ -84,8 +84,24 @@ impl PoolChildren {
                         restarts: children::pod_restarts(p),
                     })
                     .collect(),
+                template_revision: self.template_revision(g),
             })
             .collect()
+    }
+
+    /// [`GroupObservation::template_revision`] of group `g`: its StatefulSet's revision label,
+    /// once `status.observedGeneration` has reached `metadata.generation` (the StatefulSet
+    /// controller writes that only after syncing with that spec).
+    fn template_revision(&self, g: u32) -> Option<String> {
+        let sts = self
+            .statefulsets
+            .values()
+            .find(|s| children::group_of(*s) == Some(g) && !children::terminating(*s))?;
+        let observed = sts.status.as_ref().and_then(|s| s.observed_generation)?;
+        if observed < sts.metadata.generation? {
+            return None;
+        }
+        sts.labels().get(labels::REVISION).cloned()
     }
 }
 
