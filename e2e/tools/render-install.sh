@@ -25,6 +25,8 @@ if [[ "${CHECK:-0}" == 1 ]]; then
   exit 0
 fi
 tmp=$(mktemp "$out.XXXXXX")
+# A failed rendering (no helm, a chart error) must not leave its partial file beside the manifest.
+trap 'rm -f "$tmp"' EXIT
 render >"$tmp"
 chmod 644 "$tmp"
 mv "$tmp" "$out"
