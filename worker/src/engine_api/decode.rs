@@ -122,6 +122,47 @@ struct State {
     /// Per page, the `seq` of the SafeToReuse that last released it to the current attach (absent:
     /// none did, or the release was not reported because the room was an older attach's).
     page_release: HashMap<u32, u64>,
+    /// Rooms that failed and were released, with their cause ([`EndedRooms`]).
+    ended: EndedRooms,
+}
+
+/// Rooms remembered by [`EndedRooms`] (the oldest are forgotten first).
+const ENDED_ROOMS: usize = 4096;
+
+/// The rooms that were released (the gate freed their pages and the room left the table: every
+/// release follows a failure, Finish's included), with their attach and cause, so that AwaitKv
+/// and Abort of such a room still answer as they would have a moment earlier. A room's KV deadline can pass between Reserve's reply and the
+/// engine's AwaitKv — the demo's abort probe (30 ms deadline, debug engines) saw it — and a room
+/// with no write in flight is freed at once; answering that AwaitKv `UNKNOWN_ROOM` made the engine
+/// end the request as an engine error (HTTP 500, not retried) instead of the retryable KV timeout
+/// it was. Bounded FIFO of [`ENDED_ROOMS`] rooms (a burst of more releases than that before the
+/// engine asks — a prefill crash failing thousands of rooms at once — answers the oldest
+/// `UNKNOWN_ROOM` again, as before).
+#[derive(Default)]
+struct EndedRooms {
+    cause: HashMap<RoomKey, (u64, FailureCause)>,
+    order: std::collections::VecDeque<RoomKey>,
+}
+
+impl EndedRooms {
+    fn record(&mut self, key: RoomKey, attach: u64, cause: FailureCause) {
+        if self.cause.insert(key, (attach, cause)).is_none() {
+            self.order.push_back(key);
+            if self.order.len() > ENDED_ROOMS
+                && let Some(old) = self.order.pop_front()
+            {
+                self.cause.remove(&old);
+            }
+        }
+    }
+
+    /// The cause `key` failed with, if it was a room of `attach` that ended that way.
+    fn of(&self, key: RoomKey, attach: u64) -> Option<FailureCause> {
+        self.cause
+            .get(&key)
+            .filter(|(a, _)| *a == attach)
+            .map(|(_, c)| *c)
+    }
 }
 
 /// What Reserve handed out.
@@ -531,11 +572,22 @@ impl DecodeSide {
     /// the pages until Finish or Abort) or the room failed. Cancel-safe: dropping the future changes
     /// nothing.
     ///
+    /// A room that already failed and was released answers its failure ([`EndedRooms`]).
+    ///
     /// # Errors
     /// `UNKNOWN_ROOM`.
     pub async fn await_kv(&self, attach: u64, key: RoomKey) -> Result<pb::AwaitKvReply, ApiError> {
+        let failed = |cause: FailureCause| pb::AwaitKvReply {
+            outcome: Some(pb::await_kv_reply::Outcome::Failed(pb::KvFailed {
+                reason: wire_reason(cause) as i32,
+                message: format!("{key} failed: {cause:?}"),
+            })),
+        };
         let mut rx = {
             let st = lock(&self.state);
+            if let Some(cause) = st.ended.of(key, attach) {
+                return Ok(failed(cause));
+            }
             self.room_of(&st, attach, key)?;
             st.rooms[&key].outcome.subscribe()
         };
@@ -545,7 +597,10 @@ impl DecodeSide {
             }
             if rx.changed().await.is_err() {
                 // The room was released (e.g. a bypassed gate) before an outcome was published.
-                return Err(unknown_room(key));
+                return match lock(&self.state).ended.of(key, attach) {
+                    Some(cause) => Ok(failed(cause)),
+                    None => Err(unknown_room(key)),
+                };
             }
         };
         let reply = match outcome {
@@ -560,10 +615,7 @@ impl DecodeSide {
                     tokens: room.tokens,
                 })
             }
-            Outcome::Failed(cause) => pb::await_kv_reply::Outcome::Failed(pb::KvFailed {
-                reason: wire_reason(cause) as i32,
-                message: format!("{key} failed: {cause:?}"),
-            }),
+            Outcome::Failed(cause) => return Ok(failed(cause)),
         };
         Ok(pb::AwaitKvReply {
             outcome: Some(reply),
@@ -604,16 +656,24 @@ impl DecodeSide {
     }
 
     /// The engine abandons the room: it fails through the gate. Returns whether the pages were
-    /// released at once.
+    /// released at once — true for a room that had already failed and been released (its
+    /// SafeToReuse was emitted then; [`EndedRooms`]).
     ///
     /// # Errors
     /// `UNKNOWN_ROOM`.
     pub fn abort(&self, attach: u64, key: RoomKey, cause: FailureCause) -> Result<bool, ApiError> {
-        self.room_of(&lock(&self.state), attach, key)?;
-        Ok(matches!(
-            self.fail(key, cause),
-            Some(GateVerdict::Free { .. })
-        ))
+        {
+            let st = lock(&self.state);
+            if st.ended.of(key, attach).is_some() {
+                return Ok(true);
+            }
+            self.room_of(&st, attach, key)?;
+        }
+        Ok(match self.fail(key, cause) {
+            Some(verdict) => matches!(verdict, GateVerdict::Free { .. }),
+            // Released between the check and the fail (its deadline ran out meanwhile).
+            None => lock(&self.state).ended.of(key, attach).is_some(),
+        })
     }
 
     /// Whether the gate runs as the negative control `GateMode::UnsafeBypass` (seed 004 before its
@@ -688,6 +748,17 @@ impl DecodeSide {
                 from_quarantine,
             } => {
                 let room = st.rooms.remove(&key);
+                // Every release is through a failure (Finish fails a committed room with
+                // ClientAbort); the room's cause is what a late AwaitKv or Abort is answered.
+                if let Some(r) = &room {
+                    let cause = match *r.outcome.borrow() {
+                        Some(Outcome::Failed(c)) => Some(c),
+                        _ => r.room.cause(),
+                    };
+                    if let Some(cause) = cause {
+                        st.ended.record(key, r.attach, cause);
+                    }
+                }
                 let pages = if from_quarantine {
                     st.quarantine.release(key).unwrap_or_default()
                 } else {
@@ -1019,6 +1090,45 @@ mod tests {
                 .after_release,
             1
         );
+    }
+
+    /// A room whose KV deadline passed before its engine asked (freed at once: no write was in
+    /// flight) still answers AwaitKv with its failure — the retryable `KV_TIMEOUT` — and Abort
+    /// with "released", as it would have a moment earlier; the demo's abort probe saw the
+    /// deadline win that race and the request end as an engine error (HTTP 500). Another
+    /// attach, or a room never reserved, is still `UNKNOWN_ROOM`.
+    #[test]
+    fn a_room_released_before_its_engine_asked_answers_its_failure() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let side = side(&rt);
+        let mut events = side.releases().watch();
+        let r = side.reserve(0, 1, 4, Duration::from_secs(600)).unwrap();
+        assert!(
+            matches!(
+                side.fail(r.key, FailureCause::Timeout),
+                Some(GateVerdict::Free { .. })
+            ),
+            "no writer: released at once"
+        );
+        assert!(events.try_recv().is_ok(), "the room was released");
+        assert!(side.room_state(r.key).is_none(), "the room left the table");
+        match rt.block_on(side.await_kv(0, r.key)) {
+            Ok(pb::AwaitKvReply {
+                outcome: Some(pb::await_kv_reply::Outcome::Failed(f)),
+            }) => assert_eq!(f.reason, pb::FailureReason::KvTimeout as i32, "{f:?}"),
+            other => panic!("expected the room's failure, got {other:?}"),
+        }
+        assert_eq!(side.abort(0, r.key, FailureCause::ClientAbort), Ok(true));
+        assert!(events.try_recv().is_err(), "no second release");
+        let unknown = |res: Result<pb::AwaitKvReply, ApiError>| matches!(res, Err(e) if e.reason == pb::ErrorReason::UnknownRoom);
+        assert!(
+            unknown(rt.block_on(side.await_kv(9, r.key))),
+            "another attach"
+        );
+        assert!(unknown(rt.block_on(side.await_kv(0, RoomKey::new(777, 1)))));
     }
 
     /// A prefill's `RoomFailed` that arrives once the room's KV deadline has passed is the
