@@ -162,8 +162,9 @@ fn fill_bytes(buf: &mut [u8], seed: u64) {
     }
 }
 
-/// Drops the clean page-cache pages of every file under `dir` (recursively one level deep).
-fn evict_page_cache(dir: &Path) -> Result<(), LoadbackBenchError> {
+/// Drops the clean page-cache pages of every file under `dir` (recursively one level deep);
+/// `restart-loadback` uses it too.
+pub(crate) fn evict_page_cache(dir: &Path) -> Result<(), LoadbackBenchError> {
     for sub in ["objects", "manifests"] {
         let d = dir.join(sub);
         for entry in fs::read_dir(&d).map_err(io_err(format!("listing {}", d.display())))? {

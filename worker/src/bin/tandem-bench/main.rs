@@ -19,6 +19,7 @@ mod layer_split;
 mod loadback;
 mod pool;
 mod registration;
+mod restart_loadback;
 mod routing;
 mod snapshot;
 mod transfer;
@@ -45,6 +46,8 @@ enum Bench {
     LayerSplit(layer_split::LayerSplitArgs),
     /// L3 restart-to-warm time and loadback bytes/s vs the disk's sequential read rate.
     Loadback(loadback::LoadbackArgs),
+    /// A restarted prefill's loadback from L3 into L2: several read streams vs one at a time.
+    RestartLoadback(restart_loadback::RestartLoadbackArgs),
     /// Snapshot sync with the prefill KV pool full: dedicated buffer vs the pool itself (seed 002).
     Snapshot(snapshot::SnapshotArgs),
     /// Prefix-affine prefill selection vs round-robin on the Mooncake conversation trace (model).
@@ -70,6 +73,9 @@ fn main() -> ExitCode {
             .map(|r| r.lines())
             .map_err(|e| e.to_string()),
         Bench::Loadback(a) => loadback::run(&a)
+            .map(|r| r.lines())
+            .map_err(|e| e.to_string()),
+        Bench::RestartLoadback(a) => restart_loadback::run(&a)
             .map(|r| r.lines())
             .map_err(|e| e.to_string()),
         Bench::Snapshot(a) => snapshot::run(&a)

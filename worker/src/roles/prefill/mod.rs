@@ -34,6 +34,7 @@
 
 pub mod cp_group;
 pub mod l3_report;
+pub mod loadback;
 pub mod node;
 pub mod prefix_cache;
 pub mod seat;
@@ -85,7 +86,8 @@ pub fn run(args: Args) -> Result<(), RoleError> {
     super::runtime()?.block_on(async move {
         let stop = signals::terminated()
             .map_err(|e| RoleError::Failed(format!("signal handlers: {e}")))?;
-        let server = match PrefillServer::start(&cfg, knobs, PrefillOptions::from_env()).await {
+        let opts = PrefillOptions::from_env().map_err(RoleError::Failed)?;
+        let server = match PrefillServer::start(&cfg, knobs, opts).await {
             Ok(s) => s,
             // Fail closed, visibly: not Ready, the typed refusal in /readyz, /report, /metrics.
             Err(super::ServeError::Pools(e)) => {
@@ -131,6 +133,9 @@ pub struct PrefillOptions {
     /// Most pages loaded back at start (`TANDEM_L3_LOADBACK_PAGES`; default: the L2 capacity;
     /// 0 disables loadback).
     pub loadback_pages: Option<usize>,
+    /// Reads in flight during the restart loadback (`TANDEM_L3_LOADBACK_STREAMS`, 1 to
+    /// [`loadback::MAX_STREAMS`]; default [`loadback::DEFAULT_STREAMS`]): see [`loadback`].
+    pub loadback_streams: usize,
     /// The L3 replica book's knobs: `TANDEM_L3_WRITE_RAMP_S` (write ramp of a replica that
     /// attached empty, seconds, at least 1; default 60) and `TANDEM_L3_RATE_WINDOW_S` (window of
     /// the per-replica write rates, seconds, at least 1; default 60). Builds with the
@@ -168,8 +173,11 @@ fn l3_book_from_env() -> BookConfig {
 
 impl PrefillOptions {
     /// Options from the pod environment.
-    pub fn from_env() -> Self {
-        Self {
+    ///
+    /// # Errors
+    /// A setting the worker does not understand (today `TANDEM_L3_LOADBACK_STREAMS`), named.
+    pub fn from_env() -> Result<Self, String> {
+        Ok(Self {
             bind_ip: pod_ip(),
             worker_id: std::env::var("POD_NAME").unwrap_or_else(|_| "prefill-0".into()),
             drain_grace: super::drain_grace_from_env(),
@@ -177,8 +185,9 @@ impl PrefillOptions {
             loadback_pages: std::env::var("TANDEM_L3_LOADBACK_PAGES")
                 .ok()
                 .and_then(|v| v.trim().parse().ok()),
+            loadback_streams: loadback::streams_from_env()?,
             l3_book: l3_book_from_env(),
-        }
+        })
     }
 }
 
@@ -477,18 +486,20 @@ impl PrefillServer {
             let tiers = seat.as_ref().and_then(|s| s.tiers.clone());
             let deadline = Instant::now() + opts.loadback_deadline;
             let limit = opts.loadback_pages.unwrap_or(l2_pages).min(l2_pages);
+            let streams = opts.loadback_streams;
             tokio::spawn(async move {
                 let started = Instant::now();
                 let with_engine = tiers.is_some();
                 let loaded = tokio::task::spawn_blocking(move || match tiers {
                     // With an engine, L2 holds the bytes: the loadback reads them into it.
-                    Some(t) => t.load_back(limit, deadline),
-                    None => c.load_back(layout, limit, deadline),
+                    Some(t) => t.load_back(limit, streams, deadline),
+                    None => c.load_back(layout, limit, streams, deadline),
                 })
                 .await
                 .unwrap_or(0);
                 tracing::info!(
                     loaded,
+                    streams,
                     elapsed_ms = started.elapsed().as_millis() as u64,
                     "L3 loadback into L2 done; admitting"
                 );

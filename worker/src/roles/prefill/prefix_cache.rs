@@ -33,6 +33,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::l3_report::{self, L3Metrics};
+use super::loadback::{self, StreamConns};
 use super::node::{ComputePlan, RoomPlanner};
 use crate::config::WritePolicy;
 use crate::control::KvLayout;
@@ -309,19 +310,66 @@ impl PrefixCache {
         None
     }
 
-    /// A read of `page` along its [`route`](Self::route): the first answer that `hit` accepts,
-    /// else the last answer (a miss), else `None` when no replica answered.
+    /// Runs `call` on `addr` over `conns`, connections of one caller's own (a loadback stream,
+    /// [`super::loadback`]) rather than the shared ones: opened on first use — after the shared
+    /// connection to `addr` is attached ([`Self::client`]), so the replica book records the
+    /// attachment (outage ended, backoff cleared, write ramp) exactly as on the serving path — and
+    /// like [`Self::call_on`] a failed call drops its connection and is retried once on a fresh
+    /// one, counted in the book.
+    fn call_own<T>(
+        &self,
+        conns: &mut StreamConns,
+        addr: SocketAddr,
+        what: &str,
+        call: impl Fn(&L3Client) -> Result<T, crate::l3::client::L3ClientError>,
+    ) -> Option<T> {
+        for attempt in 0..2 {
+            let client = match conns.0.entry(addr) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    // Attached (or refused, and booked as such) through the shared path first.
+                    self.client(addr)?;
+                    match L3Client::connect(addr, CONNECT_TIMEOUT) {
+                        Ok(c) => v.insert(c),
+                        Err(e) => {
+                            lock(&self.book).connect_failed(addr, Instant::now());
+                            (self.health)(Some(format!("L3 replica {addr}: {e}")));
+                            return None;
+                        }
+                    }
+                }
+            };
+            match call(client) {
+                Ok(v) => return Some(v),
+                Err(e @ crate::l3::client::L3ClientError::Server(_)) => {
+                    (self.health)(Some(format!("L3 {what}: {e}")));
+                    return None;
+                }
+                Err(e) => {
+                    conns.0.remove(&addr);
+                    lock(&self.book).call_failed(addr, Instant::now());
+                    if attempt == 1 {
+                        (self.health)(Some(format!("L3 {what}: {e}")));
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// A read of `page` along its [`route`](Self::route), each replica asked through `on`: the
+    /// first answer that `hit` accepts, else the last answer (a miss), else `None` when no
+    /// replica answered.
     fn read<T>(
         &self,
         target: &L3Target,
         page: PageKey,
-        what: &str,
-        call: impl Fn(&L3Client) -> Result<T, crate::l3::client::L3ClientError>,
+        mut on: impl FnMut(SocketAddr) -> Option<T>,
         hit: impl Fn(&T) -> bool,
     ) -> Option<T> {
         let mut last = None;
         for addr in self.route(target, page, true) {
-            match self.call_on(addr, what, &call) {
+            match on(addr) {
                 Some(v) if hit(&v) => return Some(v),
                 Some(v) => last = Some(v),
                 None => {}
@@ -358,7 +406,8 @@ impl PrefixCache {
         let mut n = 0;
         for key in keys {
             let object = self.object(target, *key);
-            match self.read(target, *key, "lookup", |c| c.lookup(&[object]), |n| *n > 0) {
+            let lookup = |a| self.call_on(a, "lookup", |c| c.lookup(std::slice::from_ref(&object)));
+            match self.read(target, *key, lookup, |n| *n > 0) {
                 Some(1) => n += 1,
                 _ => break,
             }
@@ -426,8 +475,34 @@ impl PrefixCache {
     pub fn l3_get(&self, page: PageKey) -> Result<Option<Vec<u8>>, String> {
         let target = self.l3.as_ref().ok_or("no L3 tier is configured")?;
         let object = self.object(target, page);
-        self.read(target, page, "get", |c| c.get(&object), Option::is_some)
-            .ok_or_else(|| format!("no L3 replica answered a get of page {page}"))
+        self.read(
+            target,
+            page,
+            |a| self.call_on(a, "get", |c| c.get(&object)),
+            Option::is_some,
+        )
+        .ok_or_else(|| format!("no L3 replica answered a get of page {page}"))
+    }
+
+    /// [`Self::l3_get`] over a loadback stream's own connections `conns` (so that several
+    /// streams read at once instead of queueing on the shared connection per replica).
+    ///
+    /// # Errors
+    /// As [`Self::l3_get`].
+    pub(super) fn l3_get_on(
+        &self,
+        conns: &mut StreamConns,
+        page: PageKey,
+    ) -> Result<Option<Vec<u8>>, String> {
+        let target = self.l3.as_ref().ok_or("no L3 tier is configured")?;
+        let object = self.object(target, page);
+        self.read(
+            target,
+            page,
+            |a| self.call_own(conns, a, "get", |c| c.get(&object)),
+            Option::is_some,
+        )
+        .ok_or_else(|| format!("no L3 replica answered a get of page {page}"))
     }
 
     /// Puts `bytes` as `page`'s target-pool object; true when the store acknowledged it (counted
@@ -471,53 +546,40 @@ impl PrefixCache {
 
 impl PrefixCache {
     /// Restart loadback (DESIGN §5: "restart, load back from L3, admit when CacheWarm"): asks
-    /// every replica for this shard's most recently used pages (up to the L2 capacity), reads
-    /// each object, checks it byte for byte against the page it must hold, and publishes the good
-    /// ones in L2, most recent last. Stops at `deadline`. Returns the pages loaded; a bad object
-    /// counts in `corrupt_pages_read` and is skipped.
-    pub fn load_back(&self, layout: KvLayout, limit: usize, deadline: Instant) -> u64 {
-        let Some(target) = &self.l3 else { return 0 };
-        let addrs = match self.resolver.lookup_blocking(&target.service, target.port) {
-            Ok(a) => a,
-            Err(e) => {
-                (self.health)(Some(e.to_string()));
-                return 0;
-            }
-        };
-        let mut hot = Vec::new();
-        for addr in addrs {
-            match L3Client::connect(addr, CONNECT_TIMEOUT)
-                .and_then(|c| c.hot(target.shard, PoolRole::Target, limit))
-            {
-                Ok(keys) => hot.extend(keys),
-                Err(e) => (self.health)(Some(format!("L3 replica {addr}: {e}"))),
-            }
-        }
+    /// every replica for this shard's most recently used pages (up to `limit`), reads each object
+    /// over `streams` read streams ([`loadback::read_in_order`]), checks it byte for byte against
+    /// the page it must hold, and publishes the good ones in L2, most recent last. Stops at
+    /// `deadline`. Returns the pages loaded; a bad object counts in `corrupt_pages_read` and is
+    /// skipped.
+    pub fn load_back(
+        &self,
+        layout: KvLayout,
+        limit: usize,
+        streams: usize,
+        deadline: Instant,
+    ) -> u64 {
+        let order: Vec<PageKey> = self.l3_hot(limit).into_iter().rev().collect();
         let mut loaded = 0;
-        for object in hot.iter().take(limit).rev() {
-            if Instant::now() >= deadline {
-                tracing::warn!(loaded, "L3 loadback stopped at its deadline");
-                break;
-            }
-            let expected = Self::object_bytes(object.page, layout);
-            match self.read(
-                target,
-                object.page,
-                "get",
-                |c| c.get(object),
-                Option::is_some,
-            ) {
-                Some(Some(bytes)) if bytes == expected => {
-                    lock(&self.index).insert(Tier::L2Host, &[object.page], Residency::Present);
+        let done =
+            loadback::read_in_order(self, &order, streams, deadline, |page, read| match read {
+                Ok(Some(bytes)) if bytes == Self::object_bytes(page, layout) => {
+                    lock(&self.index).insert(Tier::L2Host, &[page], Residency::Present);
                     self.counters.l3_pages_loaded_back.inc();
                     loaded += 1;
                 }
-                Some(Some(_)) => {
-                    tracing::error!(%object, "L3 object does not hold its page; skipped");
+                Ok(Some(_)) => {
+                    tracing::error!(%page, "L3 object does not hold its page; skipped");
                     self.counters.corrupt_pages_read.inc();
                 }
-                _ => {}
-            }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(%page, error = %e, "loadback get failed"),
+            });
+        if done.stopped_at_deadline {
+            tracing::warn!(
+                loaded,
+                of = order.len(),
+                "L3 loadback stopped at its deadline"
+            );
         }
         loaded
     }

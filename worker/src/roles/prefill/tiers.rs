@@ -610,23 +610,29 @@ impl HostTiers {
     }
 
     /// Restart loadback (DESIGN §5): this shard's most recently used pages from L3 into L2 (up to
-    /// `limit` and the L2 capacity), each read whole (the store checks its checksum; this side its
-    /// length), most recent last; stops at `deadline`. Returns the pages loaded back (also counted
-    /// in `l3_pages_loaded_back`).
-    pub fn load_back(&self, limit: usize, deadline: Instant) -> u64 {
+    /// `limit` and the L2 capacity), each read whole over `streams` read streams
+    /// ([`super::loadback::read_in_order`]; the store checks its checksum, this side its length)
+    /// and published most recent last; stops at `deadline`. Returns the pages loaded back (also
+    /// counted in `l3_pages_loaded_back`).
+    pub fn load_back(&self, limit: usize, streams: usize, deadline: Instant) -> u64 {
         if self.write_policy.is_none() {
             return 0;
         }
-        let hot = self.cache.l3_hot(limit.min(self.l2_capacity));
+        let order: Vec<PageKey> = self
+            .cache
+            .l3_hot(limit.min(self.l2_capacity))
+            .into_iter()
+            .rev()
+            .collect();
         let mut loaded = 0;
-        for key in hot.iter().rev() {
-            if Instant::now() >= deadline {
-                tracing::warn!(loaded, "L3 loadback stopped at its deadline");
-                break;
-            }
-            match self.cache.l3_get(*key) {
+        let done = super::loadback::read_in_order(
+            &self.cache,
+            &order,
+            streams,
+            deadline,
+            |key, read| match read {
                 Ok(Some(b)) if b.len() == self.page_bytes() => {
-                    let evicted = self.l2_insert(*key, Arc::from(b), true);
+                    let evicted = self.l2_insert(key, Arc::from(b), true);
                     self.write_back(evicted);
                     self.counters.l3_pages_loaded_back.inc();
                     self.stats.pages_loaded_back.fetch_add(1, Ordering::Relaxed);
@@ -638,7 +644,14 @@ impl HostTiers {
                 }
                 Ok(None) => {}
                 Err(e) => tracing::warn!(page = %key, error = %e, "loadback get failed"),
-            }
+            },
+        );
+        if done.stopped_at_deadline {
+            tracing::warn!(
+                loaded,
+                of = order.len(),
+                "L3 loadback stopped at its deadline"
+            );
         }
         loaded
     }
