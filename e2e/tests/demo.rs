@@ -12,10 +12,13 @@
 //! demo's built-in generated workload is used (printed), unless `TANDEM_REQUIRE_DATA=1`: then the
 //! test fails.
 //!
-//! The suite runs the worker's built-in engine (`--builtin-engine`): on the engine path (the
-//! default demo, both pools on the Simulated engine, debug binaries) a quiet run on 2026-12-03
-//! lost 2 of 200 requests past their KV deadline with every other check passing; the engine path
-//! stays live in the stack, stack_negative and seed000 suites until the debug sim engines keep up.
+//! The suite runs the default demo: both pools on the Simulated engine through the engine API
+//! (DESIGN §3.1), the path a user's `tandem-e2e demo` runs, and checks that every engine worker
+//! reported its pools. It used to run the worker's built-in engine (`--builtin-engine`) because the
+//! engine path lost 2 of 200 requests; those were the abort probe's rooms (KV deadline 30 ms), whose
+//! deadline passed between Reserve's reply and the engine's AwaitKv: the room was released and
+//! AwaitKv answered UNKNOWN_ROOM, which the engine could only report as an engine error (HTTP 500,
+//! not retried). The worker now answers such a room's failure (`engine_api::decode`, ended rooms).
 //! Skips when the control plane is not built, unless `TANDEM_E2E_REQUIRE_CLUSTER` is set.
 
 use std::path::{Path, PathBuf};
@@ -78,7 +81,6 @@ fn demo_replays_a_trace_slice_through_scale_and_rolling_restart() {
     .args(["--concurrency-limit", "8", "--retry-budget", "8"])
     .args(["--scale-at", "10", "--restart-at", "15"])
     .args(["--pod-env", "TANDEM_L3_LOADBACK_PAGES=256"])
-    .arg("--builtin-engine")
     .arg("--state-dir")
     .arg(tmp.path().join("cluster"))
     .arg("--out")
@@ -140,6 +142,23 @@ fn demo_replays_a_trace_slice_through_scale_and_rolling_restart() {
         results["decode_restart_under_traffic"],
         serde_json::Value::Bool(true),
         "no decode pod restarted before the replay ended: the decode restarts saw no traffic"
+    );
+    // Through the engine API: prefill and decode pods reported a Simulated engine (the demo's own
+    // checks have verified the pages those engines read, for every engine worker it sampled).
+    let engine_pods = |role: &str| -> std::collections::BTreeSet<String> {
+        results["engine_workers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|w| w["role"] == role && w["kind"] == "Simulated")
+            .filter_map(|w| w["pod"].as_str().map(str::to_owned))
+            .collect()
+    };
+    let (prefills, decodes) = (engine_pods("prefill"), engine_pods("decode"));
+    assert!(
+        prefills.len() >= 4 && decodes.len() >= 2,
+        "the slice runs on the Simulated engine: engine pods {prefills:?} (prefill, want ≥ 4) and \
+         {decodes:?} (decode, want ≥ 2 after the scale)"
     );
     let pngs = std::fs::read_dir(&out)
         .unwrap()
