@@ -851,7 +851,23 @@ impl DecodeSide {
     /// side's own deadline timer has run (a CI rehearsal answered `prefill_unavailable` where the
     /// request's `kv_deadline_ms` had passed): once the room's deadline has passed, a prefill's
     /// failure is reported as the deadline (`KV_TIMEOUT`), not as a peer to retry.
+    ///
+    /// A room whose KV is complete (`Success`, or `Committed` to the engine) is not failed: every
+    /// write concluded, so nothing the prefill or the transport reports can touch its pages, and
+    /// the engine may be reading them — failing it would free them under the engine (released
+    /// `Concluded`, handed to the next Reserve). Only the engine ends such a room (Finish, Abort),
+    /// as `peer_lost` of the decode role already assumed.
     pub fn on_failed(&self, key: RoomKey, cause: FailureCause) {
+        let complete = lock(&self.state).rooms.get(&key).is_some_and(|r| {
+            matches!(
+                r.room.state(),
+                ReceiverState::Success | ReceiverState::Committed
+            )
+        });
+        if complete {
+            tracing::info!(%key, ?cause, "a failure reported after the room's KV completed; the room stays the engine's");
+            return;
+        }
         let cause = match cause {
             FailureCause::PrefillFailed
                 if lock(&self.state)
@@ -1129,6 +1145,44 @@ mod tests {
             "another attach"
         );
         assert!(unknown(rt.block_on(side.await_kv(0, RoomKey::new(777, 1)))));
+    }
+
+    /// A failure the transport or a prefill reports after the room's KV completed leaves the room
+    /// to the engine: its pages are not released under it (no SafeToReuse) until it Finishes —
+    /// whether it has already taken the KV (Committed) or not yet (Success, then AwaitKv still
+    /// answers Complete).
+    #[test]
+    fn a_failure_reported_after_the_kv_completed_does_not_free_the_engines_pages() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let side = side(&rt);
+        let mut events = side.releases().watch();
+        for (n, take_first) in [(1, true), (2, false)] {
+            let r = side.reserve(0, n, 4, Duration::from_secs(600)).unwrap();
+            side.on_complete(r.key);
+            let complete = |reply: Result<pb::AwaitKvReply, ApiError>| {
+                matches!(
+                    reply,
+                    Ok(pb::AwaitKvReply {
+                        outcome: Some(pb::await_kv_reply::Outcome::Complete(_))
+                    })
+                )
+            };
+            if take_first {
+                assert!(complete(rt.block_on(side.await_kv(0, r.key))));
+            }
+            side.on_failed(r.key, FailureCause::PrefillFailed);
+            side.on_failed(r.key, FailureCause::TransferFailed);
+            assert!(events.try_recv().is_err(), "released under the engine");
+            assert!(side.room_state(r.key).is_some(), "the room is still live");
+            if !take_first {
+                assert!(complete(rt.block_on(side.await_kv(0, r.key))));
+            }
+            assert_eq!(side.finish(0, r.key), Ok(true));
+            assert!(events.try_recv().is_ok(), "released at Finish");
+        }
     }
 
     /// A prefill's `RoomFailed` that arrives once the room's KV deadline has passed is the
