@@ -130,8 +130,9 @@ struct State {
 const ENDED_ROOMS: usize = 4096;
 
 /// The rooms that were released (the gate freed their pages and the room left the table: every
-/// release follows a failure, Finish's included), with their attach and cause, so that AwaitKv
-/// and Abort of such a room still answer as they would have a moment earlier. A room's KV deadline can pass between Reserve's reply and the
+/// release follows a failure, Finish's included as `ClientAbort`), with their attach and cause, so
+/// that a late AwaitKv answers the room's failure (a finished room's: `CLIENT_ABORT`) and a late
+/// Abort answers "released". A room's KV deadline can pass between Reserve's reply and the
 /// engine's AwaitKv — the demo's abort probe (30 ms deadline, debug engines) saw it — and a room
 /// with no write in flight is freed at once; answering that AwaitKv `UNKNOWN_ROOM` made the engine
 /// end the request as an engine error (HTTP 500, not retried) instead of the retryable KV timeout
@@ -606,6 +607,11 @@ impl DecodeSide {
         let reply = match outcome {
             Outcome::Complete => {
                 let mut st = lock(&self.state);
+                // Ended between the wake-up and here (a detach, the guard, a Finish of another
+                // caller): answered like an AwaitKv that came after.
+                if let Some(cause) = st.ended.of(key, attach) {
+                    return Ok(failed(cause));
+                }
                 let room = st.rooms.get_mut(&key).ok_or_else(|| unknown_room(key))?;
                 if room.room.state() == ReceiverState::Success {
                     let _ = room.room.commit();
@@ -691,9 +697,20 @@ impl DecodeSide {
     /// Fails a room through the gate (any cause): notifies its writers, asks for a transport proof
     /// and arms the ack deadline. Returns the gate's verdict, `None` for an unknown room.
     pub fn fail(&self, key: RoomKey, cause: FailureCause) -> Option<GateVerdict> {
-        let (notify, verdict, was_live) = {
+        self.fail_if(key, |_| Some(cause))
+    }
+
+    /// [`Self::fail`] with the cause decided by `decide` from the room, under the same lock as the
+    /// failure itself (`None`: the room is left as it is, and so is the result).
+    fn fail_if(
+        &self,
+        key: RoomKey,
+        decide: impl FnOnce(&Room) -> Option<FailureCause>,
+    ) -> Option<GateVerdict> {
+        let (notify, verdict, was_live, cause) = {
             let mut st = lock(&self.state);
             let room = st.rooms.get_mut(&key)?;
+            let cause = decide(room)?;
             let was_live = !matches!(
                 room.room.state(),
                 ReceiverState::ReleasePending
@@ -712,7 +729,7 @@ impl DecodeSide {
                 }
             });
             self.apply(&mut st, key, verdict);
-            (notify, verdict, was_live)
+            (notify, verdict, was_live, cause)
         };
         if !was_live {
             return Some(verdict);
@@ -855,31 +872,27 @@ impl DecodeSide {
     /// A room whose KV is complete (`Success`, or `Committed` to the engine) is not failed: every
     /// write concluded, so nothing the prefill or the transport reports can touch its pages, and
     /// the engine may be reading them — failing it would free them under the engine (released
-    /// `Concluded`, handed to the next Reserve). Only the engine ends such a room (Finish, Abort),
-    /// as `peer_lost` of the decode role already assumed.
+    /// `Concluded`, handed to the next Reserve). Such a room ends by the engine (Finish, Abort),
+    /// its detach or the worker's shutdown, or the speculative-decoding guard — never by a
+    /// transport report, as `peer_lost` of the decode role already assumed.
     pub fn on_failed(&self, key: RoomKey, cause: FailureCause) {
-        let complete = lock(&self.state).rooms.get(&key).is_some_and(|r| {
-            matches!(
+        // Decided under the failure's own lock: an `on_complete` on another thread (the fence at
+        // completion, a write thread) cannot slip between the check and the failure.
+        self.fail_if(key, |r| {
+            if matches!(
                 r.room.state(),
                 ReceiverState::Success | ReceiverState::Committed
-            )
-        });
-        if complete {
-            tracing::info!(%key, ?cause, "a failure reported after the room's KV completed; the room stays the engine's");
-            return;
-        }
-        let cause = match cause {
-            FailureCause::PrefillFailed
-                if lock(&self.state)
-                    .rooms
-                    .get(&key)
-                    .is_some_and(|r| Instant::now() >= r.kv_deadline_at) =>
-            {
-                FailureCause::Timeout
+            ) {
+                tracing::info!(%key, ?cause, "a failure reported after the room's KV completed; the room stays the engine's");
+                return None;
             }
-            other => other,
-        };
-        self.fail(key, cause);
+            Some(match cause {
+                FailureCause::PrefillFailed if Instant::now() >= r.kv_deadline_at => {
+                    FailureCause::Timeout
+                }
+                other => other,
+            })
+        });
     }
 
     /// An abort ack from prefill rank `rank` for `key`.
