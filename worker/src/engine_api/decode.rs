@@ -1058,6 +1058,14 @@ mod tests {
         Arc::new(KvPool::new(spec, &Allocator::new("t", MmapBackend::new())).unwrap())
     }
 
+    /// A current-thread runtime for the side's timers (never driven unless a test blocks on it).
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
     fn side(rt: &tokio::runtime::Runtime) -> Arc<DecodeSide> {
         DecodeSide::new(
             vec![pool(PoolRole::Target, 2)],
@@ -1080,10 +1088,7 @@ mod tests {
     /// again at 1 for the new attach.
     #[test]
     fn reserve_names_the_release_its_pages_came_from() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
+        let rt = runtime();
         let side = side(&rt);
         let mut events = side.releases().watch();
         let all = 4 * PAGES;
@@ -1128,10 +1133,7 @@ mod tests {
     /// attach, or a room never reserved, is still `UNKNOWN_ROOM`.
     #[test]
     fn a_room_released_before_its_engine_asked_answers_its_failure() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
+        let rt = runtime();
         let side = side(&rt);
         let mut events = side.releases().watch();
         let r = side.reserve(0, 1, 4, Duration::from_secs(600)).unwrap();
@@ -1166,10 +1168,7 @@ mod tests {
     /// answers Complete).
     #[test]
     fn a_failure_reported_after_the_kv_completed_does_not_free_the_engines_pages() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
+        let rt = runtime();
         let side = side(&rt);
         let mut events = side.releases().watch();
         for (n, take_first) in [(1, true), (2, false)] {
@@ -1204,10 +1203,7 @@ mod tests {
     /// deadline it is the prefill's failure (a peer to retry).
     #[test]
     fn a_prefill_failure_past_the_kv_deadline_reports_the_deadline() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
+        let rt = runtime();
         let side = side(&rt);
         // The AwaitKv reason of room `key` failed by the prefill: the call subscribes (first
         // poll), the failure lands, the call answers — polled by hand, so no timer task runs.
