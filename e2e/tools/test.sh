@@ -8,7 +8,7 @@
 # the CRD drift check, clippy of the `cuda` and `rdma` features and the `cuda` host-side tests, and
 # the negative controls behind the `negative-controls` feature, and the Mooncake rows of
 # `tandem-bench transfer --against mooncake` (a cached venv from PyPI), and the Python client's tests
-# (worker/python, a cached venv from PyPI).
+# (worker/python, a cached venv from PyPI; the vLLM tier's in a second one with torch and vLLM).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -75,6 +75,13 @@ cargo test --workspace
 step "tandem-kv: the Python client of the engine API and the SGLang backend against a real tandem-worker"
 py=$(bash worker/tools/python-venv.sh)
 TANDEM_WORKER_BIN="$PWD/target/debug/tandem-worker" "$py" -m pytest -q -p no:cacheprovider worker/python/tests
+
+# A second venv with torch and vLLM 0.33.0 (~95 s cold, 6.6 GB: PyPI's torch is the CUDA build with its
+# CUDA libraries; then from ~/.cache/tandem), where the vLLM module must run, not skip.
+step "tandem-kv: the vLLM secondary tier inside vLLM's real offloading manager, against a real tandem-worker"
+py_vllm=$(bash worker/tools/vllm-venv.sh)
+TANDEM_REQUIRE_VLLM=1 TANDEM_WORKER_BIN="$PWD/target/debug/tandem-worker" \
+  "$py_vllm" -m pytest -q -p no:cacheprovider worker/python/tests/test_vllm_tier.py
 
 step "CRDs in charts/tandem/crds match the types"
 cargo run --quiet -p tandem-crds --bin crdgen -- --check

@@ -126,7 +126,7 @@ def test_negative_control_a_corrupt_copy_is_detected(tmp_path, monkeypatch):
     """The byte comparison can fail: a copy that changes one byte per page makes the pages differ."""
     import ctypes
 
-    import tandem_kv.sglang as s
+    import tandem_kv.tiers as s
 
     orig = s.copy_spans
 
