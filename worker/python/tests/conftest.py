@@ -194,3 +194,22 @@ def make_worker(tmp_path, request):
             except ProcessLookupError:
                 pass
         w.kill()
+
+
+@pytest.fixture
+def corrupting_copy(monkeypatch):
+    """Negative control of the byte comparisons: from now on every page copy of the adapters
+    (`tandem_kv.tiers.copy_spans`) changes the first byte it writes."""
+    import ctypes
+
+    import tandem_kv.tiers as tiers
+
+    orig = tiers.copy_spans
+
+    def corrupt(dst, src):
+        n = orig(dst, src)
+        addr = dst[0][0]
+        ctypes.memset(addr, (ctypes.c_ubyte.from_address(addr).value + 1) & 0xFF, 1)
+        return n
+
+    monkeypatch.setattr(tiers, "copy_spans", corrupt)

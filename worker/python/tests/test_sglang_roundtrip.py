@@ -122,20 +122,8 @@ def test_restarted_server_serves_the_keys_after_reattach(tmp_path):
         f.stop()
 
 
-def test_negative_control_a_corrupt_copy_is_detected(tmp_path, monkeypatch):
+def test_negative_control_a_corrupt_copy_is_detected(tmp_path, request):
     """The byte comparison can fail: a copy that changes one byte per page makes the pages differ."""
-    import ctypes
-
-    import tandem_kv.tiers as s
-
-    orig = s.copy_spans
-
-    def corrupt(dst, src):
-        n = orig(dst, src)
-        a = dst[0][0]
-        ctypes.memset(a, (ctypes.c_ubyte.from_address(a).value + 1) & 0xFF, 1)
-        return n
-
     f = FakeWorker(str(tmp_path / "s"), pages=3).start()
     pool = HostPool(4)
     b = backend_on(f.dir, pool)
@@ -143,7 +131,7 @@ def test_negative_control_a_corrupt_copy_is_detected(tmp_path, monkeypatch):
         pool.fill("neg")
         want = [pool.page_bytes(p) for p in range(2)]
         keys = chain_keys(2, salt=77)
-        monkeypatch.setattr(s, "copy_spans", corrupt)
+        request.getfixturevalue("corrupting_copy")
         assert b.batch_set_v1(keys, indices(range(2))) == [True] * 2
         pool.zero()
         assert b.batch_get_v1(keys, indices(range(2))) == [True] * 2
