@@ -91,6 +91,7 @@ class TierBackend:
         # that use them (Store, Load and their copies) run one at a time.
         self._staging_lock = threading.Lock()
         self._last_log = {}
+        self._stats_lock = threading.Lock()
         self.stats = {"attaches": 0, "lost": 0, "stored": 0, "loaded": 0, "lookups": 0, "refused": 0}
 
     # -- to provide ----------------------------------------------------------------------------
@@ -140,7 +141,7 @@ class TierBackend:
             except Exception as e:
                 att.close()
                 self._retry_at = time.monotonic() + self.retry_s
-                self.stats["refused"] += 1
+                self._count("refused")
                 self._log("accept", "tandem: the worker's pool does not fit this engine (misses until it does): %s", e)
                 return None
             pool = att.pool()
@@ -148,30 +149,44 @@ class TierBackend:
             self._staging = list(range(min(n, pool.page_count)))
             self._ns = self._namespace(att.reply.model_fingerprint)
             self._attached = att
-            self.stats["attaches"] += 1
+            self._count("attaches")
             logger.info("tandem: attached (id %d, %d staging pages of %d B)", att.id, len(self._staging), pool.page_bytes)
             return att
 
-    def _drop(self, why):
+    def _drop(self, att, why):
+        """Ends attach `att` after a call on it failed: forgets it (unless another thread already
+        replaced it) and closes it once no copy runs in its pool (the staging lock), so a failure on
+        one thread never unmaps the pool under another thread's copy."""
+        self._forget(att, why)
+        with self._staging_lock:
+            att.close()
+
+    def _forget(self, att, why) -> None:
+        """Stops using attach `att` (unless another thread already replaced it); the caller closes
+        it once nothing copies into its pool."""
         with self._lock:
-            if self._attached is not None:
-                self._attached.close()
+            if self._attached is att:
                 self._attached = None
-                self.stats["lost"] += 1
-            self._retry_at = 0.0  # the next call tries once at once
+                self._count("lost")
+                self._retry_at = 0.0  # the next call tries once at once
         self._log("lost", "tandem: attach lost (%s); attaching again", why)
 
     def close(self):
-        """Detaches and closes the channel."""
+        """Detaches and closes the channel (after any copy in the pool has finished)."""
         with self._lock:
-            if self._attached is not None:
-                try:
-                    self.client.detach(self._attached.id)
-                except errors.TandemError:
-                    pass
-                self._attached.close()
-                self._attached = None
-            self.client.close()
+            att, self._attached = self._attached, None
+        if att is not None:
+            try:
+                self.client.detach(att.id)
+            except errors.TandemError:
+                pass
+            with self._staging_lock:
+                att.close()
+        self.client.close()
+
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[what] += n
 
     def key_hash(self, key) -> bytes:
         """The 8-byte prefix hash of the engine's page key `key` (str or bytes) in this backend's
@@ -193,11 +208,11 @@ class TierBackend:
                 with self._staging_lock:
                     return True, f(att)
             except LOST as e:
-                self._drop(e)
+                self._drop(att, e)
                 if not isinstance(e, errors.NotAttached) or attempt:
                     return False, None
             except errors.TandemError as e:
-                self.stats["refused"] += 1
+                self._count("refused")
                 self._log(type(e).__name__, "tandem: refused: %s", e)
                 return False, None
         return False, None
@@ -210,7 +225,7 @@ class TierBackend:
         keys = list(keys)
         if not keys:
             return 0
-        self.stats["lookups"] += 1
+        self._count("lookups")
 
         def run(att):
             total = 0
@@ -254,7 +269,7 @@ class TierBackend:
 
         ok, n = self._call(run)
         if ok:
-            self.stats["stored"] += n
+            self._count("stored", n)
         return out
 
     def load_pages(self, keys, spans):
@@ -285,5 +300,5 @@ class TierBackend:
 
         ok, n = self._call(run)
         if ok:
-            self.stats["loaded"] += n
+            self._count("loaded", n)
         return out

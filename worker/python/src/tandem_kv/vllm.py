@@ -6,7 +6,7 @@ by `TieringOffloadingSpec` from the tier's `module_path` (no registration, no vL
 
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
-        "cpu_bytes_to_use": 4294967296,
+        "cpu_bytes_to_use": 4294967296, "block_size": 512,
         "secondary_tiers": [{"type": "TandemSecondaryTier", "module_path": "tandem_kv.vllm",
           "socket_dir": "/run/tandem/engine",
           "model": {"name": "llama-3-70b", "layers": 80, "attention": "gqa",
@@ -19,8 +19,9 @@ runs in the scheduler process: `submit_store` copies the chunk rows into staging
 worker's pool and sends one `Tiers.Store`, `submit_load` sends one `Tiers.Load` and copies the pages
 that loaded into the chunk rows vLLM allocated; both run on one background thread (vLLM requires
 submit calls not to block) and report through `get_finished_jobs`. `lookup` is one `Tiers.Lookup`
-of one key, bounded by `timeout_s` (a MISS while the worker is down). Shared with the SGLang
-backend: the attach, reconnect after a worker restart, staging and the failure contract
+of one key on the live attach, bounded by `lookup_timeout_s`; it never attaches (a MISS until the
+job thread has attached, which it is woken to do) and never waits for the job thread. Shared with
+the SGLang backend: the attach, reconnect after a worker restart, staging and the failure contract
 (`tiers.py`).
 
 Identity: one chunk holds the whole model's KV for `tokens_per_block x blocks_per_chunk` tokens
@@ -28,14 +29,17 @@ Identity: one chunk holds the whole model's KV for `tokens_per_block x blocks_pe
 page size; the worker refuses a model that is not its own (IDENTITY_MISMATCH), and a worker page
 size other than the chunk's KV bytes is refused here — both leave the tier answering MISS, logged.
 
-Keys: vLLM's `OffloadKey` (the block hash and KV group), namespaced by engine, the worker's model
-fingerprint (vLLM's block hashes carry none: `kv_offload/spec.py`'s TODO), the model and, unless
-vLLM says the bytes are parallelism-agnostic, the worker layout; hashed to engine.proto's 8-byte
-prefix hashes.
+Keys: vLLM's `OffloadKey` (the block hash and KV group), namespaced by everything that fixes the
+chunk's bytes — the worker's model fingerprint (vLLM's block hashes carry none: `kv_offload/spec.py`'s
+TODO), the engine and its version, the model name, the KV dtype, the host layout (canonical or
+direct, the KV cache layout), the groups' block sizes and layer counts and, unless vLLM says the
+bytes are parallelism-agnostic, the TP/PP/CP layout (as vLLM's own `file_mapper.py` does); hashed
+to engine.proto's 8-byte prefix hashes.
 
 Tier config keys (besides vLLM's `type` and `module_path`): `model` (required: the worker config's
 `model` object), `socket_dir` (default `$TANDEM_ENGINE_SOCKET_DIR` or `/run/tandem/engine`),
-`timeout_s` (1.0: each call's deadline), `retry_s` (1.0), `engine` (`vllm/<version>`), `namespace`
+`timeout_s` (1.0: the deadline of each call of a job), `lookup_timeout_s` (0.1), `retry_s` (1.0),
+`locality` (vLLM's `LOCAL`/`REMOTE`), `engine` (`vllm/<version>`), `namespace`
 (extra key namespace), `staging_pages` (pages of the worker pool used, from page 0; default all).
 """
 
@@ -49,13 +53,14 @@ import time
 
 import numpy as np
 
+from . import errors
 from .client import engine_identity
-from .tiers import TierBackend
+from .tiers import LOST, TierBackend
 
 logger = logging.getLogger(__name__)
 
 try:  # vLLM present (the serving image): subclass its ABC so TieringOffloadingSpec accepts us.
-    from vllm.v1.kv_offload.base import LookupResult, Medium, RequestOffloadingContext
+    from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, RequestOffloadingContext
     from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
 
     _HAVE_VLLM = True
@@ -67,6 +72,14 @@ except Exception:  # pragma: no cover - no vLLM/torch: the module still imports,
 
 
 _STOP = object()
+_ATTACH = object()
+
+
+class _Close:
+    """A job-thread item: close this attach (lost on the scheduler thread)."""
+
+    def __init__(self, att):
+        self.att = att
 
 
 class TandemSecondaryTier(TierBackend, SecondaryTierManager):
@@ -83,7 +96,9 @@ class TandemSecondaryTier(TierBackend, SecondaryTierManager):
         model: dict | None = None,
         socket_dir: str | None = None,
         timeout_s: float = 1.0,
+        lookup_timeout_s: float = 0.1,
         retry_s: float = 1.0,
+        locality: str | None = None,
         engine: str | None = None,
         namespace: str = "",
         staging_pages: int | None = None,
@@ -103,6 +118,9 @@ class TandemSecondaryTier(TierBackend, SecondaryTierManager):
             backpressure_detector=backpressure_detector,
         )
         self.model = model
+        if locality is not None:
+            self.locality = Locality(locality)
+        self.lookup_timeout_s = float(lookup_timeout_s)
         self.engine = engine or _vllm_engine()
         self.namespace = namespace
         self._init_tiers(
@@ -120,10 +138,7 @@ class TandemSecondaryTier(TierBackend, SecondaryTierManager):
         self.chunk_kv_bytes = (
             cfg.worker_kv_bytes_per_block * copies * int(spec.blocks_per_chunk) if cfg is not None else self.block_size_bytes
         )
-        self._layout = "" if cfg is None or cfg.parallel.is_parallelism_agnostic else (
-            f"tp{cfg.parallel.tp_size}_pp{cfg.parallel.pp_size}_pcp{cfg.parallel.pcp_size}_dcp{cfg.parallel.dcp_size}"
-            f"_{cfg.kv_cache_layout or ''}"
-        )
+        self._format = _format_of(cfg)
         # The rows' address, without holding an export of the view: vLLM releases the view at its
         # shutdown (after ours, which stops the job thread first).
         rows = np.asarray(primary_kv_view)
@@ -135,6 +150,7 @@ class TandemSecondaryTier(TierBackend, SecondaryTierManager):
         self._finished: list = []
         self._finished_lock = threading.Lock()
         self._in_flight = 0
+        self._attach_queued = False
         self._thread = threading.Thread(target=self._run, name="tandem-tier", daemon=True)
         self._thread.start()
         self._session()  # a worker that is down is not an error here: attaching is retried
@@ -154,17 +170,33 @@ class TandemSecondaryTier(TierBackend, SecondaryTierManager):
 
     def _namespace(self, fingerprint: str) -> str:
         name = str(self.model.get("name", "unknown")).replace("/", "-")
-        return f"tandem-vllm/v1|{fingerprint}|{self.namespace}|{name}|{self._layout}"
+        return f"tandem-vllm/v1|{fingerprint}|{self.namespace}|{self.engine}|{name}|{self._format}"
 
     # -- SecondaryTierManager ----------------------------------------------------------------------
 
     def lookup(self, key, req_context):
-        """HIT when the worker's tiers hold `key`, else MISS (also while the worker is down)."""
+        """HIT when the worker's tiers hold `key`, else MISS (also while the worker is down or not
+        attached yet). One Lookup of at most `lookup_timeout_s` on the live attach; never attaches
+        and never waits for the job thread (vLLM calls it under its manager lock)."""
+        att = self._attached
+        if att is None:
+            self._wake_attach()
+            return LookupResult.MISS
         try:
-            return LookupResult.HIT if self.leading_hits([key]) == 1 else LookupResult.MISS
+            self._count("lookups")
+            r = self.client.lookup(att.id, [self.key_hash(key)], timeout=self.lookup_timeout_s)
+            return LookupResult.HIT if sum(h.pages for h in r.hits) >= 1 else LookupResult.MISS
+        except LOST as e:
+            # Closing unmaps the pool: the job thread does it between jobs, never under a copy.
+            self._forget(att, e)
+            self._jobs.put(_Close(att))
+            self._wake_attach()
+        except errors.TandemError as e:
+            self._count("refused")
+            self._log(type(e).__name__, "tandem: lookup refused: %s", e)
         except Exception as e:  # never into vLLM's scheduler
             self._log("lookup", "tandem: lookup failed: %r", e)
-            return LookupResult.MISS
+        return LookupResult.MISS
 
     def submit_store(self, job_metadata) -> None:
         """Queues the copy of the job's chunk rows to the worker (vLLM pins them until the job's
@@ -192,9 +224,24 @@ class TandemSecondaryTier(TierBackend, SecondaryTierManager):
         self._jobs.join()
 
     def shutdown(self) -> None:
-        """Stops the job thread after the jobs queued (each bounded) and detaches. Raises
-        `RuntimeError` when the thread is still copying after the bound: vLLM then keeps its CPU
-        region mapped (a tier whose shutdown fails may still use it)."""
+        """Fails the jobs not started yet, stops the job thread after the one in progress (bounded
+        by `timeout_s` per call) and detaches. Raises `RuntimeError` when the thread is still
+        copying after the bound: vLLM then keeps its CPU region mapped (a tier whose shutdown fails
+        may still use it)."""
+        closes = []
+        while True:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, tuple):
+                job, _ = item
+                self._finish(JobResult(job_id=job.job_id, success=False))
+            elif isinstance(item, _Close):
+                closes.append(item)  # the job in progress may still use that attach's pool
+            self._jobs.task_done()
+        for c in closes:
+            self._jobs.put(c)
         self._jobs.put(_STOP)
         self._thread.join(timeout=max(10.0, 8 * self.timeout_s))
         if self._thread.is_alive():
@@ -207,6 +254,19 @@ class TandemSecondaryTier(TierBackend, SecondaryTierManager):
         with self._finished_lock:
             self._in_flight += 1
         self._jobs.put((job, store))
+
+    def _wake_attach(self) -> None:
+        """Has the job thread attach (once queued at a time; it honours `retry_s`)."""
+        with self._finished_lock:
+            if self._attach_queued:
+                return
+            self._attach_queued = True
+        self._jobs.put(_ATTACH)
+
+    def _finish(self, result) -> None:
+        with self._finished_lock:
+            self._finished.append(result)
+            self._in_flight -= 1
 
     def _spans(self, chunk_ids):
         rows = [int(c) for c in chunk_ids]
@@ -222,11 +282,23 @@ class TandemSecondaryTier(TierBackend, SecondaryTierManager):
             try:
                 if item is _STOP:
                     return
+                if isinstance(item, _Close):
+                    item.att.close()
+                    continue
+                if item is _ATTACH:
+                    with self._finished_lock:
+                        self._attach_queued = False
+                    self._session()
+                    continue
                 job, store = item
-                result = self._do(job, store)
-                with self._finished_lock:
-                    self._finished.append(result)
-                    self._in_flight -= 1
+                try:
+                    result = self._do(job, store)
+                except Exception as e:  # the thread must outlive any job: vLLM waits on each one
+                    self._log("job", "tandem: job %r failed: %r", getattr(job, "job_id", None), e)
+                    result = JobResult(job_id=job.job_id, success=False)
+                self._finish(result)
+            except Exception as e:
+                self._log("thread", "tandem: job thread: %r", e)
             finally:
                 self._jobs.task_done()
 
@@ -251,6 +323,24 @@ class TandemSecondaryTier(TierBackend, SecondaryTierManager):
             transfer_time=time.monotonic() - start,
             transfer_bytes=len(done) * self.chunk_kv_bytes,
         )
+
+
+def _format_of(cfg) -> str:
+    """What fixes a chunk's bytes besides the model (see Keys in the module docstring); "" without
+    vLLM's offloading config."""
+    if cfg is None:
+        return ""
+    groups = ",".join(f"{g.group_id}:{g.tokens_per_block}x{len(g.layer_names)}" for g in cfg.groups)
+    parts = [
+        f"dtype={cfg.model.dtype}",
+        f"canonical={int(bool(getattr(cfg, 'canonical_layout', False)))}",
+        f"layout={getattr(cfg, 'kv_cache_layout', None) or ''}",
+        f"groups={groups}",
+    ]
+    p = cfg.parallel
+    if not p.is_parallelism_agnostic:
+        parts.append(f"tp{p.tp_size}_pp{p.pp_size}_pcp{p.pcp_size}_dcp{p.dcp_size}")
+    return "|".join(parts)
 
 
 def _vllm_engine() -> str:
