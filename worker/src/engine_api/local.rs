@@ -29,11 +29,26 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct LinkRoom {
     dst: Vec<u32>,
     outstanding: u32,
     last_done: bool,
+    failed: bool,
+}
+
+impl LinkRoom {
+    /// Books one write's end; true when the room's KV is complete: its last write landed, no write
+    /// is in flight, and none failed. A failed write bars completion for good — its page was never
+    /// written — even when its failure is booked after the last good write (the two run on
+    /// different threads, so a completion decided without this flag could reach the gate before
+    /// the failure and the room would be Success with a hole in it).
+    fn write_done(&mut self, last: bool, ok: bool) -> bool {
+        self.outstanding = self.outstanding.saturating_sub(1);
+        self.failed |= !ok;
+        self.last_done |= last && ok;
+        !self.failed && self.last_done && self.outstanding == 0
+    }
 }
 
 /// Links one decode worker's engine API to one prefill worker's, in one process.
@@ -140,8 +155,7 @@ impl KvSource for LocalLink {
             room.key,
             LinkRoom {
                 dst: room.pages.clone(),
-                outstanding: 0,
-                last_done: false,
+                ..LinkRoom::default()
             },
         );
         let work = pb::PrefillWork {
@@ -196,9 +210,7 @@ impl KvSink for LocalLink {
                 let mut rooms = lock(&link.rooms);
                 match rooms.get_mut(&key) {
                     Some(r) => {
-                        r.outstanding = r.outstanding.saturating_sub(1);
-                        r.last_done |= write.last && ok;
-                        let done = r.last_done && r.outstanding == 0;
+                        let done = r.write_done(write.last, ok);
                         if done {
                             rooms.remove(&key);
                         }
@@ -227,5 +239,38 @@ impl KvSink for LocalLink {
         if let Some(d) = self.decode_side() {
             d.on_ack(ack.key, ack.prefill_rank);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LinkRoom;
+
+    fn room(writes: u32) -> LinkRoom {
+        LinkRoom {
+            outstanding: writes,
+            ..LinkRoom::default()
+        }
+    }
+
+    #[test]
+    fn a_room_completes_when_its_last_write_lands_and_none_is_in_flight() {
+        let mut r = room(2);
+        assert!(!r.write_done(true, true), "a write is still in flight");
+        assert!(r.write_done(false, true));
+    }
+
+    #[test]
+    fn a_failure_booked_after_the_last_good_write_bars_completion() {
+        // The last write lands first; the earlier write's failure is booked after it (another
+        // thread): the room must not complete with that page unwritten.
+        let mut r = room(2);
+        assert!(!r.write_done(true, true));
+        assert!(!r.write_done(false, false));
+        // Nor does anything booked later complete it.
+        let mut r = room(3);
+        assert!(!r.write_done(false, false));
+        assert!(!r.write_done(false, true));
+        assert!(!r.write_done(true, true));
     }
 }
