@@ -81,13 +81,30 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Rooms whose SafeToReuse arrived before the engine recorded their Reserve, remembered (at most
+/// this many, oldest forgotten first) so the late record is skipped.
+const RELEASED_BEFORE_OWNED: usize = 4096;
+
 /// Which room owns each page, from its Reserve until its SafeToReuse.
 #[derive(Default)]
 struct Book {
-    owner: Mutex<HashMap<u32, RoomKey>>,
+    owner: Mutex<Owners>,
     /// `seq` of the last SafeToReuse received.
     seen: AtomicU64,
     released: Notify,
+}
+
+/// The book's state, under one lock.
+#[derive(Default)]
+struct Owners {
+    pages: HashMap<u32, RoomKey>,
+    /// Rooms released before their Reserve reply was recorded: a room whose KV deadline passed
+    /// right after Reserve (the abort probe's 30 ms) is released by the gate at once, and its
+    /// SafeToReuse (release stream) can overtake the reply (another stream). Recording the reply
+    /// afterwards would leave its pages owned for good and count their next Reserve as an early
+    /// reuse (22 such pages in the full-trace run of session 18, 0 corrupt).
+    released: std::collections::HashSet<RoomKey>,
+    released_order: std::collections::VecDeque<RoomKey>,
 }
 
 impl Book {
@@ -95,10 +112,20 @@ impl Book {
     /// numbers (events the worker dropped).
     fn on_release(&self, ev: &pb::SafeToReuse) -> bool {
         if let Some(key) = ev.room.map(RoomKey::from) {
-            let mut owner = lock(&self.owner);
+            let mut o = lock(&self.owner);
+            let mut owned = false;
             for p in &ev.pages {
-                if owner.get(p) == Some(&key) {
-                    owner.remove(p);
+                if o.pages.get(p) == Some(&key) {
+                    o.pages.remove(p);
+                    owned = true;
+                }
+            }
+            if !owned && !ev.pages.is_empty() && o.released.insert(key) {
+                o.released_order.push_back(key);
+                if o.released_order.len() > RELEASED_BEFORE_OWNED
+                    && let Some(old) = o.released_order.pop_front()
+                {
+                    o.released.remove(&old);
                 }
             }
         }
@@ -130,13 +157,18 @@ impl Book {
             waited = true;
             let _ = tokio::time::timeout_at(until.into(), notified).await;
         }
-        let mut owner = lock(&self.owner);
-        let busy = pages.iter().filter(|p| owner.contains_key(p)).count() as u64;
+        let mut o = lock(&self.owner);
+        if o.released.remove(&key) {
+            // Released before we got here: its pages are free again (maybe another room's now).
+            o.released_order.retain(|k| *k != key);
+            return (0, waited);
+        }
+        let busy = pages.iter().filter(|p| o.pages.contains_key(p)).count() as u64;
         if busy > 0 {
             tracing::error!(%key, busy, after, "Reserve handed out pages whose SafeToReuse never came");
         }
         for p in pages {
-            owner.insert(*p, key);
+            o.pages.insert(*p, key);
         }
         (busy, waited)
     }
@@ -689,7 +721,25 @@ mod tests {
         assert!(now(&mut own).is_none(), "waits for seq 1");
         assert!(!book.on_release(&release(a, &[3, 4], 1)));
         assert_eq!(own.await, (0, true), "page 4 came back before b owned it");
-        assert_eq!(lock(&book.owner).get(&4), Some(&b));
+        assert_eq!(lock(&book.owner).pages.get(&4), Some(&b));
+    }
+
+    /// A room released before its Reserve reply was recorded (the gate freed it at its deadline and
+    /// the release overtook the reply): recording it late must not leave its pages owned, or the
+    /// next Reserve of those pages counts as an early reuse.
+    #[tokio::test]
+    async fn a_release_that_overtakes_its_own_reserve_reply_frees_the_pages() {
+        let book = Book::default();
+        let (a, b) = (RoomKey::new(1, 1), RoomKey::new(2, 1));
+        assert!(!book.on_release(&release(a, &[3, 4], 1)));
+        // The worker hands a's pages to b; b's reply names release 1, which has arrived.
+        assert_eq!(book.own(b, &[3, 4], 1, RELEASE_WAIT).await, (0, false));
+        // a's reply is recorded only now: skipped, and b keeps its pages.
+        assert_eq!(book.own(a, &[3, 4], 0, RELEASE_WAIT).await, (0, false));
+        assert_eq!(lock(&book.owner).pages.get(&3), Some(&b));
+        assert!(lock(&book.owner).released.is_empty());
+        assert!(!book.on_release(&release(b, &[3, 4], 2)));
+        assert!(lock(&book.owner).pages.is_empty());
     }
 
     /// Negative controls: a reply that names no release for a page a live room still owns is an
