@@ -46,6 +46,8 @@ enum Role {
 }
 
 fn main() -> ExitCode {
+    // Before other threads start: page-sized buffers freed across threads must not fragment the heap.
+    let heap = tandem_worker::memory::heap::tune();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -53,6 +55,7 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    tracing::debug!(?heap, "process heap policy");
     let cli = Cli::parse();
     let result = match cli.role {
         Role::Prefill(args) => roles::prefill::run(args),

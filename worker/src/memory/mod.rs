@@ -10,12 +10,14 @@
 //! - [`mmap`], [`pinned`], [`shared`], [`device`]: the backends;
 //! - [`segment`]: shared-memory segments (memfd or POSIX shm) that a store client creates and maps;
 //! - [`capacity`]: sizing every pool before anything is allocated;
+//! - [`heap`]: the process heap's policy for page-sized buffers outside the pools;
 //! - [`pool`]: page-granular KV pools carved from one buffer of an allocator.
 
 pub mod allocator;
 pub mod capacity;
 pub mod device;
 pub mod domain;
+pub mod heap;
 pub mod mmap;
 pub mod pinned;
 pub mod pool;
