@@ -55,7 +55,7 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    tracing::debug!(?heap, "process heap policy");
+    tracing::info!(?heap, "process heap policy (memory::heap)");
     let cli = Cli::parse();
     let result = match cli.role {
         Role::Prefill(args) => roles::prefill::run(args),

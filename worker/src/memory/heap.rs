@@ -2,9 +2,9 @@
 //!
 //! Outside the registered pools, the worker still holds KV bytes on the heap: L2 pages of a prefill,
 //! the L3 put queue, a cache replica's stored pages, transfer staging — buffers of one page each
-//! (64 KiB to a few MiB), allocated on one runtime thread and freed on another. glibc gives threads
-//! that contend for its lock arenas of their own (up to 8 per core) and keeps what is freed in the
-//! arena it came from, so a churn of page-sized buffers across threads leaves every arena holding
+//! (64 KiB to a few MiB), allocated on one runtime thread and freed on another. glibc gives each new
+//! thread an arena of its own at its first allocation (up to 8 per core) and keeps what is freed in
+//! the arena it came from, so a churn of page-sized buffers across threads leaves every arena holding
 //! freed pages the others cannot reuse. Measured on the full-trace demo (12,031 requests, 640 KiB
 //! pages): a cache replica configured for 1 GiB held 2.2 GiB anonymous memory, all in 64 MiB arenas,
 //! and prefills 1.7 GiB next to a 1 GiB L2 — over the pods' memory and into the OOM killer on a
@@ -21,25 +21,52 @@
 pub enum HeapPolicy {
     /// One malloc arena for every thread.
     OneArena,
-    /// The environment already tunes glibc's malloc (`MALLOC_ARENA_MAX`, `MALLOC_MMAP_THRESHOLD_`
-    /// or `GLIBC_TUNABLES` with `glibc.malloc.*`): the operator's choice is kept.
+    /// The environment already sets the arena count or the mmap threshold (`MALLOC_ARENA_MAX`,
+    /// `MALLOC_MMAP_THRESHOLD_`, or `glibc.malloc.arena_max` / `arena_test` / `mmap_threshold` in
+    /// `GLIBC_TUNABLES`): the operator's choice is kept.
     FromEnvironment,
     /// Not glibc (or `mallopt` refused): the allocator's own policy stands.
     Unchanged,
 }
 
-/// Gives this process one glibc malloc arena unless the environment already tunes malloc. Call
-/// once, first thing in `main`, before other threads start.
+/// Gives this process one glibc malloc arena unless the environment already sets the arena count or
+/// the mmap threshold ([`HeapPolicy::FromEnvironment`]). Call once, first thing in `main`, before
+/// other threads start.
 pub fn tune() -> HeapPolicy {
-    let env_tuned = ["MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_"]
-        .iter()
-        .any(|k| std::env::var_os(k).is_some())
-        || std::env::var_os("GLIBC_TUNABLES")
-            .is_some_and(|v| v.to_string_lossy().contains("glibc.malloc."));
-    if env_tuned {
+    let var = |k: &str| std::env::var_os(k).map(|v| v.to_string_lossy().into_owned());
+    if env_sets_heap_policy(
+        var("MALLOC_ARENA_MAX").as_deref(),
+        var("MALLOC_MMAP_THRESHOLD_").as_deref(),
+        var("GLIBC_TUNABLES").as_deref(),
+    ) {
         return HeapPolicy::FromEnvironment;
     }
     one_arena()
+}
+
+/// Whether these environment values (`MALLOC_ARENA_MAX`, `MALLOC_MMAP_THRESHOLD_`,
+/// `GLIBC_TUNABLES`) set the arena count or the mmap threshold as glibc reads them: a count of at
+/// least 1, a threshold that is a number, or a tunable of those names (other malloc tunables, such
+/// as `glibc.malloc.hugetlb`, leave the fragmentation as it is and do not count).
+pub fn env_sets_heap_policy(
+    arena_max: Option<&str>,
+    mmap_threshold: Option<&str>,
+    tunables: Option<&str>,
+) -> bool {
+    let count = |v: &str| v.trim().parse::<u64>().is_ok_and(|n| n >= 1);
+    arena_max.is_some_and(count)
+        || mmap_threshold.is_some_and(|v| v.trim().parse::<u64>().is_ok())
+        || tunables.is_some_and(|t| {
+            t.split(':').any(|kv| {
+                let (name, value) = kv.split_once('=').unwrap_or((kv, ""));
+                matches!(
+                    name.trim(),
+                    "glibc.malloc.arena_max"
+                        | "glibc.malloc.arena_test"
+                        | "glibc.malloc.mmap_threshold"
+                ) && !value.trim().is_empty()
+            })
+        })
 }
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -148,17 +175,42 @@ mod tests {
     }
 
     #[test]
-    fn tune_sets_one_arena_unless_the_environment_tunes_malloc() {
-        let env_tuned = std::env::var_os("MALLOC_ARENA_MAX").is_some()
-            || std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_some()
-            || std::env::var_os("GLIBC_TUNABLES")
-                .is_some_and(|v| v.to_string_lossy().contains("glibc.malloc."));
-        let want = if env_tuned {
-            HeapPolicy::FromEnvironment
-        } else {
-            HeapPolicy::OneArena
-        };
-        assert_eq!(tune(), want);
+    fn only_an_arena_count_or_mmap_threshold_in_the_environment_counts_as_tuned() {
+        assert!(!env_sets_heap_policy(None, None, None));
+        assert!(env_sets_heap_policy(Some("2"), None, None));
+        assert!(
+            !env_sets_heap_policy(Some(""), None, None),
+            "glibc ignores an empty count"
+        );
+        assert!(!env_sets_heap_policy(Some("0"), None, None));
+        assert!(env_sets_heap_policy(None, Some("262144"), None));
+        assert!(env_sets_heap_policy(
+            None,
+            None,
+            Some("glibc.malloc.tcache_count=0:glibc.malloc.arena_max=4")
+        ));
+        assert!(!env_sets_heap_policy(
+            None,
+            None,
+            Some("glibc.malloc.hugetlb=1")
+        ));
+        assert!(!env_sets_heap_policy(
+            None,
+            None,
+            Some("glibc.pthread.rseq=0")
+        ));
+    }
+
+    #[test]
+    fn tune_sets_one_arena() {
+        // mallopt here changes the heap of this test process (every test in it): harmless, the
+        // policy only decides where freed memory is kept.
+        if std::env::var_os("MALLOC_ARENA_MAX").is_none()
+            && std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none()
+            && std::env::var_os("GLIBC_TUNABLES").is_none()
+        {
+            assert_eq!(tune(), HeapPolicy::OneArena);
+        }
     }
 
     #[test]

@@ -103,7 +103,9 @@ struct Owners {
     /// SafeToReuse (release stream) can overtake the reply (another stream). Recording the reply
     /// afterwards would leave its pages owned for good and count their next Reserve as an early
     /// reuse (22 such pages in the full-trace run of session 18, 0 corrupt).
-    released: std::collections::HashSet<RoomKey>,
+    /// Per such room, how many of its pages another room already owned when its release came (an
+    /// early reuse its late record reports instead of checking again).
+    released: HashMap<RoomKey, u64>,
     released_order: std::collections::VecDeque<RoomKey>,
 }
 
@@ -120,7 +122,10 @@ impl Book {
                     owned = true;
                 }
             }
-            if !owned && !ev.pages.is_empty() && o.released.insert(key) {
+            if !owned && !ev.pages.is_empty() && !o.released.contains_key(&key) {
+                // Pages another room owns now were handed out before this release: early.
+                let busy = ev.pages.iter().filter(|p| o.pages.contains_key(p)).count() as u64;
+                o.released.insert(key, busy);
                 o.released_order.push_back(key);
                 if o.released_order.len() > RELEASED_BEFORE_OWNED
                     && let Some(old) = o.released_order.pop_front()
@@ -158,10 +163,10 @@ impl Book {
             let _ = tokio::time::timeout_at(until.into(), notified).await;
         }
         let mut o = lock(&self.owner);
-        if o.released.remove(&key) {
+        if let Some(busy) = o.released.remove(&key) {
             // Released before we got here: its pages are free again (maybe another room's now).
             o.released_order.retain(|k| *k != key);
-            return (0, waited);
+            return (busy, waited);
         }
         let busy = pages.iter().filter(|p| o.pages.contains_key(p)).count() as u64;
         if busy > 0 {
@@ -738,8 +743,16 @@ mod tests {
         assert_eq!(book.own(a, &[3, 4], 0, RELEASE_WAIT).await, (0, false));
         assert_eq!(lock(&book.owner).pages.get(&3), Some(&b));
         assert!(lock(&book.owner).released.is_empty());
+        assert!(lock(&book.owner).released_order.is_empty());
         assert!(!book.on_release(&release(b, &[3, 4], 2)));
         assert!(lock(&book.owner).pages.is_empty());
+
+        // An early reuse is still caught for such a room: c owns page 9 when d's release (which
+        // names 9) comes before d's reply was recorded.
+        let (c, d) = (RoomKey::new(3, 1), RoomKey::new(4, 1));
+        assert_eq!(book.own(c, &[9], 2, RELEASE_WAIT).await, (0, false));
+        assert!(!book.on_release(&release(d, &[9], 3)));
+        assert_eq!(book.own(d, &[9], 0, RELEASE_WAIT).await, (1, false));
     }
 
     /// Negative controls: a reply that names no release for a page a live room still owns is an
