@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{ResourceRequirements, Toleration};
+use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements, Toleration};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::KubeSchema;
 use serde::{Deserialize, Serialize};
@@ -263,11 +263,15 @@ pub enum EngineKind {
     /// `tandem-worker sim-engine --serve`: the simulated engine as its own process, a client of
     /// the engine API only (deterministic KV bytes, verified on every read). Served now.
     Simulated,
-    /// SGLang through Tandem's adapters. Accepted by the schema; this operator version refuses
-    /// the pool (`Degraded`, reason `EngineUnsupported`) until the worker serves it.
+    /// SGLang (`python3 -m sglang.launch_server`) with Tandem's HiCache L3 storage backend
+    /// (`tandem_kv.sglang.TandemHiCacheStorage`, `--hicache-storage-backend dynamic`): its
+    /// hierarchical cache reads and writes pages through the worker's tiers. The image must have
+    /// the `tandem-kv` package installed.
     #[serde(rename = "SGLang")]
     SgLang,
-    /// vLLM through Tandem's KV connector. Accepted by the schema; refused like `SGLang` for now.
+    /// vLLM (`vllm serve`) with Tandem's KV offloading tier (`tandem_kv.vllm.TandemSecondaryTier`
+    /// behind vLLM's `OffloadingConnector` + `TieringOffloadingSpec`): offloaded blocks go to the
+    /// worker's tiers. The image must have the `tandem-kv` package installed.
     #[serde(rename = "vLLM")]
     Vllm,
 }
@@ -297,6 +301,8 @@ impl std::fmt::Display for EngineKind {
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("self.kind == 'Simulated' || has(self.image)")
     .message("engine.image is required for kind SGLang and vLLM (only the Simulated engine defaults to the worker image)"))]
+#[x_kube(validation = Rule::new(SGLANG_ARGS_RULE).message(SGLANG_ARGS_MESSAGE))]
+#[x_kube(validation = Rule::new(VLLM_ARGS_RULE).message(VLLM_ARGS_MESSAGE))]
 pub struct EngineSpec {
     /// The engine: `Simulated`, `SGLang` or `vLLM`.
     pub kind: EngineKind,
@@ -305,16 +311,60 @@ pub struct EngineSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self.size() > 0").message("engine.image must not be empty"))]
     pub image: Option<String>,
-    /// Extra arguments appended to the engine's command line (after the ones the operator
-    /// renders: the socket directory, the worker config and the pod's ordinal).
+    /// Extra arguments appended to the engine's command line, after the ones the operator
+    /// renders (Simulated: the socket directory, the worker config and the pod's ordinal; SGLang
+    /// and vLLM: the adapter's flags, [`SGLANG_OWNED_FLAGS`] and [`VLLM_OWNED_FLAGS`], which these
+    /// must not repeat — refused at admission). SGLang's `--model-path` and vLLM's model go here.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 128), inner(length(max = 4096)))]
     pub args: Vec<String>,
+    /// Extra environment variables of the engine container, after the pod's own (`POD_NAME`,
+    /// `POD_NAMESPACE`, ...) and the operator's (`TANDEM_ORDINAL`, `TANDEM_ENGINE_SOCKET_DIR`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 128))]
+    pub env: Vec<EnvVar>,
     /// CPU and memory of the engine container (not GPUs: the pod's one GPU is set by the
     /// operator).
     #[serde(default)]
     #[x_kube(validation = Rule::new(crate::prefill_pool::NO_GPU_IN_RESOURCES).message(ENGINE_NO_GPU_MESSAGE))]
     pub resources: ResourceRequirements,
 }
+
+/// The SGLang flags the operator renders for Tandem's adapter (`render::engine` of the operator);
+/// `engine.args` of kind SGLang must not set them, alone or as `--flag=value`.
+pub const SGLANG_OWNED_FLAGS: [&str; 6] = [
+    "--host",
+    "--port",
+    "--page-size",
+    "--enable-hierarchical-cache",
+    "--hicache-storage-backend",
+    "--hicache-storage-backend-extra-config",
+];
+
+/// The vLLM flags the operator renders for Tandem's adapter; `engine.args` of kind vLLM must not
+/// set them (vLLM's own offloading flags would replace the Tandem tier's connector).
+pub const VLLM_OWNED_FLAGS: [&str; 5] = [
+    "--host",
+    "--port",
+    "--kv-transfer-config",
+    "--kv-offloading-backend",
+    "--kv-offloading-size",
+];
+
+/// CEL: no SGLang arg is one of [`SGLANG_OWNED_FLAGS`] (kept in step by a test).
+const SGLANG_ARGS_RULE: &str = "self.kind != 'SGLang' || !has(self.args) || self.args.all(a, \
+     !['--host', '--port', '--page-size', '--enable-hierarchical-cache', '--hicache-storage-backend', \
+     '--hicache-storage-backend-extra-config'].exists(f, a == f || a.startsWith(f + '=')))";
+const SGLANG_ARGS_MESSAGE: &str = "engine.args of kind SGLang must not set --host, --port, --page-size, \
+     --enable-hierarchical-cache or --hicache-storage-backend[-extra-config]: the operator sets them \
+     for Tandem's HiCache backend (the page size is the tier's pageTokens)";
+
+/// CEL: no vLLM arg is one of [`VLLM_OWNED_FLAGS`] (kept in step by a test).
+const VLLM_ARGS_RULE: &str = "self.kind != 'vLLM' || !has(self.args) || self.args.all(a, \
+     !['--host', '--port', '--kv-transfer-config', '--kv-offloading-backend', '--kv-offloading-size'].exists(f, a == f || a.startsWith(f + '=')))";
+const VLLM_ARGS_MESSAGE: &str = "engine.args of kind vLLM must not set --host, --port, --kv-transfer-config, \
+     --kv-offloading-backend or --kv-offloading-size: the operator sets the KV \
+     transfer config for Tandem's offloading tier";
 
 /// Message of the engine's GPU rule.
 const ENGINE_NO_GPU_MESSAGE: &str =

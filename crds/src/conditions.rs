@@ -159,9 +159,6 @@ reasons! {
     StoreVolumeFull,
     /// The config cannot be rendered.
     RenderFailed,
-    /// `spec.engine.kind` names an engine this version does not serve (only `Simulated` runs
-    /// now; SGLang and vLLM wait for their adapters).
-    EngineUnsupported,
     /// A DecodePool's PrefillPool does not exist.
     PrefillPoolNotFound,
     /// A DecodePool's PrefillPool cannot roll out.

@@ -226,7 +226,6 @@ pub struct DecodePoolSpec {
     pub transport: Transport,
     /// The serving engine beside the worker (DESIGN §3.1): an `engine` container with the worker
     /// as its native sidecar. Unset: the worker alone, with its built-in simulated engine.
-    /// `SGLang` and `vLLM` are refused by this operator version (`EngineUnsupported`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine: Option<EngineSpec>,
     /// Topology-aware placement (issue 17): the pods of a group are packed into one domain of

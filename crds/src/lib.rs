@@ -29,7 +29,8 @@ pub use cache_tier::{
 };
 pub use common::{
     AttentionKind, DEFAULT_MAX_GROUP_RESTARTS, EngineKind, EngineSpec, HostPoolSpec, IndexerSpec,
-    KvDtype, LocalRef, ModelSpec, Parallelism, PodTemplateOverrides, SpeculativeSpec, Transport,
+    KvDtype, LocalRef, ModelSpec, Parallelism, PodTemplateOverrides, SGLANG_OWNED_FLAGS,
+    SpeculativeSpec, Transport, VLLM_OWNED_FLAGS,
 };
 pub use decode_pool::{
     BudgetSpec, DecodePool, DecodePoolSpec, FrontDoorSpec, KvDeadlineSpec, PrefillPairing,

@@ -11,6 +11,9 @@ pub const HEALTH_PORT: u16 = 8080;
 /// Container port of the decode front door (OpenAI-compatible HTTP); the DecodePool's Service
 /// maps `spec.frontDoor.port` to it.
 pub const FRONT_DOOR_PORT: u16 = 8000;
+/// Container port `engine-http` of an SGLang or vLLM engine (its own OpenAI-compatible API); the
+/// DecodePool's Service exposes it under the same name.
+pub const ENGINE_HTTP_PORT: u16 = 8100;
 /// Rank-link port of a prefill pod of more than one CP rank: the TCP mesh between the CP ranks of
 /// one group (step orders, and LayerSplit's layer broadcasts; worker `layer_split::tcp_link`).
 pub const RANK_LINK_PORT: u16 = 7002;

@@ -1,7 +1,7 @@
 //! Every CEL rule of the three CRDs, evaluated offline the way the API server evaluates it:
 //! schema defaults applied first, then `x-kubernetes-validations` (kube's `cel` feature).
 //!
-//! The valid samples in `manifests/samples/` (and `manifests/samples/layersplit/`) pass; each file in `manifests/samples/invalid/` is
+//! The valid samples in `manifests/samples/` (and its `layersplit/` and `engines/`) pass; each file in `manifests/samples/invalid/` is
 //! refused with the exact message its `# expect-message:` header names; and every rule in the
 //! generated CRDs is covered by at least one invalid sample, so removing a rule fails a test.
 
@@ -78,7 +78,13 @@ fn valid_samples_pass_every_rule() {
         2,
         "the LayerSplit sample is a PrefillPool and a DecodePool"
     );
-    for path in files.into_iter().chain(layersplit) {
+    let engines = yaml_files(&samples_dir().join("engines"));
+    assert_eq!(
+        engines.len(),
+        2,
+        "the engine samples are SGLang and vLLM stacks"
+    );
+    for path in files.into_iter().chain(layersplit).chain(engines) {
         for doc in documents(&path) {
             assert_eq!(
                 admit(&doc, None),
@@ -204,6 +210,35 @@ fn engine_blocks_are_admitted_when_they_name_what_they_need() {
                 Ok(()),
                 "{file}: {engine}"
             );
+        }
+        // The adapters' flags belong to the operator: each one, alone or as `--flag=value`, is
+        // refused for its kind (the CEL lists match the constants the docs name), while the other
+        // kind and a longer flag with the same start pass.
+        for (kind, other, owned) in [
+            ("SGLang", "vLLM", &tandem_crds::SGLANG_OWNED_FLAGS[..]),
+            ("vLLM", "SGLang", &tandem_crds::VLLM_OWNED_FLAGS[..]),
+        ] {
+            for flag in owned {
+                for arg in [flag.to_string(), format!("{flag}=1")] {
+                    let e = json!({"kind": kind, "image": "e:1", "args": ["--x", arg]});
+                    let refused = admit(&with(e.clone()), None).expect_err(&e.to_string());
+                    assert!(
+                        refused[0].starts_with(&format!("engine.args of kind {kind} must not set")),
+                        "{refused:?}"
+                    );
+                    let e = json!({"kind": other, "image": "e:1", "args": [arg]});
+                    let owned_there = if other == "SGLang" {
+                        &tandem_crds::SGLANG_OWNED_FLAGS[..]
+                    } else {
+                        &tandem_crds::VLLM_OWNED_FLAGS[..]
+                    };
+                    if !owned_there.contains(flag) {
+                        assert_eq!(admit(&with(e.clone()), None), Ok(()), "{file}: {e}");
+                    }
+                }
+                let e = json!({"kind": kind, "image": "e:1", "args": [format!("{flag}x")]});
+                assert_eq!(admit(&with(e.clone()), None), Ok(()), "{file}: {e}");
+            }
         }
         for kind in ["SGLang", "vLLM"] {
             assert_eq!(

@@ -1,5 +1,5 @@
 //! Issue 4, suite 1 (admission half): the generated CRDs are accepted by a real v1.37 API server,
-//! the sample stack is admitted, `kubectl get tandem` and `kubectl scale dcp` work, and every
+//! the sample stack (and the SGLang and vLLM samples) is admitted, `kubectl get tandem` and `kubectl scale dcp` work, and every
 //! file in `manifests/samples/invalid/` is refused **by the server** with the exact message its
 //! `# expect-message:` header names. The offline CEL tests in `crds/` cannot see what the
 //! server's CEL environment lacks (this suite caught `Quantity.sign()`, which kube-cel accepts
@@ -79,6 +79,11 @@ async fn crds_samples_and_cel_rules_on_a_real_api_server() {
         ]);
         assert_eq!(out.trim(), "2");
 
+        // The engine samples (issue 14): SGLang and vLLM stacks, admitted as written.
+        for f in ["engines/sglang", "engines/vllm"] {
+            let (ok, out) = run(&["apply", "-f", &format!("manifests/samples/{f}.yaml")]);
+            assert!(ok, "sample {f} must be admitted:\n{out}");
+        }
         let dir = support::repo().join("manifests/samples/invalid");
         let mut files: Vec<_> = std::fs::read_dir(&dir)
             .unwrap()

@@ -24,9 +24,11 @@
 //!    when one rank's `/readyz` turns 404 (the test removes its file), neither pod is a ready
 //!    endpoint while the other stays `ContainersReady` (the operator closed the
 //!    `serving.tandem.dev/group-ready` gate on both), and both are back once it is ready again.
-//! 2. A PrefillPool `{kind: vLLM, image: …}` is admitted but refused: `Degraded=True,
-//!    EngineUnsupported`, a Warning event, and no StatefulSet. `kubectl get` shows both kinds in
-//!    the `ENGINE` column.
+//! 2. A PrefillPool `{kind: vLLM, image: …}` whose args set `--kv-transfer-config` is refused by
+//!    the API server (the operator owns that flag); as written without it, it is admitted and
+//!    rolled out: its StatefulSet's engine runs `vllm serve` with Tandem's offloading tier in the
+//!    KV transfer config and the user's args last. `kubectl get` shows both kinds in the `ENGINE`
+//!    column.
 //!
 //! 3. Bounded group recovery (issue 17, `maxGroupRestarts`): a PrefillPool whose engine exits at
 //!    once (`args: [--crash]`) with `maxGroupRestarts: 1` — the runner restarts the container in
@@ -59,7 +61,7 @@ use tandem_e2e::runner::{PodDefaults, ProcessRunner, RunnerConfig};
 
 const NS: &str = "default";
 const SIMULATED: &str = "engine-sim";
-const REFUSED: &str = "engine-vllm";
+const VLLM: &str = "engine-vllm";
 const CRASHING: &str = "engine-crash";
 /// The readiness gate of multi-pod groups (operator/src/gang.rs).
 const GATE: &str = "serving.tandem.dev/group-ready";
@@ -257,45 +259,53 @@ async fn scenario(client: &Client, t: &Tools<'_>, runner_dir: &Path) -> Result<(
         t0.elapsed().as_secs_f64()
     );
 
-    // 2. vLLM: admitted, refused by the operator, nothing created.
+    // 2. vLLM: a flag the operator owns is refused by the API server (CEL); the pool as written is
+    //    admitted and rolls out as `vllm serve` with Tandem's offloading tier (issue 14).
+    let refused = t.apply(&pool_yaml(
+        VLLM,
+        "{kind: vLLM, image: vllm/vllm-openai:v0.33.0, args: [m, --kv-transfer-config, '{}']}",
+    ));
+    match refused {
+        Err(e) if e.contains("engine.args of kind vLLM must not set") => {}
+        other => {
+            return Err(format!(
+                "a vLLM pool setting --kv-transfer-config was not refused at admission: {other:?}"
+            ));
+        }
+    }
     t.apply(&pool_yaml(
-        REFUSED,
-        "{kind: vLLM, image: vllm/vllm-openai:v0.11.0}",
+        VLLM,
+        "{kind: vLLM, image: vllm/vllm-openai:v0.33.0, args: [meta-llama/Llama-3.1-8B-Instruct]}",
     ))?;
-    let degraded = poll(Duration::from_secs(60), || async {
-        let r = t
-            .kubectl(&[
-                "get",
-                "prefillpool",
-                REFUSED,
-                "-o",
-                "jsonpath={.status.conditions[?(@.type==\"Degraded\")].reason}",
-            ])
-            .ok()?;
-        (r.trim() == "EngineUnsupported").then_some(r)
-    })
-    .await;
-    if degraded.is_none() {
-        return Err("the vLLM pool never reported Degraded EngineUnsupported".into());
-    }
-    let events = t.kubectl(&[
-        "get",
-        "events",
-        "--field-selector",
-        &format!("reason=EngineUnsupported,involvedObject.name={REFUSED}"),
-        "-o",
-        "name",
-    ])?;
-    if events.trim().is_empty() {
-        return Err("no EngineUnsupported event on the refused pool".into());
-    }
     let sets: Api<StatefulSet> = Api::namespaced(client.clone(), NS);
-    let refused_sets = sets
-        .list(&ListParams::default().labels(&format!("serving.tandem.dev/pool={REFUSED}")))
-        .await
-        .map_err(|e| e.to_string())?;
-    if !refused_sets.items.is_empty() {
-        return Err("the refused pool got a StatefulSet".into());
+    let engine = poll(Duration::from_secs(60), || async {
+        let list = sets
+            .list(&ListParams::default().labels(&format!("serving.tandem.dev/pool={VLLM}")))
+            .await
+            .ok()?;
+        let sts = list.items.into_iter().next()?;
+        let spec = sts.spec.template.spec?;
+        spec.containers.into_iter().find(|c| c.name == "engine")
+    })
+    .await
+    .ok_or("the vLLM pool got no StatefulSet with an engine container within 60 s")?;
+    let args = engine.args.unwrap_or_default();
+    let transfer = args
+        .iter()
+        .position(|a| a == "--kv-transfer-config")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|j| serde_json::from_str::<Value>(j).ok())
+        .ok_or_else(|| format!("no --kv-transfer-config JSON in {args:?}"))?;
+    let tier = &transfer["kv_connector_extra_config"]["secondary_tiers"][0];
+    if engine.command.as_deref() != Some(&["vllm".to_owned(), "serve".to_owned()][..])
+        || tier["type"] != "TandemSecondaryTier"
+        || tier["socket_dir"] != "/run/tandem/engine"
+        || args.last().map(String::as_str) != Some("meta-llama/Llama-3.1-8B-Instruct")
+    {
+        return Err(format!(
+            "the vLLM engine container is not the rendered one: {:?} {args:?}",
+            engine.command
+        ));
     }
     let table = t.kubectl(&["get", "prefillpools"])?;
     let engine_column = |name: &str| {
@@ -310,15 +320,23 @@ async fn scenario(client: &Client, t: &Tools<'_>, runner_dir: &Path) -> Result<(
                 })
             })
     };
-    if !table.contains("ENGINE") || !engine_column(SIMULATED) || !engine_column(REFUSED) {
+    if !table.contains("ENGINE") || !engine_column(SIMULATED) || !engine_column(VLLM) {
         return Err(format!(
             "kubectl get shows no ENGINE column with both kinds:\n{table}"
         ));
     }
     println!(
-        "[{:>5.1}s] {REFUSED} refused (EngineUnsupported), nothing created",
+        "[{:>5.1}s] {VLLM}: an owned flag refused at admission; rendered as vllm serve with the Tandem tier",
         t0.elapsed().as_secs_f64()
     );
+    // Its pods cannot start here (no vLLM image on the runner): free their GPUs for step 3.
+    t.kubectl(&[
+        "delete",
+        "prefillpool",
+        VLLM,
+        "--wait=true",
+        "--timeout=60s",
+    ])?;
 
     // 3. A crash-looping group: restarted whole once, then halted with its GPUs released.
     t.apply(

@@ -7,8 +7,8 @@
 //!   foreground cascading deletion (and the `reconcile_while_deleting` negative control does);
 //! - a hand-edited group replica count is restored with a `ReplicaDrift` event;
 //! - a restart rolls prefill before decode;
-//! - a pool asking for an engine this version does not serve (SGLang, vLLM) is refused with
-//!   `EngineUnsupported` and changes no child or pod, while a `Simulated` engine rolls out;
+//! - SGLang and vLLM engines roll out with the adapters' flags, the worker as their native
+//!   sidecar and the front door on the engine's own API port;
 //! - a two-pod group is Ready only whole: the group-ready readiness gate opens on both pods once
 //!   both are `ContainersReady`, closes on both when one rank drops, with no write at rest.
 
@@ -940,144 +940,120 @@ async fn a_released_prefill_pool_keeps_its_count_and_revision_until_its_spec_cha
     assert!(fake.get(paths::STS, &format!("{PREFILL}-g3")).is_none());
 }
 
-/// Writes other than status patches and events: what a refused pool must never make.
-fn child_or_pod_writes(calls: &[Call]) -> Vec<String> {
-    let bad: Vec<Call> = calls
-        .iter()
-        .filter(|c| c.is_write())
-        .filter(|c| !c.path.starts_with(paths::EVENTS) && !c.path.ends_with("/status"))
-        .cloned()
-        .collect();
-    summary(&bad)
-}
-
-/// Issue 13: only the Simulated engine is served. A converged stack whose DecodePool asks for
-/// vLLM is refused — `Degraded=True, EngineUnsupported`, one Warning event, no child or pod
-/// created, applied or deleted — and its PrefillPool (whose revision is the pair's) says the
-/// DecodePool is blocked. `Simulated` is served on both pools and rolls the engine pods out (the
-/// negative control: the same reconciles do write once the engine is served).
+/// Issue 14: every engine kind rolls out. A converged stack whose DecodePool switches to vLLM
+/// rolls its decode group to `vllm serve` with the Tandem tier's KV transfer config, the worker as
+/// the engine's native sidecar, and the front-door Service to the engine's own API port; the
+/// PrefillPool switching to SGLang rolls its group to `sglang.launch_server` with Tandem's HiCache
+/// backend; neither pool is Degraded.
 #[tokio::test]
-async fn an_unsupported_engine_is_refused_and_changes_no_pod() {
+async fn sglang_and_vllm_engines_roll_out_with_the_adapters_flags() {
     let (fake, client) = FakeApi::start();
     seed(&fake);
     let ctx = context(client);
     converge(&fake, &ctx).await;
-    let sts_before = fake.get(paths::STS, &format!("{DECODE}-g0")).unwrap();
     fake.edit(paths::DECODES, DECODE, |o| {
-        o["spec"]["engine"] = json!({"kind": "vLLM", "image": "vllm/vllm-openai:v0.11.0"});
+        o["spec"]["engine"] = json!({"kind": "vLLM", "image": "vllm/vllm-openai:v0.33.0",
+            "args": ["meta-llama/Llama-3.1-70B-Instruct"]});
         o["metadata"]["generation"] = json!(2);
-    });
-    fake.clear_calls();
-    for _ in 0..2 {
-        reconcile_decode(&ctx).await;
-        reconcile_prefill(&ctx).await;
-    }
-    let calls = fake.calls();
-    assert_eq!(child_or_pod_writes(&calls), Vec::<String>::new());
-    assert_eq!(
-        fake.get(paths::STS, &format!("{DECODE}-g0")).unwrap(),
-        sts_before,
-        "the running group is untouched"
-    );
-    let d = fake.get(paths::DECODES, DECODE).unwrap();
-    let degraded = condition(&d, "Degraded");
-    assert_eq!(
-        status_of(&degraded),
-        (Some("True"), Some("EngineUnsupported")),
-        "{degraded}"
-    );
-    assert!(
-        degraded["message"]
-            .as_str()
-            .unwrap()
-            .contains("spec.engine.kind vLLM is not served"),
-        "{degraded}"
-    );
-    assert_eq!(
-        status_of(&condition(&d, "Ready")),
-        (Some("False"), Some("EngineUnsupported"))
-    );
-    let reasons = event_reasons(&calls);
-    assert_eq!(
-        reasons.iter().filter(|r| *r == "EngineUnsupported").count(),
-        1,
-        "one event per transition: {reasons:?}"
-    );
-    let p = fake.get(paths::PREFILLS, PREFILL).unwrap();
-    let pd = condition(&p, "Degraded");
-    assert_eq!(
-        status_of(&pd),
-        (Some("True"), Some("DecodePoolBlocked")),
-        "{pd}"
-    );
-
-    // A Simulated engine on the DecodePool is served (the decode worker hands its requests to the
-    // engine): the refusal lifts and the pair rolls.
-    fake.edit(paths::DECODES, DECODE, |o| {
-        o["spec"]["engine"] = json!({"kind": "Simulated"});
-        o["metadata"]["generation"] = json!(3);
-    });
-    fake.clear_calls();
-    reconcile_decode(&ctx).await;
-    reconcile_prefill(&ctx).await;
-    assert!(
-        !child_or_pod_writes(&fake.calls()).is_empty(),
-        "a Simulated engine on the DecodePool rolls out"
-    );
-    let d = fake.get(paths::DECODES, DECODE).unwrap();
-    assert_eq!(
-        status_of(&condition(&d, "Degraded")).0,
-        Some("False"),
-        "{d}"
-    );
-
-    // Simulated on the PrefillPool is served: the refusal lifts (the DecodePool drops its engine)
-    // and the prefill group rolls out, the worker as the engine's native sidecar.
-    fake.edit(paths::DECODES, DECODE, |o| {
-        o["spec"]["engine"] = Value::Null;
-        o["metadata"]["generation"] = json!(4);
     });
     fake.edit(paths::PREFILLS, PREFILL, |o| {
-        o["spec"]["engine"] = json!({"kind": "Simulated"});
+        o["spec"]["engine"] = json!({"kind": "SGLang", "image": "lmsysorg/sglang:v0.5.23",
+            "args": ["--model-path", "meta-llama/Llama-3.1-70B-Instruct"]});
         o["metadata"]["generation"] = json!(2);
     });
-    fake.clear_calls();
-    reconcile_decode(&ctx).await;
-    reconcile_prefill(&ctx).await;
-    assert!(
-        !child_or_pod_writes(&fake.calls()).is_empty(),
-        "a served engine rolls out (so the zero-write assertions above can fail)"
-    );
-    let d = fake.get(paths::DECODES, DECODE).unwrap();
-    assert_eq!(
-        status_of(&condition(&d, "Degraded")).0,
-        Some("False"),
-        "{d}"
-    );
-    // The rollout (one group at a time) reaches the prefill group.
-    let names = |sts: &Value, key: &str| -> Vec<String> {
+    let container = |sts: &Value, key: &str, name: &str| -> Option<Value> {
         sts["spec"]["template"]["spec"][key]
             .as_array()
             .into_iter()
             .flatten()
-            .map(|c| c["name"].as_str().unwrap_or_default().to_owned())
+            .find(|c| c["name"] == name)
+            .cloned()
+    };
+    let words = |c: &Value, key: &str| -> Vec<String> {
+        c[key]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|w| w.as_str().unwrap_or_default().to_owned())
             .collect()
     };
-    let mut rolled = false;
-    for _ in 0..40 {
+    let mut rolled = (false, false);
+    for _ in 0..60 {
         round(&ctx).await;
         fake.materialize_pods();
-        let sts = fake.get(paths::STS, &format!("{PREFILL}-g0")).unwrap();
-        if names(&sts, "containers") == ["engine"] {
-            assert_eq!(names(&sts, "initContainers"), ["store-client", "worker"]);
-            rolled = true;
+        let d = fake.get(paths::STS, &format!("{DECODE}-g0")).unwrap();
+        let p = fake.get(paths::STS, &format!("{PREFILL}-g0")).unwrap();
+        let engine = |sts: &Value, cmd: &[&str]| {
+            container(sts, "containers", "engine").is_some_and(|c| words(&c, "command") == cmd)
+        };
+        rolled = (
+            engine(&d, &["vllm", "serve"]),
+            engine(&p, &["python3", "-m", "sglang.launch_server"]),
+        );
+        if rolled == (true, true) {
             break;
         }
     }
-    assert!(
+    assert_eq!(
         rolled,
-        "the Simulated engine never reached the prefill group"
+        (true, true),
+        "(decode vLLM, prefill SGLang) rolled out"
     );
+
+    let d = fake.get(paths::STS, &format!("{DECODE}-g0")).unwrap();
+    let e = container(&d, "containers", "engine").unwrap();
+    let args = words(&e, "args");
+    let i = args
+        .iter()
+        .position(|a| a == "--kv-transfer-config")
+        .unwrap();
+    let transfer: Value = serde_json::from_str(&args[i + 1]).unwrap();
+    let tier = &transfer["kv_connector_extra_config"]["secondary_tiers"][0];
+    assert_eq!(tier["type"], "TandemSecondaryTier");
+    assert_eq!(tier["socket_dir"], "/run/tandem/engine");
+    assert_eq!(tier["model"]["name"], "llama-3-70b", "{tier}");
+    assert_eq!(
+        args.last().map(String::as_str),
+        Some("meta-llama/Llama-3.1-70B-Instruct"),
+        "the user's args come last"
+    );
+    assert_eq!(e["resources"]["limits"]["nvidia.com/gpu"], "1", "{e}");
+    let worker = container(&d, "initContainers", "worker").unwrap();
+    assert_eq!(
+        worker["restartPolicy"], "Always",
+        "the worker is the engine's native sidecar"
+    );
+    assert!(
+        worker["resources"]["limits"]
+            .get("nvidia.com/gpu")
+            .is_none(),
+        "the engine holds the pod's GPU: {worker}"
+    );
+    let svc = fake.get(paths::SVC, DECODE).unwrap();
+    assert_eq!(
+        svc["spec"]["ports"][0]["targetPort"], 8100,
+        "the front door reaches vLLM's own API: {svc}"
+    );
+
+    let p = fake.get(paths::STS, &format!("{PREFILL}-g0")).unwrap();
+    let args = words(&container(&p, "containers", "engine").unwrap(), "args");
+    let i = args
+        .iter()
+        .position(|a| a == "--hicache-storage-backend-extra-config")
+        .unwrap();
+    let extra: Value = serde_json::from_str(&args[i + 1]).unwrap();
+    assert_eq!(extra["module_path"], "tandem_kv.sglang");
+    assert_eq!(extra["class_name"], "TandemHiCacheStorage");
+    for pool in [
+        fake.get(paths::DECODES, DECODE).unwrap(),
+        fake.get(paths::PREFILLS, PREFILL).unwrap(),
+    ] {
+        assert_eq!(
+            status_of(&condition(&pool, "Degraded")).0,
+            Some("False"),
+            "{pool}"
+        );
+    }
 }
 
 /// Marks every container of pod `name` as restarted `count` times in place (what a kubelet

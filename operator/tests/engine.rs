@@ -1,7 +1,9 @@
-//! `spec.engine` through the pure builders (DESIGN §3.1, issue 13): the pod is the engine as
-//! main container with the worker as its native sidecar, sharing the engine-API socket
-//! `emptyDir`; the worker config names the seat; SGLang and vLLM are refused before anything is
-//! rendered. The pools are the samples in `manifests/samples/` with an `engine` block from YAML.
+//! `spec.engine` through the pure builders (DESIGN §3.1, issues 13 and 14): the pod is the engine
+//! as main container with the worker as its native sidecar, sharing the engine-API socket
+//! `emptyDir`; the worker config names the seat; SGLang and vLLM run with Tandem's adapters wired
+//! by their flags, the adapter's model and page size being the worker's own. The pools are the
+//! samples in `manifests/samples/` (with an `engine` block from YAML) and
+//! `manifests/samples/engines/`.
 
 use std::path::Path;
 
@@ -9,11 +11,12 @@ use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{Container, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use tandem_crds::{CacheTier, DecodePool, EngineKind, EngineSpec, PrefillPool};
+use serde_json::Value;
+use tandem_crds::{CacheTier, DecodePool, EngineSpec, PrefillPool};
 use tandem_interfaces::config::{EngineKind as SeatKind, EngineSeat, WorkerConfig};
-use tandem_operator::controller::revision::{Blocked, resolve_with};
+use tandem_operator::controller::revision::resolve_with;
 use tandem_operator::policy::TierLookup;
-use tandem_operator::render::engine::{ENGINE_SOCKET_DIR, EngineUnsupported};
+use tandem_operator::render::engine::{ENGINE_HTTP_PORT, ENGINE_SOCKET_DIR};
 use tandem_operator::render::{PoolView, workload};
 
 fn load<T: serde::de::DeserializeOwned>(file: &str) -> T {
@@ -103,9 +106,21 @@ fn a_simulated_engine_runs_as_the_main_container_beside_the_worker_sidecar() {
     assert_eq!(worker.env, today.env);
     assert_eq!(worker.ports, today.ports);
     assert_eq!(worker.readiness_probe, today.readiness_probe);
+    // The pod's one GPU moves to the engine, which computes attention (issue 14); the worker
+    // sidecar keeps its CPU and memory.
+    let gpu = |c: &Container| {
+        c.resources
+            .as_ref()
+            .and_then(|r| r.limits.as_ref())
+            .and_then(|l| l.get("nvidia.com/gpu"))
+            .cloned()
+    };
+    assert_eq!(gpu(today).map(|q| q.0), Some("1".into()));
+    assert_eq!(gpu(worker), None, "the worker sidecar holds no GPU");
+    assert_eq!(gpu(&p.containers[0]), gpu(today), "the engine holds it");
     assert_eq!(
-        worker.resources, today.resources,
-        "the pod's GPU stays with the worker"
+        worker.resources.as_ref().unwrap().requests,
+        today.resources.as_ref().unwrap().requests
     );
     let startup = worker.startup_probe.as_ref().expect("startup probe");
     let get = startup.http_get.as_ref().unwrap();
@@ -161,12 +176,19 @@ fn a_simulated_engine_runs_as_the_main_container_beside_the_worker_sidecar() {
             .any(|v| v.name == "POD_NAME" && v.value_from.is_some()),
         "the engine gets the pod env the worker gets"
     );
-    let gpu_free = e
-        .resources
-        .as_ref()
-        .and_then(|r| r.limits.as_ref())
-        .is_none_or(|l| !l.contains_key("nvidia.com/gpu"));
-    assert!(gpu_free, "one GPU per pod, on the worker");
+    let gpus: Vec<&str> = p
+        .containers
+        .iter()
+        .chain(inits)
+        .filter(|c| {
+            c.resources
+                .as_ref()
+                .and_then(|r| r.limits.as_ref())
+                .is_some_and(|l| l.contains_key("nvidia.com/gpu"))
+        })
+        .map(|c| c.name.as_str())
+        .collect();
+    assert_eq!(gpus, ["engine"], "one GPU per pod, on the engine");
 
     // One emptyDir, mounted at the same path in both, and the config in both.
     let vol = p
@@ -259,22 +281,6 @@ fn a_simulated_engine_on_a_decode_pool_renders_the_engine_beside_its_worker() {
     let e = &spec.containers[0];
     assert_eq!(e.args.as_deref().unwrap()[..2], ["sim-engine", "--serve"]);
     assert_eq!(cfg.engine.map(|s| s.kind), Some(SeatKind::Simulated));
-    // SGLang and vLLM stay refused on a DecodePool.
-    d.spec.engine = Some(engine("kind: vLLM\nimage: vllm/vllm-openai:v0.11.0\n"));
-    let lookup = TierLookup::Found {
-        name: "llama70b-l3",
-        spec: &tier.spec,
-        terminating: false,
-    };
-    match resolve_with(&PoolView::decode(&d), lookup) {
-        Err(Blocked::Engine(e)) => assert_eq!(
-            e,
-            EngineUnsupported::Kind {
-                kind: EngineKind::Vllm
-            }
-        ),
-        other => panic!("expected EngineUnsupported::Kind, got {other:?}"),
-    }
 }
 
 #[test]
@@ -312,36 +318,180 @@ resources:
     );
 }
 
+/// The documents of a multi-document sample in `manifests/samples/`.
+fn docs(file: &str) -> Vec<Value> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../manifests/samples")
+        .join(file);
+    serde_saphyr::from_multiple(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// The (CacheTier, PrefillPool, DecodePool) of an engine sample.
+fn engine_sample(file: &str) -> (CacheTier, PrefillPool, DecodePool) {
+    let d = docs(file);
+    let of = |kind: &str| {
+        d.iter()
+            .find(|v| v["kind"] == kind)
+            .cloned()
+            .unwrap_or_else(|| panic!("{file} has no {kind}"))
+    };
+    (
+        serde_json::from_value(of("CacheTier")).unwrap(),
+        serde_json::from_value(of("PrefillPool")).unwrap(),
+        serde_json::from_value(of("DecodePool")).unwrap(),
+    )
+}
+
+fn render_on(view: &PoolView<'_>, tier: &CacheTier) -> (WorkerConfig, StatefulSet) {
+    let lookup = TierLookup::Found {
+        name: tier.metadata.name.as_deref().unwrap(),
+        spec: &tier.spec,
+        terminating: false,
+    };
+    let r = resolve_with(view, lookup).expect("renders");
+    let mut cfg = r.config;
+    cfg.revision = r.own_revision;
+    let sts = workload::group_statefulset(view, &cfg, 0, &owner());
+    (cfg, sts)
+}
+
+/// The value after `flag` in `args`.
+fn flag<'a>(args: &'a [String], flag: &str) -> &'a str {
+    let i = args
+        .iter()
+        .position(|a| a == flag)
+        .unwrap_or_else(|| panic!("no {flag} in {args:?}"));
+    &args[i + 1]
+}
+
+/// What every SGLang or vLLM engine container has: the pod's GPU (the worker none), the
+/// `engine-http` port, the socket directory in its env, the user's args last, the worker config's
+/// engine seat of that kind.
+fn assert_engine_pod(cfg: &WorkerConfig, sts: &StatefulSet, kind: SeatKind, user_args: &[&str]) {
+    let spec = pod(sts);
+    assert_eq!(names(Some(&spec.containers)), ["engine"]);
+    let e = &spec.containers[0];
+    let gpu = |c: &Container| {
+        c.resources
+            .as_ref()
+            .and_then(|r| r.limits.as_ref())
+            .and_then(|l| l.get("nvidia.com/gpu"))
+            .map(|q| q.0.clone())
+    };
+    assert_eq!(gpu(e).as_deref(), Some("1"), "the engine holds the GPU");
+    let worker = spec.init_containers.as_ref().unwrap().last().unwrap();
+    assert_eq!(worker.name, "worker");
+    assert_eq!(gpu(worker), None, "the worker sidecar holds no GPU");
+    let port = e.ports.as_ref().unwrap();
+    assert_eq!(port[0].name.as_deref(), Some("engine-http"));
+    assert_eq!(port[0].container_port, i32::from(ENGINE_HTTP_PORT));
+    let env = e.env.as_ref().unwrap();
+    assert!(
+        env.iter().any(|v| v.name == "TANDEM_ENGINE_SOCKET_DIR"
+            && v.value.as_deref() == Some(ENGINE_SOCKET_DIR))
+    );
+    assert!(
+        env.iter().any(|v| v.name == "HF_TOKEN"),
+        "spec.engine.env reaches the engine"
+    );
+    let args = e.args.as_deref().unwrap();
+    assert_eq!(
+        args[args.len() - user_args.len()..],
+        *user_args,
+        "user args come last"
+    );
+    assert_eq!(flag(args, "--port"), ENGINE_HTTP_PORT.to_string());
+    assert_eq!(mount_path(e, "engine-socket"), Some(ENGINE_SOCKET_DIR));
+    assert_eq!(cfg.engine.as_ref().map(|s| s.kind), Some(kind));
+}
+
 #[test]
-fn sglang_and_vllm_are_refused_before_anything_is_rendered() {
-    let tier: CacheTier = load("cachetier.yaml");
-    for (yaml, kind) in [
-        (
-            "kind: SGLang\nimage: lmsysorg/sglang:v0.5.4\n",
-            EngineKind::SgLang,
-        ),
-        (
-            "kind: vLLM\nimage: vllm/vllm-openai:v0.11.0\n",
-            EngineKind::Vllm,
-        ),
-    ] {
-        let mut d: DecodePool = load("decodepool.yaml");
-        d.spec.engine = Some(engine(yaml));
-        let lookup = TierLookup::Found {
-            name: "llama70b-l3",
-            spec: &tier.spec,
-            terminating: false,
-        };
-        match resolve_with(&PoolView::decode(&d), lookup) {
-            Err(Blocked::Engine(e)) => assert_eq!(e, EngineUnsupported::Kind { kind }),
-            other => panic!("{kind}: expected EngineUnsupported, got {other:?}"),
-        }
-        // Refused first: even a pool whose tier is missing reports the engine.
-        let mut p: PrefillPool = load("prefillpool.yaml");
-        p.spec.engine = Some(engine(yaml));
-        assert!(matches!(
-            resolve_with(&PoolView::prefill(&p), TierLookup::Missing("gone")),
-            Err(Blocked::Engine(_))
-        ));
+fn an_sglang_engine_runs_with_tandems_hicache_backend_at_the_workers_page_size() {
+    let (tier, p, d) = engine_sample("engines/sglang.yaml");
+    for view in [PoolView::prefill(&p), PoolView::decode(&d)] {
+        let (cfg, sts) = render_on(&view, &tier);
+        let user = ["--model-path", "meta-llama/Llama-3.1-8B-Instruct"];
+        assert_engine_pod(&cfg, &sts, SeatKind::SgLang, &user);
+        let e = &pod(&sts).containers[0];
+        assert_eq!(
+            e.command.as_deref().unwrap(),
+            ["python3", "-m", "sglang.launch_server"]
+        );
+        let args = e.args.as_deref().unwrap();
+        assert!(args.iter().any(|a| a == "--enable-hierarchical-cache"));
+        assert_eq!(flag(args, "--hicache-storage-backend"), "dynamic");
+        assert_eq!(
+            flag(args, "--page-size"),
+            cfg.cache.as_ref().unwrap().page_tokens.to_string(),
+            "SGLang's pages are the worker's (the attach identity checks it)"
+        );
+        let extra: Value =
+            serde_json::from_str(flag(args, "--hicache-storage-backend-extra-config")).unwrap();
+        assert_eq!(extra["module_path"], "tandem_kv.sglang");
+        assert_eq!(extra["class_name"], "TandemHiCacheStorage");
+        assert_eq!(extra["interface_v1"], 1);
+        assert_eq!(extra["socket_dir"], ENGINE_SOCKET_DIR);
+        assert_eq!(
+            extra["model"],
+            serde_json::to_value(&cfg.model).unwrap(),
+            "the backend attaches as the worker's own model"
+        );
+    }
+}
+
+#[test]
+fn a_vllm_engine_runs_with_tandems_offloading_tier_one_chunk_per_worker_page() {
+    let (tier, p, d) = engine_sample("engines/vllm.yaml");
+    for view in [PoolView::prefill(&p), PoolView::decode(&d)] {
+        let (cfg, sts) = render_on(&view, &tier);
+        assert_engine_pod(
+            &cfg,
+            &sts,
+            SeatKind::Vllm,
+            &["meta-llama/Llama-3.1-8B-Instruct"],
+        );
+        let e = &pod(&sts).containers[0];
+        assert_eq!(e.command.as_deref().unwrap(), ["vllm", "serve"]);
+        let t: Value =
+            serde_json::from_str(flag(e.args.as_deref().unwrap(), "--kv-transfer-config")).unwrap();
+        assert_eq!(t["kv_connector"], "OffloadingConnector");
+        assert_eq!(t["kv_role"], "kv_both");
+        let x = &t["kv_connector_extra_config"];
+        assert_eq!(x["spec_name"], "TieringOffloadingSpec");
+        assert_eq!(
+            x["block_size"],
+            cfg.cache.as_ref().unwrap().page_tokens,
+            "one offloaded chunk is one worker page"
+        );
+        assert_eq!(x["cpu_bytes_to_use"], cfg.memory.target_pool_bytes);
+        let tier = &x["secondary_tiers"][0];
+        assert_eq!(tier["type"], "TandemSecondaryTier");
+        assert_eq!(tier["module_path"], "tandem_kv.vllm");
+        assert_eq!(tier["socket_dir"], ENGINE_SOCKET_DIR);
+        assert_eq!(tier["model"], serde_json::to_value(&cfg.model).unwrap());
+    }
+}
+
+/// The DecodePool's Service `http` port reaches the worker's front door for the Simulated engine
+/// (and none), and the engine's own API for SGLang and vLLM.
+#[test]
+fn the_front_door_service_targets_the_engine_api_of_sglang_and_vllm() {
+    let target = |d: &DecodePool| {
+        let view = PoolView::decode(d);
+        let svc = workload::front_door_service(&view, 80, &owner());
+        svc.spec.unwrap().ports.unwrap()[0].target_port.clone()
+    };
+    let mut plain: DecodePool = load("decodepool.yaml");
+    let front = target(&plain);
+    plain.spec.engine = Some(engine(SIMULATED));
+    assert_eq!(target(&plain), front);
+    assert_ne!(front, Some(IntOrString::Int(i32::from(ENGINE_HTTP_PORT))));
+    for file in ["engines/sglang.yaml", "engines/vllm.yaml"] {
+        let (_, _, d) = engine_sample(file);
+        assert_eq!(
+            target(&d),
+            Some(IntOrString::Int(i32::from(ENGINE_HTTP_PORT))),
+            "{file}"
+        );
     }
 }

@@ -8,9 +8,9 @@
 //! field added to a CRD without an entry here fails the test.
 //!
 //! The PrefillPool is checked with `spec.engine: {kind: Simulated}` added (so that the engine's image,
-//! args and resources have a base to change); `spec.engine.kind` itself is covered by
-//! [`engine_kind_is_rendered_or_refused`]: unset and `Simulated` render different pods, and
-//! `SGLang`/`vLLM` are refused before anything is rendered.
+//! args, env and resources have a base to change); `spec.engine.kind` itself is covered by
+//! [`every_engine_kind_renders_its_own_pod`]: unset, `Simulated`, `SGLang` and `vLLM` render four
+//! different sets of objects on both pool kinds.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -19,7 +19,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::CustomResourceExt;
 use serde_json::{Value, json};
 use tandem_crds::{CacheTier, DecodePool, PrefillPool};
-use tandem_operator::controller::revision::{Blocked, resolve_with};
+use tandem_operator::controller::revision::resolve_with;
 use tandem_operator::policy::TierLookup;
 use tandem_operator::render::{PoolView, tier, workload};
 
@@ -201,9 +201,10 @@ fn pool_common() -> Vec<(String, Disposition)> {
         ("podTemplate.priorityClassName".into(), Rendered(|| json!("serving"))),
         ("podTemplate.serviceAccountName".into(), Rendered(|| json!("worker"))),
         ("speculative.draftTokens".into(), Rendered(|| json!(2))),
-        ("engine.kind".into(), Controller("Simulated: render::engine (worker config engine seat, engine container); SGLang/vLLM: refused by controller::revision::resolve_with (EngineUnsupported); see engine_kind_is_rendered_or_refused")),
+        ("engine.kind".into(), Controller("render::engine (worker config engine seat, engine command and adapter flags) and workload::front_door_service; see every_engine_kind_renders_its_own_pod")),
         ("engine.image".into(), Rendered(|| json!("example/engine:2"))),
         ("engine.args".into(), Rendered(|| json!(["--requests", "4"]))),
+        ("engine.env".into(), Rendered(|| json!([{"name": "HF_HOME", "value": "/models"}]))),
         ("engine.resources".into(), Rendered(|| json!({"requests": {"cpu": "1"}}))),
     ]);
     v.extend(model_fields("speculative.draftModel"));
@@ -407,53 +408,25 @@ fn tier_policy_fields_reach_the_pool_config() {
     }
 }
 
-/// `spec.engine.kind`: unset renders the worker alone; `Simulated` renders a different pod and
-/// config on both pool kinds (the engine container, the worker as its sidecar, the config's engine
-/// seat); `SGLang` and `vLLM` (with an image, as admission requires) are refused: nothing renders.
+/// `spec.engine.kind`: unset renders the worker alone; `Simulated`, `SGLang` and `vLLM` (with an
+/// image, as admission requires) each render their own pod and config on both pool kinds (the
+/// engine container with its command and the adapter's flags, the worker as its sidecar, the
+/// config's engine seat; on a DecodePool the front-door Service's target too).
 #[test]
-fn engine_kind_is_rendered_or_refused() {
-    let tier: CacheTier = serde_json::from_value(sample("cachetier.yaml")).unwrap();
+fn every_engine_kind_renders_its_own_pod() {
+    let t = sample("cachetier.yaml");
     for (file, decode) in [("prefillpool.yaml", false), ("decodepool.yaml", true)] {
         let plain = sample(file);
-        let t = sample("cachetier.yaml");
-        if decode {
-            // Served on decode too: it resolves.
-            let d = serde_json::from_value::<DecodePool>(with_engine(plain.clone())).unwrap();
-            let lookup = TierLookup::Found {
-                name: "llama70b-l3",
-                spec: &tier.spec,
-                terminating: false,
-            };
-            assert!(
-                resolve_with(&PoolView::decode(&d), lookup).is_ok(),
-                "{file}: engine.kind Simulated must be served on a DecodePool"
-            );
-        }
-        assert_ne!(
-            render_pool(&with_engine(plain.clone()), &t, decode),
-            render_pool(&plain, &t, decode),
-            "{file}: engine.kind Simulated changes nothing rendered"
-        );
-        for kind in ["SGLang", "vLLM"] {
+        let mut seen = vec![render_pool(&plain, &t, decode)];
+        for kind in ["Simulated", "SGLang", "vLLM"] {
             let mut v = plain.clone();
             v["spec"]["engine"] = json!({"kind": kind, "image": "example/engine:1"});
-            let (p, d);
-            let view = if decode {
-                d = serde_json::from_value::<DecodePool>(v).unwrap();
-                PoolView::decode(&d)
-            } else {
-                p = serde_json::from_value::<PrefillPool>(v).unwrap();
-                PoolView::prefill(&p)
-            };
-            let lookup = TierLookup::Found {
-                name: "llama70b-l3",
-                spec: &tier.spec,
-                terminating: false,
-            };
+            let out = render_pool(&v, &t, decode);
             assert!(
-                matches!(resolve_with(&view, lookup), Err(Blocked::Engine(_))),
-                "{file}: engine.kind {kind} must be refused"
+                !seen.contains(&out),
+                "{file}: engine.kind {kind} renders the same objects as another kind"
             );
+            seen.push(out);
         }
     }
 }

@@ -93,3 +93,77 @@ fn prefill_pool_without_engine_matches_golden_objects() {
         &owner("PrefillPool", "llama70b-prefill"),
     );
 }
+
+/// The (CacheTier, PrefillPool, DecodePool) of a multi-document engine sample.
+fn engine_sample(file: &str) -> (CacheTier, PrefillPool, DecodePool) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../manifests/samples")
+        .join(file);
+    let docs: Vec<serde_json::Value> =
+        serde_saphyr::from_multiple(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let of = |kind: &str| {
+        docs.iter()
+            .find(|v| v["kind"] == kind)
+            .cloned()
+            .unwrap_or_else(|| panic!("{file} has no {kind}"))
+    };
+    (
+        serde_json::from_value(of("CacheTier")).unwrap(),
+        serde_json::from_value(of("PrefillPool")).unwrap(),
+        serde_json::from_value(of("DecodePool")).unwrap(),
+    )
+}
+
+/// Config map and group StatefulSet of both pools of an engine sample, and the DecodePool's
+/// front-door Service, against their golden fixtures (`engine-<kind>-…`): the engine's command
+/// and the adapter's flags as a user would read them in `kubectl get -o yaml`.
+fn assert_engine_golden(kind: &str) {
+    let (tier, p, d) = engine_sample(&format!("engines/{kind}.yaml"));
+    let tier_name = tier.metadata.name.clone().unwrap();
+    for (view, role) in [
+        (PoolView::prefill(&p), "prefill"),
+        (PoolView::decode(&d), "decode"),
+    ] {
+        let lookup = TierLookup::Found {
+            name: &tier_name,
+            spec: &tier.spec,
+            terminating: false,
+        };
+        let policy = policy::resolve(view.model, lookup).expect("sample policy resolves");
+        let mut cfg = worker_config(&view, &policy, "").expect("sample renders");
+        cfg.revision = workload::revision(&view, &cfg);
+        let owner = owner(
+            if role == "prefill" {
+                "PrefillPool"
+            } else {
+                "DecodePool"
+            },
+            view.name,
+        );
+        let prefix = format!("engine-{kind}-{role}");
+        assert_golden(
+            &format!("{prefix}-configmap.yaml"),
+            &workload::config_map(&view, &cfg, &owner).unwrap(),
+        );
+        assert_golden(
+            &format!("{prefix}-statefulset.yaml"),
+            &workload::group_statefulset(&view, &cfg, 0, &owner),
+        );
+        if let Some(port) = view.front_door_port {
+            assert_golden(
+                &format!("{prefix}-service.yaml"),
+                &workload::front_door_service(&view, port, &owner),
+            );
+        }
+    }
+}
+
+#[test]
+fn sglang_engine_pools_match_golden_objects() {
+    assert_engine_golden("sglang");
+}
+
+#[test]
+fn vllm_engine_pools_match_golden_objects() {
+    assert_engine_golden("vllm");
+}

@@ -7,7 +7,6 @@
 
 use crate::policy::PolicyConflict;
 use crate::render::config::RenderError;
-use crate::render::engine::EngineUnsupported;
 use crate::status::{ConditionType, Reason};
 
 use super::revision::Blocked;
@@ -45,9 +44,6 @@ pub enum Refusal {
     /// The config cannot be rendered.
     #[error(transparent)]
     Render(#[from] RenderError),
-    /// `spec.engine` names an engine this version does not serve.
-    #[error(transparent)]
-    Engine(#[from] EngineUnsupported),
     /// The DecodePool's PrefillPool does not exist.
     #[error("PrefillPool {name:?} does not exist in {namespace}; nothing rolls out until it does")]
     PrefillPoolNotFound {
@@ -89,7 +85,6 @@ impl From<Blocked> for Refusal {
         match b {
             Blocked::Conflict(c) => Refusal::Policy(c),
             Blocked::Render(e) => Refusal::Render(e),
-            Blocked::Engine(e) => Refusal::Engine(e),
         }
     }
 }
@@ -104,7 +99,6 @@ impl Refusal {
             | Refusal::Policy(_)
             | Refusal::PrefillModelMismatch { .. } => ConditionType::PolicyConflict,
             Refusal::Render(_)
-            | Refusal::Engine(_)
             | Refusal::PrefillPoolNotFound { .. }
             | Refusal::PrefillPoolBlocked { .. }
             | Refusal::DecodePoolBlocked { .. } => ConditionType::Degraded,
@@ -119,7 +113,6 @@ impl Refusal {
             }
             Refusal::Policy(c) => c.reason(),
             Refusal::Render(_) => Reason::RenderFailed,
-            Refusal::Engine(_) => Reason::EngineUnsupported,
             Refusal::PrefillPoolNotFound { .. } => Reason::PrefillPoolNotFound,
             Refusal::PrefillModelMismatch { .. } => Reason::PrefillModelMismatch,
             Refusal::PrefillPoolBlocked { .. } => Reason::PrefillPoolBlocked,
@@ -159,17 +152,5 @@ mod tests {
         );
         let r = Refusal::from(Blocked::Conflict(PolicyConflict::TierNotFound("t".into())));
         assert_eq!(r.reason(), Reason::CacheTierNotFound);
-        let r = Refusal::from(Blocked::Engine(EngineUnsupported::Kind {
-            kind: tandem_crds::EngineKind::Vllm,
-        }));
-        assert_eq!(
-            (r.condition(), r.reason()),
-            (ConditionType::Degraded, Reason::EngineUnsupported)
-        );
-        assert!(
-            r.to_string()
-                .starts_with("spec.engine.kind vLLM is not served"),
-            "{r}"
-        );
     }
 }

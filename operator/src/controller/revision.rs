@@ -17,7 +17,6 @@ use super::cache::{Caches, FIRST_LIST_WAIT, Read};
 use super::{Context, Result};
 use crate::policy::{self, MemoryPolicy, PolicyConflict, TierLookup};
 use crate::render::config::{RenderError, worker_config};
-use crate::render::engine::{self, EngineUnsupported};
 use crate::render::{PoolView, workload};
 
 /// A pool whose policy resolved and whose config rendered.
@@ -54,10 +53,6 @@ pub enum Blocked {
     /// The config cannot be rendered (condition `Degraded`, reason `RenderFailed`).
     #[error(transparent)]
     Render(#[from] RenderError),
-    /// `spec.engine` names an engine this version does not serve (condition `Degraded`, reason
-    /// `EngineUnsupported`).
-    #[error(transparent)]
-    Engine(#[from] EngineUnsupported),
 }
 
 /// A pool's `cacheTierRef` as the read stage found it.
@@ -127,17 +122,14 @@ pub fn resolve(view: &PoolView<'_>, tier: &TierRead) -> std::result::Result<Reso
     resolve_with(view, tier.lookup())
 }
 
-/// Resolves a pool against a tier lookup (pure). An engine this version does not serve is
-/// refused first: nothing of such a pool is rendered.
+/// Resolves a pool against a tier lookup (pure).
 ///
 /// # Errors
-/// [`Blocked`]: the engine is unsupported, the tier contradicts the pool, or the config cannot
-/// be rendered.
+/// [`Blocked`]: the tier contradicts the pool, or the config cannot be rendered.
 pub fn resolve_with(
     view: &PoolView<'_>,
     lookup: TierLookup<'_>,
 ) -> std::result::Result<Resolved, Blocked> {
-    engine::supported(view)?;
     let policy = policy::resolve(view.model, lookup)?;
     let config = worker_config(view, &policy, "")?;
     let own_revision = workload::revision(view, &config);

@@ -103,7 +103,7 @@ pub fn model_identity(which: &'static str, m: &ModelSpec) -> Result<ModelIdentit
 }
 
 /// Page size when the pool has no tier (the CacheTier default).
-const DEFAULT_PAGE_TOKENS: u32 = 512;
+pub(crate) const DEFAULT_PAGE_TOKENS: u32 = 512;
 
 /// Renders the worker config of `pool` under `policy` at `revision`.
 ///

@@ -8,19 +8,38 @@
 //! [`ENGINE_SOCKET_VOLUME`] at [`ENGINE_SOCKET_DIR`], where the worker serves the engine API
 //! (`engine.sock`, `pools.sock`). Without `spec.engine` the pod is the worker alone, as before.
 //!
-//! The `Simulated` engine runs the worker image's `tandem-worker sim-engine --serve`, given the
-//! same config file the worker reads and the pod's ordinal in its group (the StatefulSet pod
-//! index, which is also the numeric suffix of `$POD_NAME` the worker reads), on both pool kinds
-//! (the decode worker hands its front door's requests to the engine). Only `Simulated` is served by
-//! this version; [`supported`] refuses the others before anything is rendered.
+//! The engine container holds the pod's GPU (`nvidia.com/gpu: 1`); the worker sidecar none.
+//!
+//! Per kind ([`engine_command`], [`engine_args`]):
+//! - `Simulated` runs the worker image's `tandem-worker sim-engine --serve`, given the same config
+//!   file the worker reads and the pod's ordinal in its group (the StatefulSet pod index, which is
+//!   also the numeric suffix of `$POD_NAME` the worker reads), on both pool kinds (the decode
+//!   worker hands its front door's requests to the engine).
+//! - `SGLang` runs `python3 -m sglang.launch_server` with Tandem's HiCache L3 backend
+//!   (`tandem_kv.sglang.TandemHiCacheStorage` through `--hicache-storage-backend dynamic`), its
+//!   page size set to the worker's and the worker config's model in the backend's extra config
+//!   (so the attach identity is the worker's own model, never a guess from the host pool).
+//! - `vLLM` runs `vllm serve` with `OffloadingConnector` + `TieringOffloadingSpec` and Tandem's
+//!   secondary tier (`tandem_kv.vllm.TandemSecondaryTier`): one offloaded chunk is one worker page
+//!   (`block_size` = the page's tokens) and vLLM's own CPU tier is `hostPool.size`.
+//!
+//! SGLang and vLLM serve their OpenAI-compatible API on [`ENGINE_HTTP_PORT`] (container port
+//! `engine-http`; the DecodePool's Service exposes it as `engine-http`). Their requests do not
+//! pass the worker's front door, and prefill→decode KV moves by the engine's own means: with these
+//! adapters Tandem serves the engines' KV tiers (L2 in the worker, L3 in the CacheTier, restart
+//! loadback); Tandem's PD transfer for them is not built (README "Engines").
+
+use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Container, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction, ObjectFieldSelector,
-    Probe, Volume, VolumeMount,
+    Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction,
+    ObjectFieldSelector, Probe, Volume, VolumeMount,
 };
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use serde_json::json;
 use tandem_crds::{EngineKind, EngineSpec};
-use tandem_interfaces::config::{EngineKind as SeatKind, EngineSeat};
+use tandem_interfaces::config::{EngineKind as SeatKind, EngineSeat, WorkerConfig};
 
 use super::PoolView;
 
@@ -35,34 +54,11 @@ pub const ENGINE_SOCKET_DIR: &str = "/run/tandem/engine";
 pub const ORDINAL_ENV: &str = "TANDEM_ORDINAL";
 /// The pod label the StatefulSet controller sets to the pod's ordinal (Kubernetes ≥ 1.28).
 pub const POD_INDEX_LABEL: &str = "apps.kubernetes.io/pod-index";
-
-/// A pool names an engine this version does not serve (condition `Degraded`, reason
-/// `EngineUnsupported`; nothing is created or changed).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum EngineUnsupported {
-    /// SGLang or vLLM: their adapters are issue 14.
-    #[error(
-        "spec.engine.kind {kind} is not served by this version: the worker serves the engine API to \
-         the Simulated engine only (the SGLang and vLLM adapters are not built yet); set \
-         engine.kind: Simulated or remove spec.engine"
-    )]
-    Kind {
-        /// The kind asked for.
-        kind: EngineKind,
-    },
-}
-
-/// Whether the pool's engine (if any) is one this version serves: `Simulated`, on either pool
-/// kind.
-///
-/// # Errors
-/// [`EngineUnsupported::Kind`] for `SGLang` and `vLLM`.
-pub fn supported(pool: &PoolView<'_>) -> Result<(), EngineUnsupported> {
-    match pool.engine.map(|e| e.kind) {
-        None | Some(EngineKind::Simulated) => Ok(()),
-        Some(kind) => Err(EngineUnsupported::Kind { kind }),
-    }
-}
+/// The engine container's variable naming [`ENGINE_SOCKET_DIR`] (the adapters' default).
+pub const SOCKET_DIR_ENV: &str = "TANDEM_ENGINE_SOCKET_DIR";
+/// Name of the engine's HTTP port (SGLang and vLLM: their OpenAI-compatible API).
+pub const ENGINE_HTTP_PORT_NAME: &str = "engine-http";
+pub use tandem_crds::ports::ENGINE_HTTP_PORT;
 
 /// The worker config's engine seat: `Some` exactly when the pool has `spec.engine`.
 pub fn seat(pool: &PoolView<'_>) -> Option<EngineSeat> {
@@ -95,12 +91,42 @@ pub fn socket_mount() -> VolumeMount {
     }
 }
 
-/// The engine's command line after the image's entrypoint (`tandem-worker` for `Simulated`):
+/// The engine container's command: `None` for `Simulated` (the worker image's entrypoint,
+/// `tandem-worker`); `python3 -m sglang.launch_server` for SGLang; `vllm serve` for vLLM.
+pub fn engine_command(kind: EngineKind) -> Option<Vec<String>> {
+    let argv: &[&str] = match kind {
+        EngineKind::Simulated => return None,
+        EngineKind::SgLang => &["python3", "-m", "sglang.launch_server"],
+        EngineKind::Vllm => &["vllm", "serve"],
+    };
+    Some(argv.iter().map(|a| (*a).to_owned()).collect())
+}
+
+/// The engine's arguments: the operator's for its kind, then `spec.engine.args` (admission
+/// refuses user args that repeat the SGLang and vLLM ones: `tandem_crds::SGLANG_OWNED_FLAGS`,
+/// `tandem_crds::VLLM_OWNED_FLAGS`).
 ///
-/// `sim-engine --serve --socket-dir /run/tandem/engine --config <config_path> --ordinal
-/// $(TANDEM_ORDINAL)` then `spec.engine.args`. For `SGLang` and `vLLM` (refused for now, see
-/// [`supported`]) only `spec.engine.args`: their adapters' flags come with the adapters.
-pub fn engine_args(engine: &EngineSpec, config_path: &str) -> Vec<String> {
+/// - `Simulated`: `sim-engine --serve --socket-dir /run/tandem/engine --config <config_path>
+///   --ordinal $(TANDEM_ORDINAL)`.
+/// - `SGLang`: `--host 0.0.0.0 --port 8100 --page-size <page tokens> --enable-hierarchical-cache
+///   --hicache-storage-backend dynamic --hicache-storage-backend-extra-config <json>`, the JSON
+///   naming `tandem_kv.sglang.TandemHiCacheStorage`, the socket directory and the worker's model
+///   (SGLang 0.5.23 `HiCacheStorageConfig.extra_config`; keys in `tandem_kv/sglang.py`).
+/// - `vLLM`: `--host 0.0.0.0 --port 8100 --kv-transfer-config <json>`: `OffloadingConnector`,
+///   `kv_both`, `TieringOffloadingSpec` with `block_size` = the worker's page tokens (one offloaded
+///   chunk is one worker page, which the tier checks at attach), `cpu_bytes_to_use` = the target
+///   pool's bytes, and the secondary tier `TandemSecondaryTier` from `tandem_kv.vllm` with the
+///   socket directory and the worker's model (vLLM 0.33.0 `kv_offload/tiering`; keys in
+///   `tandem_kv/vllm.py`).
+///
+/// `cfg` is the pool's rendered worker config (its model, page size and pool bytes).
+pub fn engine_args(engine: &EngineSpec, cfg: &WorkerConfig, config_path: &str) -> Vec<String> {
+    let page_tokens = cfg
+        .cache
+        .as_ref()
+        .map_or(super::config::DEFAULT_PAGE_TOKENS, |c| c.page_tokens);
+    let model = serde_json::to_value(&cfg.model).unwrap_or_default();
+    let http = ["--host", "0.0.0.0", "--port"].map(str::to_owned);
     let mut args: Vec<String> = match engine.kind {
         EngineKind::Simulated => [
             "sim-engine",
@@ -114,19 +140,66 @@ pub fn engine_args(engine: &EngineSpec, config_path: &str) -> Vec<String> {
         ]
         .map(str::to_owned)
         .to_vec(),
-        EngineKind::SgLang | EngineKind::Vllm => Vec::new(),
+        EngineKind::SgLang => {
+            let extra = json!({
+                "backend_name": "tandem",
+                "module_path": "tandem_kv.sglang",
+                "class_name": "TandemHiCacheStorage",
+                "interface_v1": 1,
+                "socket_dir": ENGINE_SOCKET_DIR,
+                "model": model,
+            });
+            let mut a = http.to_vec();
+            a.extend([
+                ENGINE_HTTP_PORT.to_string(),
+                "--page-size".into(),
+                page_tokens.to_string(),
+                "--enable-hierarchical-cache".into(),
+                "--hicache-storage-backend".into(),
+                "dynamic".into(),
+                "--hicache-storage-backend-extra-config".into(),
+                extra.to_string(),
+            ]);
+            a
+        }
+        EngineKind::Vllm => {
+            let transfer = json!({
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "spec_name": "TieringOffloadingSpec",
+                    "block_size": page_tokens,
+                    "cpu_bytes_to_use": cfg.memory.target_pool_bytes,
+                    "secondary_tiers": [{
+                        "type": "TandemSecondaryTier",
+                        "module_path": "tandem_kv.vllm",
+                        "socket_dir": ENGINE_SOCKET_DIR,
+                        "model": model,
+                    }],
+                },
+            });
+            let mut a = http.to_vec();
+            a.extend([
+                ENGINE_HTTP_PORT.to_string(),
+                "--kv-transfer-config".into(),
+                transfer.to_string(),
+            ]);
+            a
+        }
     };
     args.extend(engine.args.iter().cloned());
     args
 }
 
 /// The `engine` main container of a pool with `spec.engine`: its image (the worker image for a
-/// `Simulated` engine without one), [`engine_args`], the pod env the worker gets plus
-/// [`ORDINAL_ENV`] (from the [`POD_INDEX_LABEL`] label), `spec.engine.resources`, and the config
-/// and socket mounts.
+/// `Simulated` engine without one), [`engine_command`] and [`engine_args`], the pod env the worker
+/// gets plus [`ORDINAL_ENV`] (from the [`POD_INDEX_LABEL`] label), [`SOCKET_DIR_ENV`] and
+/// `spec.engine.env`, `spec.engine.resources` with the pod's one GPU, the `engine-http` port
+/// (SGLang and vLLM), and the config and socket mounts.
 pub fn engine_container(
     pool: &PoolView<'_>,
     engine: &EngineSpec,
+    cfg: &WorkerConfig,
     config_path: &str,
     pod_env: &[EnvVar],
     config_mount: &VolumeMount,
@@ -143,16 +216,40 @@ pub fn engine_container(
         }),
         ..EnvVar::default()
     });
+    env.push(EnvVar {
+        name: SOCKET_DIR_ENV.into(),
+        value: Some(ENGINE_SOCKET_DIR.into()),
+        ..EnvVar::default()
+    });
+    env.extend(engine.env.iter().cloned());
+    let mut resources = engine.resources.clone();
+    resources
+        .limits
+        .get_or_insert_with(BTreeMap::new)
+        .insert(GPU_RESOURCE.into(), Quantity("1".into()));
+    let ports = (engine.kind != EngineKind::Simulated).then(|| {
+        vec![ContainerPort {
+            name: Some(ENGINE_HTTP_PORT_NAME.into()),
+            container_port: i32::from(ENGINE_HTTP_PORT),
+            ..ContainerPort::default()
+        }]
+    });
     Container {
         name: ENGINE_CONTAINER.into(),
         image: Some(engine.image.as_deref().unwrap_or(pool.image).to_owned()),
-        args: Some(engine_args(engine, config_path)),
+        command: engine_command(engine.kind),
+        args: Some(engine_args(engine, cfg, config_path)),
         env: Some(env),
-        resources: Some(engine.resources.clone()),
+        ports,
+        resources: Some(resources),
         volume_mounts: Some(vec![config_mount.clone(), socket_mount()]),
         ..Container::default()
     }
 }
+
+/// The extended resource of the pod's one GPU (on the engine container when the pool has an
+/// engine, else on the worker).
+pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
 
 /// Seconds between startup probes of the worker sidecar.
 const STARTUP_PERIOD_SECONDS: i32 = 1;

@@ -26,6 +26,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use sha2::{Digest, Sha256};
+use tandem_crds::EngineKind;
 use tandem_interfaces::config::{CONFIG_FILE, WorkerConfig};
 use tandem_interfaces::memory::ClientMode;
 
@@ -126,7 +127,9 @@ pub fn peers_service(pool: &PoolView<'_>, owner: &OwnerReference) -> Service {
     }
 }
 
-/// The DecodePool's front door: ready decode pods only.
+/// The DecodePool's front door: ready decode pods only. Port `http` targets the worker's front
+/// door, or — for an SGLang or vLLM engine, which serves its own OpenAI-compatible API — the
+/// engine's `engine-http` port ([`engine::ENGINE_HTTP_PORT`]; module docs of [`engine`]).
 pub fn front_door_service(
     pool: &PoolView<'_>,
     service_port: i32,
@@ -144,7 +147,12 @@ pub fn front_door_service(
             ports: Some(vec![ServicePort {
                 name: Some("http".into()),
                 port: service_port,
-                target_port: Some(IntOrString::Int(i32::from(FRONT_DOOR_PORT))),
+                target_port: Some(IntOrString::Int(i32::from(
+                    match pool.engine.map(|e| e.kind) {
+                        Some(EngineKind::SgLang | EngineKind::Vllm) => engine::ENGINE_HTTP_PORT,
+                        None | Some(EngineKind::Simulated) => FRONT_DOOR_PORT,
+                    },
+                ))),
                 ..ServicePort::default()
             }]),
             ..ServiceSpec::default()
@@ -226,10 +234,13 @@ pub fn group_statefulset(
     let config_arg = format!("{CONFIG_DIR}/{CONFIG_FILE}");
 
     let mut resources: ResourceRequirements = pool.resources.clone();
-    resources
-        .limits
-        .get_or_insert_with(BTreeMap::new)
-        .insert("nvidia.com/gpu".into(), Quantity("1".into()));
+    // The pod's one GPU: the engine's when the pool has one (DESIGN §3.1), else the worker's.
+    if pool.engine.is_none() {
+        resources
+            .limits
+            .get_or_insert_with(BTreeMap::new)
+            .insert(engine::GPU_RESOURCE.into(), Quantity("1".into()));
+    }
     let mut ports = vec![
         container_port("control", CONTROL_PORT),
         container_port("data", DATA_PORT),
@@ -247,7 +258,7 @@ pub fn group_statefulset(
     }
     let engine = pool.engine.map(|e| {
         mounts.push(engine::socket_mount());
-        engine::engine_container(pool, e, &config_arg, &env, &config_mount)
+        engine::engine_container(pool, e, cfg, &config_arg, &env, &config_mount)
     });
     let worker = Container {
         name: "worker".into(),
