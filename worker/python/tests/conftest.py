@@ -124,7 +124,7 @@ class Worker:
         if not line or not line[0].startswith(b"listening on "):
             self.kill()
             raise RuntimeError(f"worker did not start within {within}s: {line!r}; log {self.log}")
-        if self.role != "prefill":
+        if not self.config.get("engine"):
             return self
         sock = Path(self.socket_dir) / "engine.sock"
         end = time.monotonic() + within
@@ -172,11 +172,16 @@ def until(pred, within: float, what: str, step: float = 0.05):
 
 @pytest.fixture
 def make_worker(tmp_path, request):
-    """Factory: `make_worker(net, host=1, **config_kw)` -> a started Worker, stopped after the test."""
+    """Factory: `make_worker(net, host=1, role="prefill", **config_kw)` -> a started Worker (role
+    `prefill` or `decode`), stopped after the test."""
     made = []
 
-    def make(net: int, host: int = 1, **kw):
-        w = Worker(tmp_path, net, host, worker_config(free_ports(3), **kw)).start()
+    def make(net: int, host: int = 1, role: str = "prefill", **kw):
+        cfg = worker_config(free_ports(3), **kw)
+        if role == "decode":
+            cfg["role"] = "decode"
+            cfg["ports"]["frontDoor"] = free_ports(1)[0]
+        w = Worker(tmp_path, net, host, cfg, role=role).start()
         made.append(w)
         return w
 

@@ -38,7 +38,8 @@ use crate::control::KvLayout;
 use crate::health::counters::mirror;
 use crate::health::http::ServeState;
 use crate::roles::ServeError;
-use crate::roles::prefill::seat::{self, EngineMetrics, NOT_ATTACHED, Seat, SeatRole};
+use crate::roles::prefill::seat::{self, EngineMetrics, NOT_ATTACHED, Seat, SeatRole, TierSeat};
+use crate::roles::prefill::tiers::HostTiers;
 
 type Labels = Vec<(String, String)>;
 
@@ -154,6 +155,7 @@ impl DecodeSeat {
     /// Allocates and registers the pools, starts the engine-API server and binds the engine's rooms
     /// to `node`. `ready` computes the decode's readiness while an engine is attached; it is
     /// re-evaluated at every attach change (`/readyz` says `engine not attached` otherwise).
+    /// `tier`: the tier calls' L2/L3 for an SGLang or vLLM engine ([`SeatRole::Decode`]).
     ///
     /// # Errors
     /// [`ServeError::Config`] when the pools cannot be made or registered (fail-closed), the
@@ -169,12 +171,13 @@ impl DecodeSeat {
         layout: KvLayout,
         target_token_bytes: Option<u64>,
         ready: Arc<dyn Fn() -> Result<(), String> + Send + Sync>,
+        tier: Option<Box<TierSeat>>,
     ) -> Result<Self, ServeError> {
         let rooms = EngineRooms::new(node, layout).map_err(ServeError::Config)?;
         let seat = Seat::start_role(
             cfg,
             engine,
-            SeatRole::Decode(rooms.clone()),
+            SeatRole::Decode(rooms.clone(), tier),
             state,
             rank,
             metrics.0,
@@ -264,11 +267,19 @@ impl DecodeSeat {
     /// `{concluded, acks, transport, bypassed}`, `acks`, `quarantined`, `spec_trips`, `tokens`,
     /// `chunks_verified`, `corrupt_chunks`, `cancelled_reports`, `requests_waiting`, `rooms_open`,
     /// `pages` `{free, held, release_pending, quarantined, total}`, `registration` (`commits`,
-    /// `rollbacks`, `fallbacks`, `quarantined`) and `engine_summary` (a simulated engine's own
-    /// running summary beside the socket, else null).
+    /// `rollbacks`, `fallbacks`, `quarantined`), `engine_summary` (a simulated engine's own
+    /// running summary beside the socket, else null) and `tiers` (the tier calls' figures, null
+    /// without them).
     pub fn report(&self) -> Value {
         let s = &self.seat;
-        report_of(s.kind, &s.api, &self.rooms, &s.registration, &s.socket_dir)
+        report_of(
+            s.kind,
+            &s.api,
+            &self.rooms,
+            &s.registration,
+            &s.socket_dir,
+            s.tiers.as_deref(),
+        )
     }
 
     /// Teardown (DESIGN contract 9), after the requests drained: the live attach ends (its rooms
@@ -295,9 +306,10 @@ pub fn report_of(
     rooms: &EngineRooms,
     registration: &crate::registration::metrics::RegistrationMetrics,
     socket_dir: &std::path::Path,
+    tiers: Option<&HostTiers>,
 ) -> Value {
     {
-        let mut out = seat::report(Some((&kind, api)), None);
+        let mut out = seat::report(Some((&kind, api)), tiers);
         let s = &rooms.stats;
         let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         let side = api.decode_side();

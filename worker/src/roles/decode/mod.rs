@@ -42,10 +42,14 @@ use tokio::sync::Semaphore;
 use super::resolve::Resolver;
 use super::sim::{SimKnobs, region_pages};
 use super::{RoleError, ServeError, load_worker_config, pod_ip, signals};
+use crate::config::EngineKind;
 use crate::config::WorkerConfig;
+use crate::control::KvLayout;
 use crate::health::counters::mirror;
 use crate::health::http::{ServeState, router, spawn_http};
+use crate::l3::replicas::BookConfig;
 use crate::release::receiver::GateMode;
+use crate::roles::prefill::seat::TierSeat;
 use crate::spec_guard::AnomalyReason;
 use crate::teardown::{Teardown, TeardownReport};
 use engine::DecodeEngine;
@@ -294,6 +298,7 @@ impl DecodeServer {
             .ok_or_else(|| ServeError::Config("decode needs ports.frontDoor".into()))?;
         let engine_metrics = crate::roles::prefill::seat::EngineMetrics::default();
         let decode_metrics = engine_seat::DecodeEngineMetrics::default();
+        let l3_metrics = crate::roles::prefill::l3_report::L3Metrics::default();
         let state = ServeState::with_metrics(
             "decode",
             &cfg.pool,
@@ -303,6 +308,9 @@ impl DecodeServer {
                 if cfg.engine.is_some() {
                     engine_metrics.register_common(r);
                     decode_metrics.register(r);
+                }
+                if serves_tiers(cfg) {
+                    l3_metrics.register(r);
                 }
             },
         );
@@ -412,17 +420,19 @@ impl DecodeServer {
                 p.not_ready_reason()
             })
         });
+        let rank = crate::roles::ordinal_from_env();
         let seat = match &cfg.engine {
             Some(e) => Some(engine_seat::DecodeSeat::start(
                 cfg,
                 e,
                 &node,
                 &state,
-                crate::roles::ordinal_from_env(),
+                rank,
                 (&engine_metrics, &decode_metrics),
                 layout,
                 target_token_bytes,
                 ready_now.clone(),
+                engine_tiers(cfg, rank, layout, &state, l3_metrics),
             )?),
             None => None,
         };
@@ -469,7 +479,10 @@ impl DecodeServer {
             Some(s) => {
                 let (api, rooms, kind) = (s.seat.api.clone(), s.rooms.clone(), s.seat.kind);
                 let (reg, dir) = (s.seat.registration.clone(), s.seat.socket_dir.clone());
-                Arc::new(move || engine_seat::report_of(kind, &api, &rooms, &reg, &dir))
+                let tiers = s.seat.tiers.clone();
+                Arc::new(move || {
+                    engine_seat::report_of(kind, &api, &rooms, &reg, &dir, tiers.as_deref())
+                })
             }
             None => Arc::new(|| crate::roles::prefill::seat::report(None, None)),
         };
@@ -681,6 +694,52 @@ impl DecodeServer {
         tracing::info!(clean = report.ok(), "decode stopped");
         report
     }
+}
+
+/// Whether a decode worker with this config serves the engine API's tier calls: beside an SGLang
+/// or vLLM engine with a CacheTier. Those engines take no rooms through the engine API on the
+/// decode (their requests come to their own HTTP port), so their pool is theirs alone and the
+/// tier calls may use any of its pages; the Simulated engine Reserves pages for rooms from the
+/// same pool, and does not use the tier calls on the decode (they answer `TIER_UNAVAILABLE`).
+pub fn serves_tiers(cfg: &WorkerConfig) -> bool {
+    cfg.cache.is_some()
+        && cfg
+            .engine
+            .as_ref()
+            .is_some_and(|e| matches!(e.kind, EngineKind::SgLang | EngineKind::Vllm))
+}
+
+/// The tier calls' L2/L3 of a decode worker that [`serves_tiers`]: the same tier cache as a
+/// prefill's (`roles::prefill::tier_cache`: L2 of `memory.targetPoolBytes` of pages, the L3
+/// replicas of this rank's shard), without the prefill's restart loadback into L2.
+fn engine_tiers(
+    cfg: &WorkerConfig,
+    rank: u32,
+    layout: KvLayout,
+    state: &Arc<ServeState>,
+    l3_metrics: crate::roles::prefill::l3_report::L3Metrics,
+) -> Option<Box<TierSeat>> {
+    if !serves_tiers(cfg) {
+        return None;
+    }
+    let pages = usize::try_from(cfg.memory.target_pool_bytes / layout.page_bytes().max(1))
+        .unwrap_or(usize::MAX);
+    let cache = crate::roles::prefill::tier_cache(
+        cfg,
+        rank,
+        pages,
+        Duration::ZERO,
+        state,
+        BookConfig::default(),
+        l3_metrics,
+    );
+    Some(Box::new(TierSeat {
+        cache,
+        l2_pages: pages,
+        layout,
+        counters: state.counters.clone(),
+        admitting: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+    }))
 }
 
 #[cfg(test)]

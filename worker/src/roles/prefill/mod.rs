@@ -143,6 +143,91 @@ pub struct PrefillOptions {
     pub l3_book: BookConfig,
 }
 
+/// The tier cache of a worker serving tier calls (the prefill role, and a decode beside an SGLang
+/// or vLLM engine): an L2 prefix index of `l2_pages` pages and, when the config has a `cache`,
+/// the L3 CacheTier's replicas for this rank's shard (layers owned under LayerSplit). With a tier,
+/// an unreachable L3 degrades the worker's health (component `l3`, cleared when it answers: it is
+/// probed every [`L3_PROBE_EVERY`] while no request reaches it) and `/report` gets an `l3` section.
+pub(crate) fn tier_cache(
+    cfg: &WorkerConfig,
+    rank: u32,
+    l2_pages: usize,
+    prefill_per_token: Duration,
+    state: &Arc<ServeState>,
+    book: BookConfig,
+    l3_metrics: l3_report::L3Metrics,
+) -> Arc<PrefixCache> {
+    let l3 = cfg.cache.as_ref().map(|c| {
+        let (tp, cp) = cfg.parallelism.ranks_of(rank).unwrap_or((0, 0));
+        let (start, end) = cfg
+            .layer_split
+            .as_ref()
+            .map(|ls| {
+                let owned: Vec<u32> = ls.owned_by(cp).collect();
+                (
+                    owned.first().copied().unwrap_or(0),
+                    owned.last().map_or(cfg.model.layers, |l| l + 1),
+                )
+            })
+            .unwrap_or((0, cfg.model.layers));
+        L3Target {
+            service: c.service.clone(),
+            port: L3_PORT,
+            shard: ShardCoords {
+                tp_rank: tp,
+                cp_rank: cp,
+                layer_start: start,
+                layer_end: end,
+            },
+            write_policy: c.write_policy,
+        }
+    });
+    let st = state.clone();
+    let sink: Arc<dyn Fn(Option<String>) + Send + Sync> = Arc::new(move |r| match r {
+        Some(r) => st.health.degrade("l3", "L3Unreachable", r),
+        None => st.health.recover("l3"),
+    });
+    let with_tier = l3.is_some();
+    let cache = Arc::new(
+        PrefixCache::new(
+            l2_pages,
+            l3,
+            Resolver::from_env(),
+            prefill_per_token,
+            state.counters.clone(),
+            sink,
+        )
+        .with_replica_book(book, l3_metrics),
+    );
+    if with_tier {
+        // Weak: the cache's health sink already holds the state.
+        let c = Arc::downgrade(&cache);
+        state.on_refresh(move |st| {
+            if let Some(c) = c.upgrade() {
+                st.set_section("l3", c.l3_report());
+            }
+        });
+        // The tier is re-checked between calls, so an L3 degraded reason clears when the
+        // tier is back even while no request reaches it; ends with the cache.
+        let c = Arc::downgrade(&cache);
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(L3_PROBE_EVERY);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                let Some(cache) = c.upgrade() else { break };
+                if tokio::task::spawn_blocking(move || cache.probe_tier())
+                    .await
+                    .is_err()
+                {
+                    break;
+                }
+            }
+        });
+    }
+    cache
+}
+
 /// Seconds from `var`, at least 1; `default` when unset or unparsable.
 fn env_secs(var: &str, default: Duration) -> Duration {
     std::env::var(var)
@@ -273,74 +358,16 @@ impl PrefillServer {
         let l2_pages = group_plan
             .as_ref()
             .map_or(whole_pages, |p| p.prefix_cache_pages(whole_pages));
-        let l3 = cfg.cache.as_ref().map(|c| {
-            let (tp, cp) = cfg.parallelism.ranks_of(rank).unwrap_or((0, 0));
-            let (start, end) = cfg
-                .layer_split
-                .as_ref()
-                .map(|ls| {
-                    let owned: Vec<u32> = ls.owned_by(cp).collect();
-                    (
-                        owned.first().copied().unwrap_or(0),
-                        owned.last().map_or(cfg.model.layers, |l| l + 1),
-                    )
-                })
-                .unwrap_or((0, cfg.model.layers));
-            L3Target {
-                service: c.service.clone(),
-                port: L3_PORT,
-                shard: ShardCoords {
-                    tp_rank: tp,
-                    cp_rank: cp,
-                    layer_start: start,
-                    layer_end: end,
-                },
-                write_policy: c.write_policy,
-            }
-        });
-        let st = state.clone();
-        let sink: Arc<dyn Fn(Option<String>) + Send + Sync> = Arc::new(move |r| match r {
-            Some(r) => st.health.degrade("l3", "L3Unreachable", r),
-            None => st.health.recover("l3"),
-        });
-        let with_tier = l3.is_some();
-        let cache = Arc::new(
-            PrefixCache::new(
-                l2_pages,
-                l3,
-                Resolver::from_env(),
-                knobs.prefill_per_token,
-                state.counters.clone(),
-                sink,
-            )
-            .with_replica_book(opts.l3_book.clone(), l3_metrics),
+        let with_tier = cfg.cache.is_some();
+        let cache = tier_cache(
+            cfg,
+            rank,
+            l2_pages,
+            knobs.prefill_per_token,
+            &state,
+            opts.l3_book.clone(),
+            l3_metrics,
         );
-        if with_tier {
-            // Weak: the cache's health sink already holds the state.
-            let c = Arc::downgrade(&cache);
-            state.on_refresh(move |st| {
-                if let Some(c) = c.upgrade() {
-                    st.set_section("l3", c.l3_report());
-                }
-            });
-            // The tier is re-checked between calls, so an L3 degraded reason clears when the
-            // tier is back even while no request reaches it; ends with the cache.
-            let c = Arc::downgrade(&cache);
-            tokio::spawn(async move {
-                let mut every = tokio::time::interval(L3_PROBE_EVERY);
-                every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    every.tick().await;
-                    let Some(cache) = c.upgrade() else { break };
-                    if tokio::task::spawn_blocking(move || cache.probe_tier())
-                        .await
-                        .is_err()
-                    {
-                        break;
-                    }
-                }
-            });
-        }
         // With a tier, no room is admitted before the hot prefixes are back in L2; with a refused
         // transport, none at all.
         service

@@ -361,8 +361,11 @@ pub enum SeatRole<'a> {
     /// tier calls served by a [`HostTiers`] over the [`TierSeat`].
     Prefill(&'a Arc<PrefillNode>, Box<TierSeat>),
     /// A decode worker: Reserve opens rooms through this transport (and it receives EmitTokens).
-    /// The role follows the attach in its own readiness and `/report`.
-    Decode(Arc<dyn KvSource>),
+    /// The role follows the attach in its own readiness and `/report`. With a [`TierSeat`] (an
+    /// SGLang or vLLM engine, whose decode takes no rooms through the engine API, so its pool is
+    /// its own) the tier calls are served by a [`HostTiers`] too; without, they answer
+    /// `TIER_UNAVAILABLE`.
+    Decode(Arc<dyn KvSource>, Option<Box<TierSeat>>),
 }
 
 /// The registration transactions of the seat's pools, summed over pool roles: `commits`,
@@ -457,7 +460,7 @@ impl Seat {
         api_cfg.ranks = cfg.parallelism.ranks_of(rank);
         match &role {
             SeatRole::Prefill(..) => api_cfg.prefill_rank = rank,
-            SeatRole::Decode(_) => {
+            SeatRole::Decode(..) => {
                 api_cfg.decode_rank = rank;
                 // Negative control only (feature `negative-controls`, `$TANDEM_NEGATIVE_GATE_BYPASS`).
                 #[cfg(feature = "negative-controls")]
@@ -509,16 +512,20 @@ impl Seat {
             .map(|p| p.pool.clone())
             .ok_or_else(|| ServeError::Config("engine pools: no target pool".into()))?;
         drop(attached);
+        // The tier calls' L2/L3 over the target pool (the engine's pages they load into).
+        let host_tiers = |target, tier: &TierSeat| {
+            HostTiers::new(
+                target,
+                tier.layout,
+                tier.l2_pages,
+                tier.cache.clone(),
+                tier.counters.clone(),
+            )
+            .map_err(|e| ServeError::Config(format!("engine tiers: {e}")))
+        };
         let (backend, node, tiers, admitting) = match role {
             SeatRole::Prefill(node, tier) => {
-                let tiers = HostTiers::new(
-                    target,
-                    tier.layout,
-                    tier.l2_pages,
-                    tier.cache.clone(),
-                    tier.counters.clone(),
-                )
-                .map_err(|e| ServeError::Config(format!("engine tiers: {e}")))?;
+                let tiers = host_tiers(target, &tier)?;
                 node.set_tiers(tiers.clone());
                 (
                     Backend::Prefill(node.clone()),
@@ -527,9 +534,13 @@ impl Seat {
                     Some(tier.admitting),
                 )
             }
-            SeatRole::Decode(source) => {
+            SeatRole::Decode(source, None) => {
                 drop(target);
                 (Backend::Decode(source), None, None, None)
+            }
+            SeatRole::Decode(source, Some(tier)) => {
+                let tiers = host_tiers(target, &tier)?;
+                (Backend::Decode(source), None, Some(tiers), None)
             }
         };
         let tier_backend: Arc<dyn crate::engine_api::tiers::TierBackend> = match &tiers {
