@@ -11,6 +11,7 @@ round trip runs in test_sglang_roundtrip.py.
 
 import signal
 import time
+import urllib.request
 from types import SimpleNamespace
 
 import pytest
@@ -127,6 +128,35 @@ def test_worker_down_gives_misses_within_the_timeout_then_reattaches(worker, bac
     assert backend.stats["attaches"] == 2
     assert backend.client.health().attach_id == backend._attached.id
     assert backend._attached is not None and first != 0
+
+
+def ready(worker) -> bool:
+    url = f"http://{worker.ip}:{worker.config['ports']['health']}/readyz"
+    try:
+        return urllib.request.urlopen(url, timeout=1).status == 200
+    except OSError:
+        return False
+
+
+def test_the_keepalive_reattaches_after_a_worker_restart_without_any_call(worker):
+    # A worker is Ready only with its engine attached, and a pod that is not Ready gets no
+    # requests: the backend must come back by itself, not on SGLang's next call.
+    b = TandemHiCacheStorage(storage_config(worker.socket_dir, keepalive_s=0.2), {})
+    try:
+        b.register_mem_pool_host(HostPool(4))
+        assert b.stats["attaches"] == 1
+        until(lambda: ready(worker), 10, "the worker ready with the engine attached")
+        worker.kill()
+        worker.start()
+        until(
+            lambda: b.stats["attaches"] == 2 and b.client.health().attach_id == b._attached.id,
+            10,
+            "the keepalive re-attached to the restarted worker",
+        )
+        until(lambda: ready(worker), 10, "the restarted worker ready again")
+        assert b.stats["lost"] == 1
+    finally:
+        b.close()
 
 
 def test_a_hung_worker_costs_at_most_the_timeout(worker, backend):

@@ -212,6 +212,24 @@ def test_a_chunk_of_other_bytes_is_refused_by_the_tier(worker):
         a.close()
 
 
+def test_the_keepalive_reattaches_after_a_worker_restart_without_any_call(worker):
+    # The worker is Ready only with its engine attached and a pod that is not Ready gets no
+    # requests: the tier must come back by itself, not on vLLM's next lookup or job.
+    a = Instance(worker.socket_dir, keepalive_s=0.2)
+    try:
+        until(lambda: a.tier._attached is not None, 10, "the tier attaches")
+        worker.kill()
+        worker.start()
+        until(
+            lambda: a.tier.stats["attaches"] == 2 and a.tier.client.health().attach_id == a.tier._attached.id,
+            10,
+            "the keepalive re-attached to the restarted worker",
+        )
+        assert a.tier.stats["lost"] == 1
+    finally:
+        a.close()
+
+
 def test_worker_down_gives_misses_and_failed_jobs_then_the_tier_reattaches(worker):
     a = Instance(worker.socket_dir)
     try:

@@ -32,7 +32,8 @@ Extra config keys (all optional): `socket_dir` (default `$TANDEM_ENGINE_SOCKET_D
 `/run/tandem/engine`), `timeout_s` (2.0), `retry_s` (1.0), `model` (the worker config's `model`
 object; else derived from the host pool with `model_name` or SGLang's `model_name`), `engine`
 (`sglang/<version>`), `namespace` (extra key namespace), `staging_pages` (pages of the worker pool
-this backend uses, from page 0; default all).
+this backend uses, from page 0; default all), `keepalive_s` (2.0: how often the attach is checked
+and restored without SGLang's calls; 0 turns it off — see `tiers.py`).
 """
 
 from __future__ import annotations
@@ -76,8 +77,10 @@ class TandemHiCacheStorage(TierBackend, _Base):
             timeout_s=extra.get("timeout_s", 2.0),
             retry_s=extra.get("retry_s", 1.0),
             staging_pages=extra.get("staging_pages"),
+            keepalive_s=extra.get("keepalive_s", 2.0),
         )
         self.mem_pool_host = None
+        self._start_keepalive()
 
     # -- registration and the attach ---------------------------------------------------------
 

@@ -7,6 +7,12 @@ Tiers calls (engine.proto `Tiers`):
 - the attach: on first use, and again after any loss of the worker (at most one attempt per
   `retry_s` while it stays down), with an identity the engine adapter derives (`_identity`) and the
   worker checks against its config; the worker's memfd pool arrives by SCM_RIGHTS and is mapped;
+- the keepalive: a thread that every `keepalive_s` (default 2 s; 0 turns it off) asks the worker's
+  `Health` whether it still holds this attach, and attaches again when it does not (a restarted
+  worker) or when there is none — without waiting for the engine's next call. A worker is Ready only
+  while its engine is attached, and a pod that is not Ready gets no requests, so without it an
+  engine whose worker restarted would never call again, never re-attach, and its pod would stay
+  out of its Service for good;
 - staging: the adapter's page spans are copied into staging pages of that pool (one host memcpy per
   page each way — the engines' own host memory is not adopted by the worker, which refuses
   engine-owned pools with ADOPTION_UNSUPPORTED), then ONE `Store` or `Load` per batch of at most
@@ -76,7 +82,7 @@ class TierBackend:
     — the attach is then retried after `retry_s`), `_namespace(fingerprint)` (the key namespace)
     and `_ready()` (False until the engine has handed over what `_identity` needs)."""
 
-    def _init_tiers(self, socket_dir: str, timeout_s: float, retry_s: float, staging_pages=None):
+    def _init_tiers(self, socket_dir: str, timeout_s: float, retry_s: float, staging_pages=None, keepalive_s: float = 2.0):
         self.socket_dir = socket_dir
         self.timeout_s = float(timeout_s)
         self.retry_s = float(retry_s)
@@ -93,6 +99,14 @@ class TierBackend:
         self._last_log = {}
         self._stats_lock = threading.Lock()
         self.stats = {"attaches": 0, "lost": 0, "stored": 0, "loaded": 0, "lookups": 0, "refused": 0}
+        self.keepalive_s = float(keepalive_s)
+        self._closing = threading.Event()
+
+    def _start_keepalive(self) -> None:
+        """Starts the keepalive thread (unless `keepalive_s` is 0); the adapter calls it last in
+        its constructor, once its hooks can run."""
+        if self.keepalive_s > 0:
+            threading.Thread(target=self._keepalive_loop, name="tandem-keepalive", daemon=True).start()
 
     # -- to provide ----------------------------------------------------------------------------
 
@@ -153,6 +167,38 @@ class TierBackend:
             logger.info("tandem: attached (id %d, %d staging pages of %d B)", att.id, len(self._staging), pool.page_bytes)
             return att
 
+    def _keepalive_loop(self) -> None:
+        while not self._closing.wait(self.keepalive_s):
+            try:
+                self._keepalive()
+            except Exception as e:  # never let the thread die
+                self._log("keepalive", "tandem: keepalive failed: %r", e)
+
+    def _keepalive(self) -> None:
+        """One keepalive tick: re-attach when there is no attach, or when the worker's `Health` says
+        it holds another one (or none: it restarted) or cannot be reached."""
+        att = self._attached
+        if att is None:
+            self._reattach()
+            return
+        try:
+            held = self.client.health(timeout=self.timeout_s).attach_id
+        except LOST as e:
+            self._lost(att, e)
+            return
+        if held != att.id:
+            self._lost(att, f"the worker holds attach {held}, not {att.id} (it restarted)")
+            self._reattach()
+
+    def _reattach(self) -> None:
+        """Attaches now if the worker can be reached (the adapter may hand it to its own thread)."""
+        self._session()
+
+    def _lost(self, att, why) -> None:
+        """Ends attach `att`, found dead by the keepalive (the adapter may close it on its own
+        thread)."""
+        self._drop(att, why)
+
     def _drop(self, att, why):
         """Ends attach `att` after a call on it failed: forgets it (unless another thread already
         replaced it) and closes it once no copy runs in its pool (the staging lock), so a failure on
@@ -172,7 +218,9 @@ class TierBackend:
         self._log("lost", "tandem: attach lost (%s); attaching again", why)
 
     def close(self):
-        """Detaches and closes the channel (after any copy in the pool has finished)."""
+        """Stops the keepalive, detaches and closes the channel (after any copy in the pool has
+        finished)."""
+        self._closing.set()
         with self._lock:
             att, self._attached = self._attached, None
         if att is not None:

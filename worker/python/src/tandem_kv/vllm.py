@@ -40,7 +40,9 @@ Tier config keys (besides vLLM's `type` and `module_path`): `model` (required: t
 `model` object), `socket_dir` (default `$TANDEM_ENGINE_SOCKET_DIR` or `/run/tandem/engine`),
 `timeout_s` (1.0: the deadline of each call of a job), `lookup_timeout_s` (0.1), `retry_s` (1.0),
 `locality` (vLLM's `LOCAL`/`REMOTE`), `engine` (`vllm/<version>`), `namespace`
-(extra key namespace), `staging_pages` (pages of the worker pool used, from page 0; default all).
+(extra key namespace), `staging_pages` (pages of the worker pool used, from page 0; default all),
+`keepalive_s` (2.0: how often the attach is checked and restored without vLLM's calls; 0 turns it
+off — see `tiers.py`).
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class TandemSecondaryTier(TierBackend, SecondaryTierManager):
         timeout_s: float = 1.0,
         lookup_timeout_s: float = 0.1,
         retry_s: float = 1.0,
+        keepalive_s: float = 2.0,
         locality: str | None = None,
         engine: str | None = None,
         namespace: str = "",
@@ -128,6 +131,7 @@ class TandemSecondaryTier(TierBackend, SecondaryTierManager):
             timeout_s=timeout_s,
             retry_s=retry_s,
             staging_pages=staging_pages,
+            keepalive_s=keepalive_s,
         )
         spec = offloading_spec
         self.page_tokens = int(spec.tokens_per_block[0]) * int(spec.blocks_per_chunk)
@@ -154,6 +158,7 @@ class TandemSecondaryTier(TierBackend, SecondaryTierManager):
         self._thread = threading.Thread(target=self._run, name="tandem-tier", daemon=True)
         self._thread.start()
         self._session()  # a worker that is down is not an error here: attaching is retried
+        self._start_keepalive()
 
     # -- TierBackend -----------------------------------------------------------------------------
 
@@ -247,6 +252,15 @@ class TandemSecondaryTier(TierBackend, SecondaryTierManager):
         if self._thread.is_alive():
             raise RuntimeError("tandem: the tier's job thread did not stop; its copies may still touch the CPU region")
         self.close()
+
+    def _reattach(self) -> None:
+        # The attach maps the worker's pool: the job thread does it, between jobs.
+        self._wake_attach()
+
+    def _lost(self, att, why) -> None:
+        # Closing unmaps the pool: the job thread does it between jobs, never under a copy.
+        self._forget(att, why)
+        self._jobs.put(_Close(att))
 
     # -- the job thread ----------------------------------------------------------------------------
 
