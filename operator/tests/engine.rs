@@ -403,6 +403,24 @@ fn assert_engine_pod(cfg: &WorkerConfig, sts: &StatefulSet, kind: SeatKind, user
     assert_eq!(flag(args, "--port"), ENGINE_HTTP_PORT.to_string());
     assert_eq!(mount_path(e, "engine-socket"), Some(ENGINE_SOCKET_DIR));
     assert_eq!(cfg.engine.as_ref().map(|s| s.kind), Some(kind));
+    // A memory-backed /dev/shm of its own (a runtime's default is 64 MiB): the engines' IPC, and
+    // for vLLM its CPU offload tier, a file there of cpu_bytes_to_use.
+    assert_eq!(mount_path(e, "engine-shm"), Some("/dev/shm"));
+    let shm = spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "engine-shm")
+        .and_then(|v| v.empty_dir.as_ref())
+        .expect("engine-shm emptyDir");
+    assert_eq!(shm.medium.as_deref(), Some("Memory"));
+    let limit: u64 = shm.size_limit.as_ref().unwrap().0.parse().unwrap();
+    let cpu_tier = if kind == SeatKind::Vllm {
+        cfg.memory.target_pool_bytes
+    } else {
+        0
+    };
+    assert_eq!(limit, (2 << 30) + cpu_tier);
 }
 
 #[test]

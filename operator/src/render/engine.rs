@@ -82,6 +82,35 @@ pub fn socket_volume() -> Volume {
     }
 }
 
+/// Name of the memory-backed `emptyDir` an SGLang or vLLM engine gets as its `/dev/shm`.
+pub const ENGINE_SHM_VOLUME: &str = "engine-shm";
+/// Bytes of `/dev/shm` an SGLang or vLLM engine gets besides vLLM's CPU tier: the engines'
+/// own shared memory (NCCL and gloo buffers, SGLang's IPC between its processes). A container
+/// runtime's default `/dev/shm` is 64 MiB.
+pub const ENGINE_SHM_BASE_BYTES: u64 = 2 << 30;
+
+/// The engine's `/dev/shm` (SGLang and vLLM; `None` for `Simulated`): a memory-backed `emptyDir`
+/// of [`ENGINE_SHM_BASE_BYTES`], plus, for vLLM, its CPU offload tier — a file of
+/// `cpu_bytes_to_use` (the target pool's bytes, [`engine_args`]) under `/dev/shm`
+/// (vLLM 0.33 `kv_offload/cpu/shared_offload_region.py`). Memory-backed: it counts against the
+/// pod's memory.
+pub fn shm_volume(kind: EngineKind, cfg: &WorkerConfig) -> Option<Volume> {
+    let bytes = match kind {
+        EngineKind::Simulated => return None,
+        EngineKind::SgLang => ENGINE_SHM_BASE_BYTES,
+        EngineKind::Vllm => ENGINE_SHM_BASE_BYTES + cfg.memory.target_pool_bytes,
+    };
+    Some(Volume {
+        name: ENGINE_SHM_VOLUME.into(),
+        empty_dir: Some(EmptyDirVolumeSource {
+            medium: Some("Memory".into()),
+            size_limit: Some(Quantity(bytes.to_string())),
+            ..EmptyDirVolumeSource::default()
+        }),
+        ..Volume::default()
+    })
+}
+
 /// The socket volume's mount, the same in the worker and the engine.
 pub fn socket_mount() -> VolumeMount {
     VolumeMount {
@@ -195,7 +224,8 @@ pub fn engine_args(engine: &EngineSpec, cfg: &WorkerConfig, config_path: &str) -
 /// `Simulated` engine without one), [`engine_command`] and [`engine_args`], the pod env the worker
 /// gets plus [`ORDINAL_ENV`] (from the [`POD_INDEX_LABEL`] label), [`SOCKET_DIR_ENV`] and
 /// `spec.engine.env`, `spec.engine.resources` with the pod's one GPU, the `engine-http` port
-/// (SGLang and vLLM), and the config and socket mounts.
+/// (SGLang and vLLM), and the config and socket mounts (plus [`shm_volume`] at `/dev/shm` for
+/// SGLang and vLLM).
 pub fn engine_container(
     pool: &PoolView<'_>,
     engine: &EngineSpec,
@@ -234,6 +264,14 @@ pub fn engine_container(
             ..ContainerPort::default()
         }]
     });
+    let mut mounts = vec![config_mount.clone(), socket_mount()];
+    if shm_volume(engine.kind, cfg).is_some() {
+        mounts.push(VolumeMount {
+            name: ENGINE_SHM_VOLUME.into(),
+            mount_path: "/dev/shm".into(),
+            ..VolumeMount::default()
+        });
+    }
     Container {
         name: ENGINE_CONTAINER.into(),
         image: Some(engine.image.as_deref().unwrap_or(pool.image).to_owned()),
@@ -242,7 +280,7 @@ pub fn engine_container(
         env: Some(env),
         ports,
         resources: Some(resources),
-        volume_mounts: Some(vec![config_mount.clone(), socket_mount()]),
+        volume_mounts: Some(mounts),
         ..Container::default()
     }
 }

@@ -317,6 +317,7 @@ pub fn group_statefulset(
         // The worker starts before the engine and stops after it (DESIGN §3.1).
         Some(engine) => {
             volumes.push(engine::socket_volume());
+            volumes.extend(pool.engine.and_then(|e| engine::shm_volume(e.kind, cfg)));
             init_containers.push(engine::native_sidecar(worker));
             vec![engine]
         }
