@@ -8,6 +8,7 @@ Needs torch and vLLM, which only the vLLM venv has (worker/tools/vllm-venv.sh): 
 without them, unless `TANDEM_REQUIRE_VLLM=1` (CI's run in that venv), where a missing vLLM fails.
 """
 
+import json
 import os
 import time
 import uuid
@@ -32,7 +33,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from tandem_kv.vllm import TandemSecondaryTier  # noqa: E402
 
-from conftest import MODEL, until  # noqa: E402
+from conftest import MODEL, Worker, free_ports, until  # noqa: E402
 
 NET = 137
 # conftest's model: 8 layers x 64 B per token and layer. vLLM blocks of 16 tokens (8 KiB over the
@@ -66,8 +67,9 @@ def offloading_config(socket_dir, chunk_blocks=BLOCKS_PER_CHUNK, block_bytes=BLO
 class Instance:
     """One vLLM instance's scheduler-side offloading: the real spec, manager, CPU tier and ours."""
 
-    def __init__(self, socket_dir, **kw):
-        self.spec = TieringOffloadingSpec(offloading_config(socket_dir, **kw))
+    def __init__(self, socket_dir, config=None, chunk_bytes=CHUNK_BYTES, **kw):
+        self.spec = TieringOffloadingSpec(config or offloading_config(socket_dir, **kw))
+        self.chunk_bytes = chunk_bytes
         self.manager = self.spec.get_manager()
         self.tier = self.manager.secondary_tiers[0]
         # (chunks, row stride) bytes over vLLM's CPU region.
@@ -86,7 +88,7 @@ class Instance:
         raise AssertionError("offloading jobs still pending after 200 steps")
 
     def chunk(self, c) -> bytes:
-        return self.rows[c, :CHUNK_BYTES].tobytes()
+        return self.rows[c, : self.chunk_bytes].tobytes()
 
     def store(self, req, keys, payload):
         """vLLM's store path: CPU chunks for `keys`, the GPU->CPU copy (here: `payload(i)` written
@@ -96,7 +98,7 @@ class Instance:
         out = self.manager.prepare_store(keys, ctx)
         assert out is not None and list(out.keys_to_store) == list(keys)
         for i, c in enumerate(out.store_spec.chunk_ids):
-            self.rows[int(c), :CHUNK_BYTES] = np.frombuffer(payload(i), dtype=np.uint8)
+            self.rows[int(c), : self.chunk_bytes] = np.frombuffer(payload(i), dtype=np.uint8)
         self.manager.complete_store(keys, ctx)
         self.manager.on_request_finished(ctx)
         self.settle()
@@ -124,10 +126,10 @@ class Instance:
         self.manager.shutdown()
 
 
-def payload_of(salt):
+def payload_of(salt, size=CHUNK_BYTES):
     def p(i):
         rng = np.random.default_rng(salt * 1000 + i)
-        return rng.integers(0, 256, CHUNK_BYTES, dtype=np.uint8).tobytes()
+        return rng.integers(0, 256, size, dtype=np.uint8).tobytes()
 
     return p
 
@@ -310,3 +312,77 @@ def test_shutdown_stops_the_job_thread(worker):
     thread = a.tier._thread
     a.close()
     assert not thread.is_alive()
+
+
+def test_the_rendered_vllm_transfer_config_stores_and_promotes_one_chunk_per_worker_page(tmp_path):
+    """The vLLM pod the operator renders (`manifests/samples/engines/vllm.yaml` through its golden
+    render, `rendered.py`): vLLM's own `KVTransferConfig` accepts the rendered
+    `--kv-transfer-config`; the offloading config vLLM derives from it (`block_size` tokens per
+    chunk over 16-token GPU blocks: `offloading/config.py`) with the rendered secondary tier,
+    against a worker run from the rendered `worker.json`, attaches (one chunk is one worker page)
+    and a chunk stored by one instance is promoted byte-identical by the next. Not run: vLLM's
+    argument parser and server."""
+    from vllm.config import KVTransferConfig
+
+    from rendered import flag, on_this_machine, page_bytes, rendered, tier_for
+
+    cfg, engine = rendered("vllm")
+    assert engine["command"] == ["vllm", "serve"]
+    transfer = json.loads(flag(engine["args"], "--kv-transfer-config"))
+    parsed = KVTransferConfig(**transfer)
+    assert parsed.kv_connector == "OffloadingConnector" and parsed.kv_role == "kv_both"
+    x = transfer["kv_connector_extra_config"]
+    assert x["spec_name"] == "TieringOffloadingSpec"
+    _, decode = rendered("vllm", "decode")
+    assert json.loads(flag(decode["args"], "--kv-transfer-config")) == transfer
+
+    l3 = "l3-rendered-vllm.serving.svc.cluster.local"
+    made = []
+    try:
+        made.append(Worker(tmp_path, NET, 7, tier_for(cfg, free_ports(1)[0]), role="cache", config_file="tier.json", names=(l3,)).start())
+        w = Worker(tmp_path, NET, 6, on_this_machine(cfg, free_ports(3), pages=4, l3_service=l3)).start()
+        made.append(w)
+        tier = dict(x["secondary_tiers"][0], socket_dir=w.socket_dir, keepalive_s=0.2)
+        m = tier["model"]
+        gpu_block = 16
+        assert x["block_size"] % gpu_block == 0
+        chunk_blocks = x["block_size"] // gpu_block
+        block_bytes = page_bytes(m, gpu_block)
+        chunk = block_bytes * chunk_blocks
+        assert chunk == page_bytes(m, cfg["cache"]["pageTokens"])
+
+        def config():
+            return OffloadingConfig(
+                groups=(OffloadingGroupConfig(tokens_per_block=gpu_block, layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(m["layers"])), group_id=0),),
+                worker_kv_bytes_per_block=block_bytes,
+                enable_kv_cache_events=False,
+                # The rendered extra config, with a CPU tier of 2 chunks (the render gives it
+                # hostPool.size, 8 GiB, in the pod's own /dev/shm).
+                extra_config=dict(x, cpu_bytes_to_use=2 * chunk, secondary_tiers=[tier], tier_poll_interval_s=0),
+                engine_id=f"tandem-rendered-{uuid.uuid4().hex[:12]}",
+                model=OffloadingModelConfig(name="meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16"),
+                cache=OffloadingCacheConfig(tokens_per_hash=gpu_block, blocks_per_chunk=chunk_blocks),
+                parallel=OffloadingParallelConfig(
+                    rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, data_parallel_index=0,
+                    data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=False,
+                ),
+            )
+
+        keys = keys_of(9, 2)
+        pay = payload_of(9, size=chunk)
+        a = Instance(None, config=config(), chunk_bytes=chunk)
+        try:
+            until(lambda: a.tier._attached is not None, 20, "the rendered tier attaches to the rendered worker")
+            a.store("a", keys, pay)
+            assert a.tier.stats["stored"] == 2 and a.tier.stats["refused"] == 0, a.tier.stats
+        finally:
+            a.close()
+        b = Instance(None, config=config(), chunk_bytes=chunk)
+        try:
+            _, got = b.promote("b", keys)
+            assert got == [pay(i) for i in range(2)]
+        finally:
+            b.close()
+    finally:
+        for x_ in made:
+            x_.kill()
