@@ -8,7 +8,14 @@ serves_tiers`), loopback net 127.0.152.x.
   still exists and reads back identical (from L3: the new process's L2 is empty).
 - Negative control: the same worker beside the Simulated engine (which Reserves its decode pages
   for rooms, so its pool is not the tier calls' to use) answers TIER_UNAVAILABLE.
+- The worker's front door beside SGLang (which serves its own API) answers 421
+  `engine_serves_its_own_api` at once; beside the Simulated engine it takes the request.
 """
+
+import json
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -22,6 +29,21 @@ from test_sglang import storage_config
 from test_sglang_l3 import L3, l3_written, tier_config
 
 NET = 152
+
+
+def post_completion(w):
+    """(status, body) of a small completion on `w`'s front door, and the seconds it took."""
+    url = f"http://{w.ip}:{w.config['ports']['frontDoor']}/v1/completions"
+    body = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 2}).encode()
+    req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read()), time.monotonic() - t0
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), time.monotonic() - t0
+
+
 CACHE = {"tier": "l3", "service": L3, "replicas": 1, "pageTokens": 512, "writePolicy": "writeThrough"}
 
 
@@ -33,6 +55,9 @@ def test_an_sglang_decode_worker_serves_the_tiers_and_keys_survive_its_restart(m
     b.register_mem_pool_host(pool)
     try:
         until(lambda: b._session() is not None, 20, "attach to the decode worker")
+        status, body, took = post_completion(w)
+        assert (status, body["error"]["code"]) == (421, "engine_serves_its_own_api"), body
+        assert took < 2.0
         pool.fill("decode")
         want = [pool.page_bytes(p) for p in range(6)]
         keys = chain_keys(6, salt=52)
@@ -59,5 +84,7 @@ def test_a_decode_worker_beside_the_simulated_engine_refuses_the_tier_calls(make
         att = c.attach(engine_identity("simulated/0.1.0", MODEL, 512, layout=h.layout))
         with pytest.raises(errors.TierUnavailable):
             c.lookup(att.id, [b"\0" * 8])
+        status, body, _ = post_completion(w)
+        assert status != 421, body
     finally:
         c.close()

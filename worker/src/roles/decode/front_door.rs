@@ -396,6 +396,21 @@ async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    // An SGLang or vLLM engine serves its own API (the DecodePool Service's `http` port targets
+    // it); it takes no requests through the engine API, so one sent here could only time out.
+    if let Some(kind) = engine.own_api_engine {
+        return error(
+            StatusCode::MISDIRECTED_REQUEST,
+            "invalid_request_error",
+            "engine_serves_its_own_api",
+            format!(
+                "this decode's {kind} engine serves requests on its own OpenAI-compatible API \
+                 (container port engine-http, which the DecodePool Service's http port targets); \
+                 the worker's front door drives only engines that take requests through the \
+                 engine API (Simulated)"
+            ),
+        );
+    }
     if let Err(message) = json_content_type(&headers) {
         return error(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,

@@ -455,6 +455,11 @@ impl DecodeServer {
             request_deadline: opts.request_deadline,
             deadline_tally: Arc::default(),
             engine_rooms: seat.as_ref().map(|s| s.rooms.clone()),
+            own_api_engine: cfg.engine.as_ref().and_then(|e| match e.kind {
+                EngineKind::Simulated => None,
+                EngineKind::SgLang => Some("SGLang"),
+                EngineKind::Vllm => Some("vLLM"),
+            }),
             snapshots: opts.snapshot_sync.then(|| {
                 snapshot_push::SnapshotPush::new(
                     peers.clone(),
