@@ -311,10 +311,11 @@ pub struct EngineSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self.size() > 0").message("engine.image must not be empty"))]
     pub image: Option<String>,
-    /// Extra arguments appended to the engine's command line, after the ones the operator
-    /// renders (Simulated: the socket directory, the worker config and the pod's ordinal; SGLang
-    /// and vLLM: the adapter's flags, [`SGLANG_OWNED_FLAGS`] and [`VLLM_OWNED_FLAGS`], which these
-    /// must not repeat — refused at admission). SGLang's `--model-path` and vLLM's model go here.
+    /// Extra arguments of the engine. Simulated: after the ones the operator renders (the socket
+    /// directory, the worker config and the pod's ordinal). SGLang and vLLM: before the adapter's
+    /// flags ([`SGLANG_OWNED_FLAGS`], [`VLLM_OWNED_FLAGS`]), which these must not repeat — refused
+    /// at admission, alone or as `--flag=value` or `--flag.key=value`. SGLang's `--model-path` and
+    /// vLLM's model (first) go here.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 128), inner(length(max = 4096)))]
     pub args: Vec<String>,
@@ -332,11 +333,13 @@ pub struct EngineSpec {
 
 /// The SGLang flags the operator renders for Tandem's adapter (`render::engine` of the operator);
 /// `engine.args` of kind SGLang must not set them, alone or as `--flag=value`.
-pub const SGLANG_OWNED_FLAGS: [&str; 6] = [
+pub const SGLANG_OWNED_FLAGS: [&str; 8] = [
     "--host",
     "--port",
     "--page-size",
     "--enable-hierarchical-cache",
+    "--hicache-size",
+    "--hicache-ratio",
     "--hicache-storage-backend",
     "--hicache-storage-backend-extra-config",
 ];
@@ -353,15 +356,18 @@ pub const VLLM_OWNED_FLAGS: [&str; 5] = [
 
 /// CEL: no SGLang arg is one of [`SGLANG_OWNED_FLAGS`] (kept in step by a test).
 const SGLANG_ARGS_RULE: &str = "self.kind != 'SGLang' || !has(self.args) || self.args.all(a, \
-     !['--host', '--port', '--page-size', '--enable-hierarchical-cache', '--hicache-storage-backend', \
-     '--hicache-storage-backend-extra-config'].exists(f, a == f || a.startsWith(f + '=')))";
+     !['--host', '--port', '--page-size', '--enable-hierarchical-cache', '--hicache-size', \
+     '--hicache-ratio', '--hicache-storage-backend', '--hicache-storage-backend-extra-config'] \
+     .exists(f, a == f || a.startsWith(f + '=') || a.startsWith(f + '.')))";
 const SGLANG_ARGS_MESSAGE: &str = "engine.args of kind SGLang must not set --host, --port, --page-size, \
-     --enable-hierarchical-cache or --hicache-storage-backend[-extra-config]: the operator sets them \
-     for Tandem's HiCache backend (the page size is the tier's pageTokens)";
+     --enable-hierarchical-cache, --hicache-size, --hicache-ratio or \
+     --hicache-storage-backend[-extra-config]: the operator sets them for Tandem's HiCache backend \
+     (the page size is the tier's pageTokens, the host pool hostPool.size)";
 
 /// CEL: no vLLM arg is one of [`VLLM_OWNED_FLAGS`] (kept in step by a test).
 const VLLM_ARGS_RULE: &str = "self.kind != 'vLLM' || !has(self.args) || self.args.all(a, \
-     !['--host', '--port', '--kv-transfer-config', '--kv-offloading-backend', '--kv-offloading-size'].exists(f, a == f || a.startsWith(f + '=')))";
+     !['--host', '--port', '--kv-transfer-config', '--kv-offloading-backend', '--kv-offloading-size'] \
+     .exists(f, a == f || a.startsWith(f + '=') || a.startsWith(f + '.')))";
 const VLLM_ARGS_MESSAGE: &str = "engine.args of kind vLLM must not set --host, --port, --kv-transfer-config, \
      --kv-offloading-backend or --kv-offloading-size: the operator sets the KV \
      transfer config for Tandem's offloading tier";

@@ -219,7 +219,11 @@ fn engine_blocks_are_admitted_when_they_name_what_they_need() {
             ("vLLM", "SGLang", &tandem_crds::VLLM_OWNED_FLAGS[..]),
         ] {
             for flag in owned {
-                for arg in [flag.to_string(), format!("{flag}=1")] {
+                for arg in [
+                    flag.to_string(),
+                    format!("{flag}=1"),
+                    format!("{flag}.key=1"),
+                ] {
                     let e = json!({"kind": kind, "image": "e:1", "args": ["--x", arg]});
                     let refused = admit(&with(e.clone()), None).expect_err(&e.to_string());
                     assert!(

@@ -27,7 +27,7 @@
 //! 2. A PrefillPool `{kind: vLLM, image: …}` whose args set `--kv-transfer-config` is refused by
 //!    the API server (the operator owns that flag); as written without it, it is admitted and
 //!    rolled out: its StatefulSet's engine runs `vllm serve` with Tandem's offloading tier in the
-//!    KV transfer config and the user's args last. `kubectl get` shows both kinds in the `ENGINE`
+//!    KV transfer config and the user's args first. `kubectl get` shows both kinds in the `ENGINE`
 //!    column.
 //!
 //! 3. Bounded group recovery (issue 17, `maxGroupRestarts`): a PrefillPool whose engine exits at
@@ -300,7 +300,7 @@ async fn scenario(client: &Client, t: &Tools<'_>, runner_dir: &Path) -> Result<(
     if engine.command.as_deref() != Some(&["vllm".to_owned(), "serve".to_owned()][..])
         || tier["type"] != "TandemSecondaryTier"
         || tier["socket_dir"] != "/run/tandem/engine"
-        || args.last().map(String::as_str) != Some("meta-llama/Llama-3.1-8B-Instruct")
+        || args.first().map(String::as_str) != Some("meta-llama/Llama-3.1-8B-Instruct")
     {
         return Err(format!(
             "the vLLM engine container is not the rendered one: {:?} {args:?}",

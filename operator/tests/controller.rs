@@ -1013,9 +1013,9 @@ async fn sglang_and_vllm_engines_roll_out_with_the_adapters_flags() {
     assert_eq!(tier["socket_dir"], "/run/tandem/engine");
     assert_eq!(tier["model"]["name"], "llama-3-70b", "{tier}");
     assert_eq!(
-        args.last().map(String::as_str),
+        args.first().map(String::as_str),
         Some("meta-llama/Llama-3.1-70B-Instruct"),
-        "the user's args come last"
+        "the user's args come first (vllm serve <model>)"
     );
     assert_eq!(e["resources"]["limits"]["nvidia.com/gpu"], "1", "{e}");
     let worker = container(&d, "initContainers", "worker").unwrap();

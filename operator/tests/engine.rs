@@ -365,8 +365,8 @@ fn flag<'a>(args: &'a [String], flag: &str) -> &'a str {
 }
 
 /// What every SGLang or vLLM engine container has: the pod's GPU (the worker none), the
-/// `engine-http` port, the socket directory in its env, the user's args last, the worker config's
-/// engine seat of that kind.
+/// `engine-http` port and a readiness probe on its `/health`, the socket directory in its env, the
+/// user's args first (vLLM's model must be), the worker config's engine seat of that kind.
 fn assert_engine_pod(cfg: &WorkerConfig, sts: &StatefulSet, kind: SeatKind, user_args: &[&str]) {
     let spec = pod(sts);
     assert_eq!(names(Some(&spec.containers)), ["engine"]);
@@ -395,11 +395,14 @@ fn assert_engine_pod(cfg: &WorkerConfig, sts: &StatefulSet, kind: SeatKind, user
         "spec.engine.env reaches the engine"
     );
     let args = e.args.as_deref().unwrap();
-    assert_eq!(
-        args[args.len() - user_args.len()..],
-        *user_args,
-        "user args come last"
-    );
+    assert_eq!(args[..user_args.len()], *user_args, "user args come first");
+    let probe = e
+        .readiness_probe
+        .as_ref()
+        .and_then(|p| p.http_get.as_ref())
+        .unwrap();
+    assert_eq!(probe.path.as_deref(), Some("/health"));
+    assert_eq!(probe.port, IntOrString::String("engine-http".into()));
     assert_eq!(flag(args, "--port"), ENGINE_HTTP_PORT.to_string());
     assert_eq!(mount_path(e, "engine-socket"), Some(ENGINE_SOCKET_DIR));
     assert_eq!(cfg.engine.as_ref().map(|s| s.kind), Some(kind));
@@ -437,6 +440,11 @@ fn an_sglang_engine_runs_with_tandems_hicache_backend_at_the_workers_page_size()
         );
         let args = e.args.as_deref().unwrap();
         assert!(args.iter().any(|a| a == "--enable-hierarchical-cache"));
+        assert_eq!(
+            flag(args, "--hicache-size"),
+            cfg.memory.target_pool_bytes.div_ceil(1 << 30).to_string(),
+            "SGLang's host pool is hostPool.size, not a share of the node's memory"
+        );
         assert_eq!(flag(args, "--hicache-storage-backend"), "dynamic");
         assert_eq!(
             flag(args, "--page-size"),

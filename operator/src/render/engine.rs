@@ -24,10 +24,10 @@
 //!   (`block_size` = the page's tokens) and vLLM's own CPU tier is `hostPool.size`.
 //!
 //! SGLang and vLLM serve their OpenAI-compatible API on [`ENGINE_HTTP_PORT`] (container port
-//! `engine-http`; the DecodePool's Service exposes it as `engine-http`). Their requests do not
-//! pass the worker's front door, and prefill→decode KV moves by the engine's own means: with these
-//! adapters Tandem serves the engines' KV tiers (L2 in the worker, L3 in the CacheTier, restart
-//! loadback); Tandem's PD transfer for them is not built (README "Engines").
+//! `engine-http`, with a readiness probe on its `/health`; the DecodePool Service's `http` port
+//! targets it). Their requests do not pass the worker's front door and no KV moves from prefill to
+//! decode: with these adapters Tandem serves the engines' KV tiers (L2 in the worker, L3 in the
+//! CacheTier); Tandem's PD transfer for them is not built (README "Engines on Kubernetes").
 
 use std::collections::BTreeMap;
 
@@ -131,16 +131,21 @@ pub fn engine_command(kind: EngineKind) -> Option<Vec<String>> {
     Some(argv.iter().map(|a| (*a).to_owned()).collect())
 }
 
-/// The engine's arguments: the operator's for its kind, then `spec.engine.args` (admission
-/// refuses user args that repeat the SGLang and vLLM ones: `tandem_crds::SGLANG_OWNED_FLAGS`,
+/// The engine's arguments. `Simulated`: the operator's, then `spec.engine.args`. SGLang and vLLM:
+/// `spec.engine.args` first (vLLM wants its model as the first argument: `vllm serve <model>`,
+/// and refuses `--served-model-name` otherwise), then the operator's — last, so that they win over
+/// a user flag argparse reads as the same option (an abbreviation, `_` for `-`); admission refuses
+/// user args that repeat them outright (`tandem_crds::SGLANG_OWNED_FLAGS`,
 /// `tandem_crds::VLLM_OWNED_FLAGS`).
 ///
 /// - `Simulated`: `sim-engine --serve --socket-dir /run/tandem/engine --config <config_path>
 ///   --ordinal $(TANDEM_ORDINAL)`.
 /// - `SGLang`: `--host 0.0.0.0 --port 8100 --page-size <page tokens> --enable-hierarchical-cache
-///   --hicache-storage-backend dynamic --hicache-storage-backend-extra-config <json>`, the JSON
-///   naming `tandem_kv.sglang.TandemHiCacheStorage`, the socket directory and the worker's model
-///   (SGLang 0.5.23 `HiCacheStorageConfig.extra_config`; keys in `tandem_kv/sglang.py`).
+///   --hicache-size <hostPool.size in GiB, rounded up> --hicache-storage-backend dynamic
+///   --hicache-storage-backend-extra-config <json>`, the JSON naming
+///   `tandem_kv.sglang.TandemHiCacheStorage`, the socket directory and the worker's model (SGLang
+///   0.5.23 `HiCacheStorageConfig.extra_config`; keys in `tandem_kv/sglang.py`). Without
+///   `--hicache-size` SGLang sizes its host pool from the memory it sees (the node's).
 /// - `vLLM`: `--host 0.0.0.0 --port 8100 --kv-transfer-config <json>`: `OffloadingConnector`,
 ///   `kv_both`, `TieringOffloadingSpec` with `block_size` = the worker's page tokens (one offloaded
 ///   chunk is one worker page, which the tier checks at attach), `cpu_bytes_to_use` = the target
@@ -156,7 +161,7 @@ pub fn engine_args(engine: &EngineSpec, cfg: &WorkerConfig, config_path: &str) -
         .map_or(super::config::DEFAULT_PAGE_TOKENS, |c| c.page_tokens);
     let model = serde_json::to_value(&cfg.model).unwrap_or_default();
     let http = ["--host", "0.0.0.0", "--port"].map(str::to_owned);
-    let mut args: Vec<String> = match engine.kind {
+    let ours: Vec<String> = match engine.kind {
         EngineKind::Simulated => [
             "sim-engine",
             "--serve",
@@ -178,12 +183,15 @@ pub fn engine_args(engine: &EngineSpec, cfg: &WorkerConfig, config_path: &str) -
                 "socket_dir": ENGINE_SOCKET_DIR,
                 "model": model,
             });
+            let gib = cfg.memory.target_pool_bytes.div_ceil(1 << 30).max(1);
             let mut a = http.to_vec();
             a.extend([
                 ENGINE_HTTP_PORT.to_string(),
                 "--page-size".into(),
                 page_tokens.to_string(),
                 "--enable-hierarchical-cache".into(),
+                "--hicache-size".into(),
+                gib.to_string(),
                 "--hicache-storage-backend".into(),
                 "dynamic".into(),
                 "--hicache-storage-backend-extra-config".into(),
@@ -216,16 +224,21 @@ pub fn engine_args(engine: &EngineSpec, cfg: &WorkerConfig, config_path: &str) -
             a
         }
     };
-    args.extend(engine.args.iter().cloned());
-    args
+    match engine.kind {
+        EngineKind::Simulated => ours
+            .into_iter()
+            .chain(engine.args.iter().cloned())
+            .collect(),
+        EngineKind::SgLang | EngineKind::Vllm => engine.args.iter().cloned().chain(ours).collect(),
+    }
 }
 
 /// The `engine` main container of a pool with `spec.engine`: its image (the worker image for a
 /// `Simulated` engine without one), [`engine_command`] and [`engine_args`], the pod env the worker
 /// gets plus [`ORDINAL_ENV`] (from the [`POD_INDEX_LABEL`] label), [`SOCKET_DIR_ENV`] and
 /// `spec.engine.env`, `spec.engine.resources` with the pod's one GPU, the `engine-http` port
-/// (SGLang and vLLM), and the config and socket mounts (plus [`shm_volume`] at `/dev/shm` for
-/// SGLang and vLLM).
+/// and a readiness probe on its `/health` (SGLang and vLLM), and the config and socket mounts
+/// (plus [`shm_volume`] at `/dev/shm` for SGLang and vLLM).
 pub fn engine_container(
     pool: &PoolView<'_>,
     engine: &EngineSpec,
@@ -257,12 +270,24 @@ pub fn engine_container(
         .limits
         .get_or_insert_with(BTreeMap::new)
         .insert(GPU_RESOURCE.into(), Quantity("1".into()));
-    let ports = (engine.kind != EngineKind::Simulated).then(|| {
+    let serves_http = engine.kind != EngineKind::Simulated;
+    let ports = serves_http.then(|| {
         vec![ContainerPort {
             name: Some(ENGINE_HTTP_PORT_NAME.into()),
             container_port: i32::from(ENGINE_HTTP_PORT),
             ..ContainerPort::default()
         }]
+    });
+    // The Service targets the engine's API: the pod is Ready only once that API answers (after
+    // the model loaded), not merely once the adapter attached to the worker.
+    let readiness_probe = serves_http.then(|| Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some("/health".into()),
+            port: IntOrString::String(ENGINE_HTTP_PORT_NAME.into()),
+            ..HTTPGetAction::default()
+        }),
+        period_seconds: Some(5),
+        ..Probe::default()
     });
     let mut mounts = vec![config_mount.clone(), socket_mount()];
     if shm_volume(engine.kind, cfg).is_some() {
@@ -279,6 +304,7 @@ pub fn engine_container(
         args: Some(engine_args(engine, cfg, config_path)),
         env: Some(env),
         ports,
+        readiness_probe,
         resources: Some(resources),
         volume_mounts: Some(mounts),
         ..Container::default()
