@@ -15,6 +15,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,15 @@ class Worker:
     def restart(self):
         self.kill()
         return self.start()
+
+
+def ready(worker) -> bool:
+    """Whether `worker`'s `/readyz` answers 200 (what a Service's endpoints follow)."""
+    url = f"http://{worker.ip}:{worker.config['ports']['health']}/readyz"
+    try:
+        return urllib.request.urlopen(url, timeout=1).status == 200
+    except OSError:
+        return False
 
 
 def until(pred, within: float, what: str, step: float = 0.05):

@@ -10,6 +10,8 @@ serves_tiers`), loopback net 127.0.152.x.
   for rooms, so its pool is not the tier calls' to use) answers TIER_UNAVAILABLE.
 - The worker's front door beside SGLang (which serves its own API) answers 421
   `engine_serves_its_own_api` at once; beside the Simulated engine it takes the request.
+- Beside SGLang the decode is Ready on the attach alone (no prefill peer exists here: the engine
+  serves whole requests on its own API); beside the Simulated engine it is not.
 """
 
 import json
@@ -23,7 +25,7 @@ from tandem_kv import errors
 from tandem_kv.client import EngineClient, engine_identity
 from tandem_kv.sglang import TandemHiCacheStorage
 
-from conftest import MODEL, free_ports, until
+from conftest import MODEL, free_ports, ready, until
 from hostpool import HostPool, chain_keys, indices
 from test_sglang import storage_config
 from test_sglang_l3 import L3, l3_written, tier_config
@@ -55,6 +57,7 @@ def test_an_sglang_decode_worker_serves_the_tiers_and_keys_survive_its_restart(m
     b.register_mem_pool_host(pool)
     try:
         until(lambda: b._session() is not None, 20, "attach to the decode worker")
+        until(lambda: ready(w), 10, "the SGLang decode ready on the attach alone")
         status, body, took = post_completion(w)
         assert (status, body["error"]["code"]) == (421, "engine_serves_its_own_api"), body
         assert took < 2.0
@@ -86,5 +89,32 @@ def test_a_decode_worker_beside_the_simulated_engine_refuses_the_tier_calls(make
             c.lookup(att.id, [b"\0" * 8])
         status, body, _ = post_completion(w)
         assert status != 421, body
+        assert not ready(w), "a Simulated decode without a live prefill peer must not be Ready"
     finally:
         c.close()
+
+
+def test_a_write_back_decode_flushes_its_l2_to_l3_when_it_stops(make_worker):
+    # Write-back: a stored page stays in the decode's L2 until eviction or drain; a graceful stop
+    # (SIGTERM: the teardown's "L2 flushed to L3" step) writes it, so the restarted worker — whose
+    # L2 is empty — still finds and reads it.
+    make_worker.cache(NET, 7, tier_config(free_ports(1)[0]), names=(L3,))
+    w = make_worker(NET, 3, role="decode", cache=dict(CACHE, writePolicy="writeBack"))
+    pool = HostPool(16)
+    b = TandemHiCacheStorage(storage_config(w.socket_dir, timeout_s=2.0), {})
+    b.register_mem_pool_host(pool)
+    try:
+        until(lambda: b._session() is not None, 20, "attach to the decode worker")
+        pool.fill("write-back")
+        want = [pool.page_bytes(p) for p in range(4)]
+        keys = chain_keys(4, salt=54)
+        assert b.batch_set_v1(keys, indices(range(4))) == [True] * 4
+        assert l3_written(w) == 0, "write-back: nothing written to L3 before the drain"
+        w.stop()
+        w.start()
+        until(lambda: b.batch_exists(keys) == 4, 30, "every key back from L3 after the graceful restart")
+        pool.zero()
+        assert b.batch_get_v1(keys, indices(range(4, 8))) == [True] * 4
+        assert [pool.page_bytes(p) for p in range(4, 8)] == want
+    finally:
+        b.close()

@@ -11,7 +11,6 @@ round trip runs in test_sglang_roundtrip.py.
 
 import signal
 import time
-import urllib.request
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +18,7 @@ import pytest
 from tandem_kv import errors
 from tandem_kv.sglang import TandemHiCacheStorage
 
-from conftest import until
+from conftest import ready, until
 from hostpool import HostPool, chain_keys, indices
 from test_client import stopped
 
@@ -128,14 +127,6 @@ def test_worker_down_gives_misses_within_the_timeout_then_reattaches(worker, bac
     assert backend.stats["attaches"] == 2
     assert backend.client.health().attach_id == backend._attached.id
     assert backend._attached is not None and first != 0
-
-
-def ready(worker) -> bool:
-    url = f"http://{worker.ip}:{worker.config['ports']['health']}/readyz"
-    try:
-        return urllib.request.urlopen(url, timeout=1).status == 200
-    except OSError:
-        return False
 
 
 def test_the_keepalive_reattaches_after_a_worker_restart_without_any_call(worker):

@@ -33,7 +33,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from tandem_kv.vllm import TandemSecondaryTier  # noqa: E402
 
-from conftest import MODEL, Worker, free_ports, until  # noqa: E402
+from conftest import MODEL, Worker, free_ports, ready, until  # noqa: E402
 
 NET = 137
 # conftest's model: 8 layers x 64 B per token and layer. vLLM blocks of 16 tokens (8 KiB over the
@@ -220,6 +220,7 @@ def test_the_keepalive_reattaches_after_a_worker_restart_without_any_call(worker
     a = Instance(worker.socket_dir, keepalive_s=0.2)
     try:
         until(lambda: a.tier._attached is not None, 10, "the tier attaches")
+        until(lambda: ready(worker), 10, "the worker ready with the engine attached")
         worker.kill()
         worker.start()
         until(
@@ -227,6 +228,7 @@ def test_the_keepalive_reattaches_after_a_worker_restart_without_any_call(worker
             10,
             "the keepalive re-attached to the restarted worker",
         )
+        until(lambda: ready(worker), 10, "the restarted worker ready again")
         assert a.tier.stats["lost"] == 1
     finally:
         a.close()

@@ -101,12 +101,22 @@ class TierBackend:
         self.stats = {"attaches": 0, "lost": 0, "stored": 0, "loaded": 0, "lookups": 0, "refused": 0}
         self.keepalive_s = float(keepalive_s)
         self._closing = threading.Event()
+        self._keepalive_thread = None
 
     def _start_keepalive(self) -> None:
         """Starts the keepalive thread (unless `keepalive_s` is 0); the adapter calls it last in
         its constructor, once its hooks can run."""
         if self.keepalive_s > 0:
-            threading.Thread(target=self._keepalive_loop, name="tandem-keepalive", daemon=True).start()
+            self._keepalive_thread = threading.Thread(target=self._keepalive_loop, name="tandem-keepalive", daemon=True)
+            self._keepalive_thread.start()
+
+    def _stop_keepalive(self) -> None:
+        """Stops the keepalive thread and waits for its tick in progress (bounded by `timeout_s`),
+        so that it touches nothing of a backend being closed."""
+        self._closing.set()
+        t = self._keepalive_thread
+        if t is not None and t is not threading.current_thread():
+            t.join(self.timeout_s + 1.0)
 
     # -- to provide ----------------------------------------------------------------------------
 
@@ -176,13 +186,16 @@ class TierBackend:
 
     def _keepalive(self) -> None:
         """One keepalive tick: re-attach when there is no attach, or when the worker's `Health` says
-        it holds another one (or none: it restarted) or cannot be reached."""
+        it holds another one (or none: it restarted) or the worker is gone. A Health call that only
+        timed out (a busy or stopped worker) changes nothing: the data calls judge that."""
         att = self._attached
         if att is None:
             self._reattach()
             return
         try:
             held = self.client.health(timeout=self.timeout_s).attach_id
+        except errors.CallTimeout:
+            return
         except LOST as e:
             self._lost(att, e)
             return
@@ -220,7 +233,7 @@ class TierBackend:
     def close(self):
         """Stops the keepalive, detaches and closes the channel (after any copy in the pool has
         finished)."""
-        self._closing.set()
+        self._stop_keepalive()
         with self._lock:
             att, self._attached = self._attached, None
         if att is not None:
@@ -254,6 +267,11 @@ class TierBackend:
                 if not staging:
                     return True, f(att)
                 with self._staging_lock:
+                    # Replaced while this thread waited (another thread found the worker restarted
+                    # and attached again): this attach's pool is unmapped, and the restarted worker
+                    # may have given the new attach the same id — use the new one.
+                    if self._attached is not att:
+                        continue
                     return True, f(att)
             except LOST as e:
                 self._drop(att, e)

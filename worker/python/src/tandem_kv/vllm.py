@@ -233,6 +233,8 @@ class TandemSecondaryTier(TierBackend, SecondaryTierManager):
         by `timeout_s` per call) and detaches. Raises `RuntimeError` when the thread is still
         copying after the bound: vLLM then keeps its CPU region mapped (a tier whose shutdown fails
         may still use it)."""
+        # First the keepalive: an attach it dropped now would queue its close behind the stop.
+        self._stop_keepalive()
         closes = []
         while True:
             try:
@@ -258,9 +260,13 @@ class TandemSecondaryTier(TierBackend, SecondaryTierManager):
         self._wake_attach()
 
     def _lost(self, att, why) -> None:
-        # Closing unmaps the pool: the job thread does it between jobs, never under a copy.
+        # Closing unmaps the pool: the job thread does it between jobs, never under a copy (or
+        # here, once that thread has stopped).
         self._forget(att, why)
-        self._jobs.put(_Close(att))
+        if self._thread.is_alive():
+            self._jobs.put(_Close(att))
+        else:
+            att.close()
 
     # -- the job thread ----------------------------------------------------------------------------
 

@@ -415,11 +415,24 @@ impl DecodeServer {
         // Readiness while an engine (if any) is attached: a live same-revision peer, no stranded page.
         let kv_deadline = opts.kv_deadline;
         let (p, n) = (peers.clone(), node.clone());
-        let ready_now: Arc<dyn Fn() -> Result<(), String> + Send + Sync> = Arc::new(move || {
-            engine::readiness(p.live(), n.stranded(kv_deadline), kv_deadline, || {
-                p.not_ready_reason()
-            })
+        let own_api_engine = cfg.engine.as_ref().and_then(|e| match e.kind {
+            EngineKind::Simulated => None,
+            EngineKind::SgLang => Some("SGLang"),
+            EngineKind::Vllm => Some("vLLM"),
         });
+        let ready_now: Arc<dyn Fn() -> Result<(), String> + Send + Sync> =
+            if own_api_engine.is_some() {
+                // An SGLang or vLLM decode serves whole requests on its own API (the Service targets
+                // it) and takes no KV from the prefills: its readiness is the attach alone, so that a
+                // PrefillPool rollout or outage does not empty the DecodePool's endpoints.
+                Arc::new(|| Ok(()))
+            } else {
+                Arc::new(move || {
+                    engine::readiness(p.live(), n.stranded(kv_deadline), kv_deadline, || {
+                        p.not_ready_reason()
+                    })
+                })
+            };
         let rank = crate::roles::ordinal_from_env();
         let seat = match &cfg.engine {
             Some(e) => Some(engine_seat::DecodeSeat::start(
@@ -455,11 +468,7 @@ impl DecodeServer {
             request_deadline: opts.request_deadline,
             deadline_tally: Arc::default(),
             engine_rooms: seat.as_ref().map(|s| s.rooms.clone()),
-            own_api_engine: cfg.engine.as_ref().and_then(|e| match e.kind {
-                EngineKind::Simulated => None,
-                EngineKind::SgLang => Some("SGLang"),
-                EngineKind::Vllm => Some("vLLM"),
-            }),
+            own_api_engine,
             snapshots: opts.snapshot_sync.then(|| {
                 snapshot_push::SnapshotPush::new(
                     peers.clone(),
@@ -648,6 +657,7 @@ impl DecodeServer {
             },
         );
         if let Some(seat) = self.seat {
+            let tiers = seat.seat.tiers.clone();
             let seat: crate::roles::prefill::seat::HeldSeat<_> =
                 Arc::new(std::sync::Mutex::new(Some(seat)));
             let (held, e) = (seat.clone(), self.engine.clone());
@@ -674,6 +684,22 @@ impl DecodeServer {
                     }
                 },
             );
+            // Once the engine left, the tier calls' L2 (beside SGLang or vLLM) is flushed to L3
+            // under write-back, as a prefill's (the background writer stops first;
+            // write-through: nothing to do).
+            if let Some(tiers) = tiers {
+                plan.register(
+                    Phase::DrainRooms,
+                    "L2 flushed to L3 (write-back)",
+                    move || {
+                        let flushed = tiers.flush(Instant::now() + Duration::from_secs(10));
+                        if flushed > 0 {
+                            tracing::info!(flushed, "L2 flushed to L3 (write-back)");
+                        }
+                        Ok(())
+                    },
+                );
+            }
             let held = seat.clone();
             plan.register(
                 Phase::Deregister,
