@@ -19,12 +19,8 @@ use tandem_operator::policy::TierLookup;
 use tandem_operator::render::engine::{ENGINE_HTTP_PORT, ENGINE_SOCKET_DIR};
 use tandem_operator::render::{PoolView, workload};
 
-fn load<T: serde::de::DeserializeOwned>(file: &str) -> T {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../manifests/samples")
-        .join(file);
-    serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
+mod samples;
+use samples::{engine_sample, load};
 
 fn engine(yaml: &str) -> EngineSpec {
     serde_saphyr::from_str(yaml).unwrap()
@@ -316,30 +312,6 @@ resources:
         cfg.revision, base_cfg.revision,
         "engine image, args and resources are part of the revision"
     );
-}
-
-/// The documents of a multi-document sample in `manifests/samples/`.
-fn docs(file: &str) -> Vec<Value> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../manifests/samples")
-        .join(file);
-    serde_saphyr::from_multiple(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
-/// The (CacheTier, PrefillPool, DecodePool) of an engine sample.
-fn engine_sample(file: &str) -> (CacheTier, PrefillPool, DecodePool) {
-    let d = docs(file);
-    let of = |kind: &str| {
-        d.iter()
-            .find(|v| v["kind"] == kind)
-            .cloned()
-            .unwrap_or_else(|| panic!("{file} has no {kind}"))
-    };
-    (
-        serde_json::from_value(of("CacheTier")).unwrap(),
-        serde_json::from_value(of("PrefillPool")).unwrap(),
-        serde_json::from_value(of("DecodePool")).unwrap(),
-    )
 }
 
 fn render_on(view: &PoolView<'_>, tier: &CacheTier) -> (WorkerConfig, StatefulSet) {

@@ -13,12 +13,8 @@ use tandem_crds::{CacheTier, DecodePool, PrefillPool};
 use tandem_operator::policy::{self, TierLookup};
 use tandem_operator::render::{PoolView, config::worker_config, workload};
 
-fn load<T: serde::de::DeserializeOwned>(file: &str) -> T {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../manifests/samples")
-        .join(file);
-    serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
+mod samples;
+use samples::{engine_sample, load};
 
 fn owner(kind: &str, name: &str) -> OwnerReference {
     OwnerReference {
@@ -92,26 +88,6 @@ fn prefill_pool_without_engine_matches_golden_objects() {
         "prefill-pool",
         &owner("PrefillPool", "llama70b-prefill"),
     );
-}
-
-/// The (CacheTier, PrefillPool, DecodePool) of a multi-document engine sample.
-fn engine_sample(file: &str) -> (CacheTier, PrefillPool, DecodePool) {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../manifests/samples")
-        .join(file);
-    let docs: Vec<serde_json::Value> =
-        serde_saphyr::from_multiple(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let of = |kind: &str| {
-        docs.iter()
-            .find(|v| v["kind"] == kind)
-            .cloned()
-            .unwrap_or_else(|| panic!("{file} has no {kind}"))
-    };
-    (
-        serde_json::from_value(of("CacheTier")).unwrap(),
-        serde_json::from_value(of("PrefillPool")).unwrap(),
-        serde_json::from_value(of("DecodePool")).unwrap(),
-    )
 }
 
 /// Config map and group StatefulSet of both pools of an engine sample, and the DecodePool's
