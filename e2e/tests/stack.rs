@@ -974,16 +974,28 @@ async fn teardown(h: &Harness) -> Result<(), String> {
         ));
     }
     check_teardown_order(&events)?;
-    let left = h.kubectl(&[
-        "get",
-        "statefulsets,services,configmaps,pvc",
-        "-l",
-        "app.kubernetes.io/managed-by=tandem-operator",
-        "-o",
-        "name",
-    ])?;
-    if !left.trim().is_empty() {
-        return Err(format!("children left after teardown:\n{left}"));
+    // The children carry owner references to their pool or tier; once its finalizer is removed
+    // the API server drops the parent and the garbage collector deletes them asynchronously, so
+    // they are checked until gone (bounded), not at the instant the parent vanished.
+    let children = || {
+        h.kubectl(&[
+            "get",
+            "statefulsets,services,configmaps,pvc",
+            "-l",
+            "app.kubernetes.io/managed-by=tandem-operator",
+            "-o",
+            "name",
+        ])
+    };
+    let collected = poll(Duration::from_secs(60), || async {
+        children().ok().filter(|l| l.trim().is_empty()).map(|_| ())
+    })
+    .await;
+    if collected.is_none() {
+        let left = children()?;
+        return Err(format!(
+            "children left 60 s after their owners were gone (garbage collection):\n{left}"
+        ));
     }
     Ok(())
 }

@@ -270,7 +270,8 @@ impl Harness {
 
 /// Runs one live-stack suite: starts the harness (or returns, the skip printed, when the control
 /// plane is not built and not required), runs `scenario`, prints the diagnostics if it failed,
-/// stops the harness, then panics with the scenario's error.
+/// stops the harness, then fails the test with the scenario's error (printed before and after the
+/// diagnostics, without a backtrace).
 pub async fn run_suite(
     cfg: HarnessConfig,
     scenario: impl AsyncFnOnce(&Harness) -> Result<(), String>,
@@ -279,12 +280,16 @@ pub async fn run_suite(
         return;
     };
     let outcome = scenario(&h).await;
-    if outcome.is_err() {
+    if let Err(e) = &outcome {
+        // The error first, then the diagnostics: a CI log cut to its head and tail keeps it.
+        println!("--- scenario failed: {e}");
         h.dump_diagnostics();
     }
     h.stop().await;
     if let Err(e) = outcome {
-        panic!("{e}");
+        println!("--- scenario failed: {e}");
+        // The error is the report; a backtrace through the runtime would bury it.
+        std::panic::resume_unwind(Box::new(e));
     }
 }
 
