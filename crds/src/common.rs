@@ -372,6 +372,38 @@ const VLLM_ARGS_MESSAGE: &str = "engine.args of kind vLLM must not set --host, -
      --kv-offloading-backend or --kv-offloading-size: the operator sets the KV \
      transfer config for Tandem's offloading tier";
 
+/// CEL (both pool kinds): a pool whose engine is SGLang or vLLM has groups of one pod. The
+/// operator renders `tensor × context` pods of one GPU per group, and each SGLang or vLLM pod runs
+/// its own whole engine: the multi-node flags that would join them into one tensor- or
+/// context-parallel engine are not rendered in this version, so such a group would run N
+/// independent engines that cannot hold the model they were sized for.
+pub(crate) const REAL_ENGINE_PARALLELISM_RULE: &str = "!has(self.engine) || self.engine.kind == 'Simulated' \
+     || (self.parallelism.tensor == 1 && self.parallelism.context == 1)";
+pub(crate) const REAL_ENGINE_PARALLELISM_MESSAGE: &str = "engine.kind SGLang and vLLM run one engine per pod \
+     with the pod's one GPU in this version: set parallelism.tensor and parallelism.context to 1 (the \
+     engines' multi-node tensor and context parallelism is not rendered)";
+
+/// CEL (PrefillPool): `layerSplit` and `speculative` take effect only beside the Simulated
+/// engine. The SGLang and vLLM adapters carry the KV tiers; no prefill → decode transfer runs
+/// through them yet (issue 14), so a draft pool or a LayerSplit group the worker sets up would sit
+/// unused while the status reported them — refused instead ("a config field the worker ignores is
+/// a lie in the pool's status").
+pub(crate) const REAL_ENGINE_PREFILL_RULE: &str = "!has(self.engine) || self.engine.kind == 'Simulated' \
+     || (!self.layerSplit && !has(self.speculative))";
+pub(crate) const REAL_ENGINE_PREFILL_MESSAGE: &str = "layerSplit and speculative take effect only with \
+     engine.kind Simulated in this version: the SGLang and vLLM adapters carry the KV tiers, not \
+     LayerSplit or the draft pool (run the engine's own speculative decoding through engine.args)";
+
+/// CEL (DecodePool): `speculative` (with its spec guard) and `prefill.kvDeadline` take effect
+/// only beside the Simulated engine: an SGLang or vLLM decode serves whole requests on its own API
+/// in this version, so no room, KV deadline, draft pool or spec guard is on its path.
+pub(crate) const REAL_ENGINE_DECODE_RULE: &str = "!has(self.engine) || self.engine.kind == 'Simulated' \
+     || (!has(self.speculative) && !has(self.prefill.kvDeadline))";
+pub(crate) const REAL_ENGINE_DECODE_MESSAGE: &str = "speculative and prefill.kvDeadline take effect only \
+     with engine.kind Simulated in this version: an SGLang or vLLM decode serves whole requests on its \
+     own API (no prefill → decode KV transfer through Tandem yet), so no draft pool, spec guard or KV \
+     deadline is on its path (run the engine's own speculative decoding through engine.args)";
+
 /// Message of the engine's GPU rule.
 const ENGINE_NO_GPU_MESSAGE: &str =
     "engine.resources must not set nvidia.com/gpu: the operator sets the pod's one GPU";

@@ -179,6 +179,8 @@ impl Default for FrontDoorSpec {
     type_ = "date",
     json_path = ".metadata.creationTimestamp"
 ))]
+#[x_kube(validation = Rule::new(crate::common::REAL_ENGINE_PARALLELISM_RULE).message(crate::common::REAL_ENGINE_PARALLELISM_MESSAGE))]
+#[x_kube(validation = Rule::new(crate::common::REAL_ENGINE_DECODE_RULE).message(crate::common::REAL_ENGINE_DECODE_MESSAGE))]
 #[x_kube(validation = Rule::new("!has(self.budget) || self.budget.gpus >= self.parallelism.tensor * self.parallelism.context")
     .message("budget.gpus must hold at least one decode group (parallelism.tensor × parallelism.context GPUs); raise budget.gpus or shrink the group"))]
 #[x_kube(validation = Rule::new("!has(self.speculative) || self.specGuard.minAcceptLength <= double(self.speculative.draftTokens + 1)")

@@ -98,6 +98,8 @@ pub(crate) const NO_GPU_IN_RESOURCES_MESSAGE: &str = "resources must not set nvi
     type_ = "date",
     json_path = ".metadata.creationTimestamp"
 ))]
+#[x_kube(validation = Rule::new(crate::common::REAL_ENGINE_PARALLELISM_RULE).message(crate::common::REAL_ENGINE_PARALLELISM_MESSAGE))]
+#[x_kube(validation = Rule::new(crate::common::REAL_ENGINE_PREFILL_RULE).message(crate::common::REAL_ENGINE_PREFILL_MESSAGE))]
 #[x_kube(validation = Rule::new("!self.layerSplit || self.parallelism.context > 1")
     .message("layerSplit requires parallelism.context > 1: it splits layers across context-parallel ranks (set parallelism.context to 2 or more, or layerSplit: false)"))]
 #[serde(rename_all = "camelCase")]

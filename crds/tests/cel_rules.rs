@@ -186,8 +186,9 @@ fn every_rule_has_an_invalid_sample() {
 }
 
 /// `spec.engine` as admitted on both pool kinds: `Simulated` without an image (it defaults to the
-/// worker's), with extra args and resources; `SGLang` and `vLLM` with an image (the operator, not
-/// admission, refuses them for now). The same blocks without the image are refused.
+/// worker's), with extra args and resources; `SGLang` and `vLLM` with an image. The same blocks
+/// without the image are refused. (The sample DecodePool's `speculative` and `prefill.kvDeadline`
+/// are dropped for the real kinds: `real_engines_refuse_what_only_the_simulated_engine_serves`.)
 #[test]
 fn engine_blocks_are_admitted_when_they_name_what_they_need() {
     use serde_json::json;
@@ -195,6 +196,9 @@ fn engine_blocks_are_admitted_when_they_name_what_they_need() {
         let base = documents(&samples_dir().join(file)).remove(0);
         let with = |engine: Value| {
             let mut doc = base.clone();
+            if engine["kind"] != "Simulated" {
+                without_simulated_only_fields(&mut doc);
+            }
             doc["spec"]["engine"] = engine;
             doc
         };
@@ -251,5 +255,91 @@ fn engine_blocks_are_admitted_when_they_name_what_they_need() {
                 "{file}: {kind} without an image"
             );
         }
+    }
+}
+
+/// Removes what only the Simulated engine serves from a sample pool: `speculative`,
+/// `prefill.kvDeadline`, `layerSplit`.
+fn without_simulated_only_fields(doc: &mut Value) {
+    let spec = doc["spec"].as_object_mut().expect("a spec");
+    spec.remove("speculative");
+    spec.remove("layerSplit");
+    if let Some(p) = spec.get_mut("prefill").and_then(Value::as_object_mut) {
+        p.remove("kvDeadline");
+    }
+}
+
+/// One field setting of `real_engines_refuse_what_only_the_simulated_engine_serves`: what it is,
+/// how it is set on a pool document, the start of the message that refuses it beside a real engine.
+type Case = (&'static str, Box<dyn Fn(&mut Value)>, &'static str);
+
+/// Issue 14: beside an SGLang or vLLM engine the worker has no room, draft pool, spec guard, KV
+/// deadline or LayerSplit group on its path, and a group of several pods would be several
+/// independent engines: each such field is refused at admission for the real kinds with its
+/// message, and admitted as written for the Simulated engine (the same documents).
+#[test]
+fn real_engines_refuse_what_only_the_simulated_engine_serves() {
+    use serde_json::json;
+    let parallel = "engine.kind SGLang and vLLM run one engine per pod";
+    let prefill_only = "layerSplit and speculative take effect only with engine.kind Simulated";
+    let decode_only =
+        "speculative and prefill.kvDeadline take effect only with engine.kind Simulated";
+    let speculative = json!({"draftModel": {"name": "llama-3.2-1b", "layers": 16,
+        "attention": "GQA", "kvHeads": 8, "headDim": 64, "dtype": "BF16"}, "draftTokens": 4});
+    for file in ["prefillpool.yaml", "decodepool.yaml"] {
+        let mut base = documents(&samples_dir().join(file)).remove(0);
+        without_simulated_only_fields(&mut base);
+        let decode = file == "decodepool.yaml";
+        let speculative = speculative.clone();
+        let mut cases: Vec<Case> = vec![
+            (
+                "TP 2",
+                Box::new(|d| d["spec"]["parallelism"]["tensor"] = json!(2)),
+                parallel,
+            ),
+            (
+                "speculative",
+                Box::new(move |d| d["spec"]["speculative"] = speculative.clone()),
+                if decode { decode_only } else { prefill_only },
+            ),
+        ];
+        if decode {
+            cases.push((
+                "prefill.kvDeadline",
+                Box::new(|d| d["spec"]["prefill"]["kvDeadline"] = json!({"milliseconds": 10000})),
+                decode_only,
+            ));
+        } else {
+            cases.push((
+                "layerSplit with CP 2",
+                Box::new(|d| {
+                    d["spec"]["layerSplit"] = json!(true);
+                    d["spec"]["parallelism"]["context"] = json!(2);
+                }),
+                prefill_only,
+            ));
+        }
+        for (what, set, message) in &cases {
+            let mut doc = base.clone();
+            set(&mut doc);
+            doc["spec"]["engine"] = json!({"kind": "Simulated"});
+            assert_eq!(admit(&doc, None), Ok(()), "{file} {what} beside Simulated");
+            for kind in ["SGLang", "vLLM"] {
+                doc["spec"]["engine"] = json!({"kind": kind, "image": "e:1"});
+                let refused = admit(&doc, None).expect_err(&format!("{file} {what} {kind}"));
+                assert!(
+                    refused.iter().any(|m| m.starts_with(message)),
+                    "{file} {what} beside {kind}: {refused:?}"
+                );
+            }
+        }
+        // Without an engine (the worker's built-in simulated engine) every field is admitted too.
+        let mut doc = base.clone();
+        cases.iter().for_each(|(_, set, _)| set(&mut doc));
+        assert_eq!(
+            admit(&doc, None),
+            Ok(()),
+            "{file} with every field, no engine"
+        );
     }
 }

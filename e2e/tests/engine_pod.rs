@@ -191,6 +191,11 @@ impl Tools<'_> {
 
 /// A PrefillPool of the sample model, one group of two pods (TP 2), no tier, with `engine`.
 fn pool_yaml(name: &str, engine: &str) -> String {
+    pool_yaml_tp(name, engine, 2)
+}
+
+/// [`pool_yaml`] with `tensor` pods per group (an SGLang or vLLM group is one pod: TP 1).
+fn pool_yaml_tp(name: &str, engine: &str, tensor: u32) -> String {
     format!(
         "apiVersion: serving.tandem.dev/v1alpha1
 kind: PrefillPool
@@ -200,7 +205,7 @@ metadata:
 spec:
   model: {{name: llama-3-70b, layers: 80, attention: GQA, kvHeads: 8, headDim: 128, dtype: BF16}}
   replicas: 1
-  parallelism: {{tensor: 2, context: 1}}
+  parallelism: {{tensor: {tensor}, context: 1}}
   hostPool: {{size: 1Gi}}
   snapshotBuffer: {{size: 64Mi}}
   image: {SCRIPT_IMAGE}
@@ -259,23 +264,34 @@ async fn scenario(client: &Client, t: &Tools<'_>, runner_dir: &Path) -> Result<(
         t0.elapsed().as_secs_f64()
     );
 
-    // 2. vLLM: a flag the operator owns is refused by the API server (CEL); the pool as written is
-    //    admitted and rolls out as `vllm serve` with Tandem's offloading tier (issue 14).
-    let refused = t.apply(&pool_yaml(
-        VLLM,
-        "{kind: vLLM, image: vllm/vllm-openai:v0.33.0, args: [m, --kv-transfer-config, '{}']}",
-    ));
-    match refused {
-        Err(e) if e.contains("engine.args of kind vLLM must not set") => {}
-        other => {
-            return Err(format!(
-                "a vLLM pool setting --kv-transfer-config was not refused at admission: {other:?}"
-            ));
+    // 2. vLLM: a flag the operator owns, and a group of two pods (two independent engines), are
+    //    refused by the API server (CEL); the pool as written is admitted and rolls out as `vllm
+    //    serve` with Tandem's offloading tier (issue 14).
+    for (engine, tensor, why) in [
+        (
+            "{kind: vLLM, image: vllm/vllm-openai:v0.33.0, args: [m, --kv-transfer-config, '{}']}",
+            1,
+            "engine.args of kind vLLM must not set",
+        ),
+        (
+            "{kind: vLLM, image: vllm/vllm-openai:v0.33.0, args: [m]}",
+            2,
+            "engine.kind SGLang and vLLM run one engine per pod",
+        ),
+    ] {
+        match t.apply(&pool_yaml_tp(VLLM, engine, tensor)) {
+            Err(e) if e.contains(why) => {}
+            other => {
+                return Err(format!(
+                    "a vLLM pool ({engine}, TP {tensor}) was not refused at admission with \"{why}\": {other:?}"
+                ));
+            }
         }
     }
-    t.apply(&pool_yaml(
+    t.apply(&pool_yaml_tp(
         VLLM,
         "{kind: vLLM, image: vllm/vllm-openai:v0.33.0, args: [meta-llama/Llama-3.1-8B-Instruct]}",
+        1,
     ))?;
     let sets: Api<StatefulSet> = Api::namespaced(client.clone(), NS);
     let engine = poll(Duration::from_secs(60), || async {

@@ -952,6 +952,13 @@ async fn sglang_and_vllm_engines_roll_out_with_the_adapters_flags() {
     let ctx = context(client);
     converge(&fake, &ctx).await;
     fake.edit(paths::DECODES, DECODE, |o| {
+        // What admission refuses beside a real engine (CEL, crds/tests/cel_rules.rs) goes.
+        if let Some(spec) = o["spec"].as_object_mut() {
+            spec.remove("speculative");
+        }
+        if let Some(p) = o["spec"]["prefill"].as_object_mut() {
+            p.remove("kvDeadline");
+        }
         o["spec"]["engine"] = json!({"kind": "vLLM", "image": "vllm/vllm-openai:v0.33.0",
             "args": ["meta-llama/Llama-3.1-70B-Instruct"]});
         o["metadata"]["generation"] = json!(2);
