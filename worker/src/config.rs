@@ -93,6 +93,44 @@ mod tests {
         ));
     }
 
+    /// Issue 14: beside an SGLang or vLLM engine the settings only the Simulated engine's path
+    /// uses are refused, each named; the same config beside the Simulated engine (or none) loads.
+    #[test]
+    fn real_engines_refuse_the_settings_only_the_simulated_engine_uses() {
+        let mut c = WorkerConfig::load(&sample("decode-worker.json")).unwrap();
+        c.speculative = None;
+        c.memory.segment_bytes -= c.memory.draft_pool_bytes;
+        c.memory.draft_pool_bytes = 0;
+        c.kv_deadline = Some(KvDeadline {
+            milliseconds: 3_000,
+            per_token_microseconds: 0,
+        });
+        c.parallelism.tensor = 2;
+        for kind in [None, Some(EngineKind::Simulated)] {
+            c.engine = kind.map(|kind| EngineSeat {
+                kind,
+                socket_dir: "/run/tandem/engine".into(),
+            });
+            c.check().unwrap();
+        }
+        for kind in [EngineKind::SgLang, EngineKind::Vllm] {
+            c.engine = Some(EngineSeat {
+                kind,
+                socket_dir: "/run/tandem/engine".into(),
+            });
+            match c.check() {
+                Err(ConfigError::Inconsistent(m)) => assert!(
+                    m.starts_with("kvDeadline, parallelism above 1 set beside engine"),
+                    "{m}"
+                ),
+                other => panic!("{kind:?}: {other:?}"),
+            }
+        }
+        c.kv_deadline = None;
+        c.parallelism.tensor = 1;
+        c.check().unwrap();
+    }
+
     /// `kvDeadline` (seed 004's prefill queueing deadline): bounded and decode only (the decode
     /// role's reading of it is tested beside `roles::decode::kv_deadline_of`).
     #[test]

@@ -440,7 +440,8 @@ impl WorkerConfig {
 
     /// Checks the invariants the operator guarantees: version, segment sum, owner-map length,
     /// client mode only with a cache, Standalone only in SharedMemory (seed 000), spec-guard bounds
-    /// ([`SpecGuard::check`]).
+    /// ([`SpecGuard::check`]), and beside an SGLang or vLLM engine no `speculative`, `kvDeadline`,
+    /// `layerSplit` or parallelism above 1 (issue 14: nothing on their path uses them yet).
     ///
     /// # Errors
     /// [`ConfigError::Version`] or [`ConfigError::Inconsistent`] naming the broken invariant.
@@ -497,6 +498,35 @@ impl WorkerConfig {
             }
             if ls.owners.iter().any(|o| *o >= self.parallelism.context) {
                 return bad("layerSplit names a CP rank outside parallelism.context".into());
+            }
+        }
+        if let Some(e) = self
+            .engine
+            .as_ref()
+            .filter(|e| e.kind != EngineKind::Simulated)
+        {
+            // Nothing on an SGLang or vLLM engine's path uses these in this version (the pools'
+            // admission refuses them too: crds `REAL_ENGINE_*`); a worker that accepted them would
+            // report settings it does not act on.
+            let unused: Vec<&str> = [
+                ("speculative", self.speculative.is_some()),
+                ("kvDeadline", self.kv_deadline.is_some()),
+                ("layerSplit", self.layer_split.is_some()),
+                (
+                    "parallelism above 1",
+                    self.parallelism.tensor > 1 || self.parallelism.context > 1,
+                ),
+            ]
+            .into_iter()
+            .filter_map(|(name, set)| set.then_some(name))
+            .collect();
+            if !unused.is_empty() {
+                return bad(format!(
+                    "{} set beside engine {:?}: only the Simulated engine's path uses them in this \
+                     version (one engine per pod, no draft pool, room deadline or LayerSplit)",
+                    unused.join(", "),
+                    e.kind
+                ));
             }
         }
         if self.role == WorkerRole::Prefill
