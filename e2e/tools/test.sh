@@ -95,10 +95,11 @@ TANDEM_WORKER_BIN="$PWD/target/debug/tandem-worker" "$py" -m pytest -q -p no:cac
 
 # A second venv with torch and vLLM 0.33.0 (~95 s cold, 6.6 GB: PyPI's torch is the CUDA build with its
 # CUDA libraries; then from ~/.cache/tandem), where the vLLM module must run, not skip.
-step "tandem-kv: the vLLM secondary tier inside vLLM's real offloading manager, against a real tandem-worker"
+step "tandem-kv: the vLLM secondary tier inside vLLM's real offloading manager, and the vLLM PD connector in vLLM's real Scheduler behind the decode front door, against real tandem-workers"
 py_vllm=$(bash worker/tools/vllm-venv.sh)
 TANDEM_REQUIRE_VLLM=1 TANDEM_WORKER_BIN="$PWD/target/debug/tandem-worker" \
-  "$py_vllm" -m pytest -q -p no:cacheprovider worker/python/tests/test_vllm_tier.py
+  "$py_vllm" -m pytest -q -p no:cacheprovider worker/python/tests/test_vllm_tier.py \
+  worker/python/tests/test_vllm_pd.py
 
 step "CRDs in charts/tandem/crds match the types"
 cargo run --quiet -p tandem-crds --bin crdgen -- --check

@@ -206,6 +206,7 @@ fn a_simulated_engine_runs_as_the_main_container_beside_the_worker_sidecar() {
         Some(EngineSeat {
             kind: SeatKind::Simulated,
             socket_dir: ENGINE_SOCKET_DIR.into(),
+            http_port: None,
         })
     );
     assert_eq!(plain_cfg.engine, None);
@@ -357,6 +358,11 @@ fn assert_engine_pod(cfg: &WorkerConfig, sts: &StatefulSet, kind: SeatKind, user
     let port = e.ports.as_ref().unwrap();
     assert_eq!(port[0].name.as_deref(), Some("engine-http"));
     assert_eq!(port[0].container_port, i32::from(ENGINE_HTTP_PORT));
+    // The worker's front door hands requests to this port when the config names none.
+    assert_eq!(
+        ENGINE_HTTP_PORT,
+        tandem_interfaces::config::DEFAULT_ENGINE_HTTP_PORT
+    );
     let env = e.env.as_ref().unwrap();
     assert!(
         env.iter().any(|v| v.name == "TANDEM_ENGINE_SOCKET_DIR"

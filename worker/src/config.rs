@@ -110,6 +110,7 @@ mod tests {
             c.engine = kind.map(|kind| EngineSeat {
                 kind,
                 socket_dir: "/run/tandem/engine".into(),
+                http_port: None,
             });
             c.check().unwrap();
         }
@@ -117,6 +118,7 @@ mod tests {
             c.engine = Some(EngineSeat {
                 kind,
                 socket_dir: "/run/tandem/engine".into(),
+                http_port: None,
             });
             match c.check() {
                 Err(ConfigError::Inconsistent(m)) => assert!(

@@ -55,6 +55,7 @@ fn full(role: WorkerRole) -> WorkerConfig {
     c.engine = Some(EngineSeat {
         kind: EngineKind::Simulated,
         socket_dir: "/run/tandem/engine".into(),
+        http_port: Some(8100),
     });
     // A decode setting: a prefill config carrying it is refused (the `DecodeOnly` rows).
     c.kv_deadline = (role == WorkerRole::Decode).then_some(KvDeadline {
@@ -392,6 +393,15 @@ fn rows() -> Vec<(&'static str, Row)> {
             Wired(
                 "serve_engine.rs",
                 "requests_are_served_by_the_engine_through_the_engine_api",
+            ),
+        ),
+        (
+            // The decode front door hands requests to a vLLM engine on this port (a Python test:
+            // the vLLM venv's real Scheduler behind a real decode worker).
+            "engine.httpPort",
+            Wired(
+                "../python/tests/test_vllm_pd.py",
+                "test_a_request_through_the_front_door_lands_the_prefills_bytes_in_vllms_blocks",
             ),
         ),
     ]

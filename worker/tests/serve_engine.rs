@@ -62,6 +62,7 @@ fn with_engine(mut c: WorkerConfig) -> WorkerConfig {
     c.engine = Some(EngineSeat {
         kind: EngineKind::Simulated,
         socket_dir: SOCKET_DIR.into(),
+        http_port: None,
     });
     c
 }

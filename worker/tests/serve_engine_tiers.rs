@@ -41,6 +41,7 @@ fn prefill(w: &World, l3: bool) -> WorkerConfig {
     c.engine = Some(EngineSeat {
         kind: EngineKind::Simulated,
         socket_dir: SOCKET_DIR.into(),
+        http_port: None,
     });
     // Without a tier: L2 only, pages of the default 512 tokens (the trace blocks).
     c.cache = l3.then(|| CacheConfig {

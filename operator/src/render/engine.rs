@@ -69,6 +69,7 @@ pub fn seat(pool: &PoolView<'_>) -> Option<EngineSeat> {
             EngineKind::Vllm => SeatKind::Vllm,
         },
         socket_dir: ENGINE_SOCKET_DIR.into(),
+        http_port: None,
     })
 }
 

@@ -372,6 +372,23 @@ pub struct EngineSeat {
     pub kind: EngineKind,
     /// Directory of the engine-API sockets, as mounted in the worker container.
     pub socket_dir: std::path::PathBuf,
+    /// The engine's own OpenAI-compatible HTTP port on the pod's loopback (SGLang, vLLM), to
+    /// which a decode worker's front door hands the requests it admitted; unset:
+    /// [`DEFAULT_ENGINE_HTTP_PORT`] (the operator's `engine-http` container port).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http_port: Option<u16>,
+}
+
+/// The engine's HTTP port when [`EngineSeat::http_port`] is unset: 8100, the container port
+/// `engine-http` the operator renders for SGLang and vLLM (`tandem_crds::ports::ENGINE_HTTP_PORT`,
+/// kept equal by an operator test).
+pub const DEFAULT_ENGINE_HTTP_PORT: u16 = 8100;
+
+impl EngineSeat {
+    /// [`EngineSeat::http_port`], or [`DEFAULT_ENGINE_HTTP_PORT`].
+    pub fn http_port(&self) -> u16 {
+        self.http_port.unwrap_or(DEFAULT_ENGINE_HTTP_PORT)
+    }
 }
 
 /// Errors reading a config file.

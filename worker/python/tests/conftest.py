@@ -80,9 +80,10 @@ def worker_config(ports, engine_kind="SGLang", model=MODEL, pool_bytes=8 << 20, 
 class Worker:
     """One `tandem-worker <role>` process (`prefill` by default; `cache` with `config_file=
     "tier.json"`): `start()`, `kill()` (SIGKILL), `stop()`, `restart()`. `hosts` lines are added to
-    the test's hosts file (name resolution of the worker's peers)."""
+    the test's hosts file (name resolution of the worker's peers); `env` is added to the process's
+    environment."""
 
-    def __init__(self, base: Path, net: int, host: int, config: dict, role="prefill", config_file="worker.json", names=("prefill.svc",)):
+    def __init__(self, base: Path, net: int, host: int, config: dict, role="prefill", config_file="worker.json", names=("prefill.svc",), env=None):
         self.root = base / f"root-{host}"
         self.ip = f"127.0.{net}.{host}"
         self.config = config
@@ -91,6 +92,7 @@ class Worker:
         with open(self.hosts, "a") as f:
             f.writelines(f"{self.ip} {n}\n" for n in names)
         self.proc = None
+        self.env = dict(env or {})
         self.log = base / f"{role}-{host}.log"
 
     @property
@@ -109,6 +111,7 @@ class Worker:
             POD_IP=self.ip,
             POD_NAME=f"{self.role}-g0-1",
             RUST_LOG="info",
+            **self.env,
         )
         log = open(self.log, "ab")
         self.proc = subprocess.Popen(

@@ -424,8 +424,9 @@ pub struct DecodeEngine {
     /// front door then hands every request to that engine ([`super::via_engine`]).
     pub(super) engine_rooms: Option<Arc<super::node::engine_rooms::EngineRooms>>,
     /// The engine beside the worker when it is one that serves its own API (SGLang, vLLM): the
-    /// front door then answers every request 421 `engine_serves_its_own_api` at once.
-    pub(super) own_api_engine: Option<&'static str>,
+    /// front door hands each admitted request to it ([`super::own_api`]), or answers 421
+    /// `engine_serves_its_own_api` at once when this decode serves the tier calls from its pool.
+    pub(super) own_api_engine: Option<super::own_api::OwnApiEngine>,
     /// Snapshot sync of finished turns (DESIGN contract 4, issue 15); `None` when off
     /// (`TANDEM_DECODE_SNAPSHOT_SYNC=off`).
     pub(super) snapshots: Option<Arc<super::snapshot_push::SnapshotPush>>,

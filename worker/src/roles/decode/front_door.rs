@@ -396,18 +396,20 @@ async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    // An SGLang or vLLM engine serves its own API (the DecodePool Service's `http` port targets
-    // it); it takes no requests through the engine API, so one sent here could only time out.
-    if let Some(kind) = engine.own_api_engine {
+    // An SGLang or vLLM engine whose pool serves the tier calls takes no rooms: it serves whole
+    // requests on its own API (the DecodePool Service's `http` port targets it), so a request
+    // sent here could only time out.
+    if let Some(own) = engine.own_api_engine.filter(|o| !o.hands_off) {
         return error(
             StatusCode::MISDIRECTED_REQUEST,
             "invalid_request_error",
             "engine_serves_its_own_api",
             format!(
-                "this decode's {kind} engine serves requests on its own OpenAI-compatible API \
-                 (container port engine-http, which the DecodePool Service's http port targets); \
-                 the worker's front door drives only engines that take requests through the \
-                 engine API (Simulated)"
+                "this decode's {} engine serves requests on its own OpenAI-compatible API \
+                 (container port engine-http, which the DecodePool Service's http port targets), \
+                 and this decode serves the KV tier calls from the engine's pool, so no room can \
+                 be reserved in it for a prefill's KV",
+                own.kind
             ),
         );
     }
@@ -460,6 +462,37 @@ async fn completions(
         Err(e) => return request_error(&e),
     };
     let request_id = engine.next_request_id();
+    // An engine that serves its own API gets the request over HTTP (`super::own_api`).
+    if let (Some(own), Some(rooms)) = (engine.own_api_engine, engine.engine_rooms.clone()) {
+        let ours = engine.kv_deadline
+            + engine
+                .kv_deadline_per_token
+                .saturating_mul(prompt_tokens.max(1));
+        let kv_deadline = req
+            .kv_deadline_ms
+            .map_or(ours, |d| Duration::from_millis(d).min(ours));
+        let body: Value = match serde_json::from_slice(&body) {
+            Ok(v) => v,
+            Err(e) => {
+                admission.refused();
+                return invalid(
+                    "malformed",
+                    None,
+                    format!("malformed completion request: {e}"),
+                );
+            }
+        };
+        let hand = super::own_api::HandOff {
+            request_id,
+            body,
+            path: "/v1/completions",
+            prompt_tokens,
+            max_tokens,
+            hashes: req.kv_block_hashes.clone(),
+            kv_deadline_ms: kv_deadline.as_millis().max(1) as u64,
+        };
+        return super::own_api::completion(engine, rooms, own, hand, admission).await;
+    }
     // With an engine beside the worker, the engine decodes (DESIGN §3.1): `super::via_engine`.
     if let Some(rooms) = engine.engine_rooms.clone() {
         let ask = super::via_engine::Ask {

@@ -27,6 +27,7 @@ pub mod engine;
 pub mod engine_seat;
 pub mod front_door;
 pub mod node;
+pub mod own_api;
 pub mod peers;
 pub mod routing;
 pub mod snapshot_push;
@@ -415,10 +416,17 @@ impl DecodeServer {
         // Readiness while an engine (if any) is attached: a live same-revision peer, no stranded page.
         let kv_deadline = opts.kv_deadline;
         let (p, n) = (peers.clone(), node.clone());
-        let own_api_engine = cfg.engine.as_ref().and_then(|e| match e.kind {
-            EngineKind::Simulated => None,
-            EngineKind::SgLang => Some("SGLang"),
-            EngineKind::Vllm => Some("vLLM"),
+        let own_api_engine = cfg.engine.as_ref().and_then(|e| {
+            let kind = match e.kind {
+                EngineKind::Simulated => return None,
+                EngineKind::SgLang => "SGLang",
+                EngineKind::Vllm => "vLLM",
+            };
+            Some(own_api::OwnApiEngine {
+                kind,
+                addr: std::net::SocketAddr::from(([127, 0, 0, 1], e.http_port())),
+                hands_off: !serves_tiers(cfg),
+            })
         });
         let ready_now: Arc<dyn Fn() -> Result<(), String> + Send + Sync> =
             if own_api_engine.is_some() {

@@ -230,6 +230,25 @@ impl EngineRooms {
         link: RoutedLink,
         spec: cpb::RequestSpec,
     ) -> Result<mpsc::UnboundedReceiver<EngineEvent>, String> {
+        let (rx, side) = self.hand_over(work.request_id, work.attempt, link, spec)?;
+        side.work().emit(work);
+        Ok(rx)
+    }
+
+    /// Records attempt `attempt` of `request_id`, whose room goes to `link`, as handed to the
+    /// engine without a `DecodeWork`: an engine that serves its own API (SGLang, vLLM) learns of
+    /// the request from the front door's HTTP hand-off (`roles::decode::own_api`) and Reserves
+    /// under this id. Returns the attempt's events and the decode side.
+    ///
+    /// # Errors
+    /// No engine attached (nobody would decode it).
+    pub fn hand_over(
+        &self,
+        request_id: u64,
+        attempt: u32,
+        link: RoutedLink,
+        spec: cpb::RequestSpec,
+    ) -> Result<(mpsc::UnboundedReceiver<EngineEvent>, Arc<DecodeSide>), String> {
         let api = self.api().ok_or("the engine API is gone")?;
         let attach = api
             .current_attach()
@@ -242,9 +261,9 @@ impl EngineRooms {
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let old = lock(&self.pending).insert(
-            work.request_id,
+            request_id,
             Pending {
-                attempt: work.attempt,
+                attempt,
                 link,
                 spec,
                 tx,
@@ -255,8 +274,7 @@ impl EngineRooms {
             self.abandon(old);
         }
         self.stats.work_submitted.fetch_add(1, Ordering::Relaxed);
-        side.work().emit(work);
-        Ok(rx)
+        Ok((rx, side))
     }
 
     /// Nobody waits for attempt `attempt` of `request` any more (it ended, or its front-door

@@ -1,0 +1,261 @@
+"""vLLM prefill/decode through Tandem, the decode side (issue 14): a client's request enters the
+decode worker's front door, which picks the prefill and hands the request to the vLLM engine's
+API (`roles::decode::own_api`); vLLM's real `Scheduler` runs `TandemConnector`
+(`tandem_kv.vllm_pd`, loaded by module path), which Reserves the room under the front door's id,
+waits for the KV the prefill wrote into the worker's pool, copies it into vLLM's blocks and
+Finishes. Loopback net 127.0.153.x; the vLLM venv (`worker/tools/vllm-venv.sh`).
+
+- A request is served: every token row of every layer in vLLM's blocks equals the prefill's
+  bytes, the worker counts the room, and the blocks came through the connector's load.
+- An aborted request's blocks are not reused before the room's SafeToReuse: with the prefill
+  worker stopped (it cannot acknowledge the abort), a second request that needs those blocks
+  waits; once the prefill resumes, SafeToReuse arrives, vLLM frees the blocks, and the second
+  request gets them and is served. Negative control: a connector that hands the blocks back at
+  the abort (without waiting for SafeToReuse) lets the second request take them while the
+  release is still pending — the check catches it.
+- A request whose KV never comes (the prefill never answers) fails its room at the KV deadline:
+  vLLM gets the blocks as load errors, after the room's SafeToReuse, and recomputes.
+
+The prefill engine here is a test double on the engine API (the vLLM prefill connector is not
+built yet): it writes `vllm_engine.pattern` into its pool pages and calls PagesReady.
+"""
+
+import json
+import os
+import signal
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+if os.environ.get("TANDEM_REQUIRE_VLLM") == "1":
+    import vllm.v1.core.sched.scheduler  # noqa: F401  (fails, not skips, in the vLLM venv)
+else:
+    pytest.importorskip("vllm.v1.core.sched.scheduler")
+
+import numpy as np  # noqa: E402
+
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from tandem_kv.client import EngineClient, engine_identity  # noqa: E402
+from tandem_kv.vllm_pd import DecodeLoader  # noqa: E402
+
+from conftest import MODEL, PAGE_TOKENS, Worker, free_ports, until, worker_config  # noqa: E402
+from vllm_engine import Engine, pattern  # noqa: E402
+
+NET = 153
+PROMPT = 1000  # two 512-token worker pages; 63 vLLM blocks of 16
+ROW = 2 * MODEL["kv_heads"] * MODEL["head_dim"] * MODEL["dtype_bytes"]
+
+
+class PrefillDouble:
+    """The prefill's engine: attaches to the prefill worker, and for each PrefillWork writes
+    `pattern(request_id)` into free pages of its pool and calls PagesReady (unless the request id
+    is in `hold`); pages come back on SourceFree."""
+
+    def __init__(self, socket_dir):
+        self.client = EngineClient(socket_dir)
+        self.att = self.client.attach(engine_identity("vllm/0.33.0", MODEL, PAGE_TOKENS))
+        self.pool = self.att.pool()
+        self.free = list(range(self.pool.page_count))
+        self.hold = set()
+        self.seen = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        threading.Thread(target=self._work, daemon=True).start()
+        threading.Thread(target=self._source_free, daemon=True).start()
+
+    def _work(self):
+        while not self._stop.is_set():
+            try:
+                for w in self.client.watch_work(self.att.id, timeout=3600):
+                    self._serve(w)
+            except Exception:
+                if self._stop.wait(0.1):
+                    return
+
+    def _serve(self, w):
+        with self._lock:
+            self.seen.append(w.request_id)
+        if w.request_id in self.hold:
+            return
+        n_pages = -(-w.tokens // PAGE_TOKENS)
+        with self._lock:
+            pages, self.free = self.free[:n_pages], self.free[n_pages:]
+        want = pattern(w.request_id, n_pages * PAGE_TOKENS, MODEL["layers"], ROW)
+        for k, page in enumerate(pages):
+            rows = want[k * PAGE_TOKENS : (k + 1) * PAGE_TOKENS]  # (tokens, layers, row)
+            self.pool.write_page(page, np.ascontiguousarray(rows.transpose(1, 0, 2)).tobytes())
+        self.client.pages_ready(self.att.id, w.room, pages, first_page=0, last=True)
+
+    def _source_free(self):
+        while not self._stop.is_set():
+            try:
+                for ev in self.client.watch_source_free(self.att.id, timeout=3600):
+                    with self._lock:
+                        self.free.extend(ev.pages)
+            except Exception:
+                if self._stop.wait(0.1):
+                    return
+
+    def close(self):
+        self._stop.set()
+        self.att.close()
+        self.client.close()
+
+
+@pytest.fixture
+def pd(tmp_path):
+    """(prefill worker, decode worker, prefill double, engine factory) on shared ports; the engine
+    factory `make(num_blocks, **extra)` starts the vLLM engine beside the decode."""
+    ports = free_ports(5)
+    http_port = ports[4]
+    pc = worker_config(ports[:3], engine_kind="vLLM")
+    dc = worker_config(ports[:3], engine_kind="vLLM")
+    dc.update(role="decode", pool="d")
+    dc["ports"]["frontDoor"] = ports[3]
+    dc["engine"]["httpPort"] = http_port
+    prefill = Worker(tmp_path, NET, 1, pc, role="prefill").start()
+    # Only the prefill's ack frees an aborted room (the rule RDMA needs: one-sided writes leave the
+    # receiver no fence to prove with), so a stopped prefill holds the release back.
+    env = {"TANDEM_DECODE_GATE_PROOF": "ack-only"}
+    decode = Worker(tmp_path, NET, 2, dc, role="decode", names=("decode.svc",), env=env).start()
+    double = PrefillDouble(prefill.socket_dir)
+    engines = []
+
+    def make(num_blocks=160, failure_policy="recompute", **extra):
+        e = Engine(decode.socket_dir, MODEL, http_port, num_blocks, extra, failure_policy).start()
+        engines.append(e)
+        return e
+
+    yield prefill, decode, double, make
+    for e in engines:
+        e.stop()
+    double.close()
+    for w in (decode, prefill):
+        try:
+            w.signal(signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        w.kill()
+
+
+def post(decode, body, timeout=60):
+    url = f"http://{decode.ip}:{decode.config['ports']['frontDoor']}/v1/completions"
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def post_async(decode, body):
+    out = {}
+
+    def run():
+        out["reply"] = post(decode, body)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def ready_to_serve(decode, engine):
+    """The front door can route (a prefill peer is live) and the engine's connector attached."""
+    status, _ = post(decode, {"prompt": [1] * 8, "max_tokens": 1})
+    return status == 200
+
+
+def test_a_request_through_the_front_door_lands_the_prefills_bytes_in_vllms_blocks(pd):
+    _, decode, double, make = pd
+    engine = make()
+    until(lambda: ready_to_serve(decode, engine), 30, "a first request served")
+    status, reply = post(decode, {"prompt": [5] * PROMPT, "max_tokens": 2})
+    assert status == 200, reply
+    check = reply["tandem_check"]
+    # Every row loaded; vLLM computes only the last prompt token itself (to sample the next).
+    assert check == {"tokens": PROMPT, "corrupt_rows": 0, "computed_tokens": 1}, check
+    loader = engine.worker._loader
+    assert loader.stats["loaded"] >= 2 and loader.stats["failed"] == 0, loader.stats
+    # The blocks came through the connector: allocated for the load, handed back after it.
+    rid = reply["id"]
+    assert ("recving_done", rid) in engine.events
+    assert any(e[0] == "allocated" and e[1] == rid and len(e[2]) >= PROMPT // 16 for e in engine.events)
+    assert engine.free_blocks() == engine.num_blocks - 1  # vLLM's null block; every request ended
+
+
+def abort_while_the_prefill_is_stopped(pd, negative: bool):
+    """The abort scenario; returns (second request's reply, whether the second request got blocks
+    while the first one's release was pending, the events)."""
+    prefill, decode, double, make = pd
+    engine = make(num_blocks=100)  # one 1000-token request (63 blocks) at a time
+    if negative:
+        engine.worker._loader._await_release = lambda att, room: None
+    until(lambda: ready_to_serve(decode, engine), 30, "a first request served")
+    first_id = max(double.seen) + 1  # the front door numbers requests in order
+    double.hold.add(first_id)
+    t1, _ = post_async(decode, {"prompt": [5] * PROMPT, "max_tokens": 2})
+    until(lambda: first_id in double.seen, 30, "the first request's room opened on the prefill")
+    assert engine.status(first_id) == RequestStatus.WAITING_FOR_REMOTE_KVS, engine.status(first_id)
+    first_blocks = next(e[2] for e in engine.events if e[0] == "allocated" and e[1] == f"cmpl-{first_id}")
+    prefill.signal(signal.SIGSTOP)  # it cannot acknowledge the abort: no SafeToReuse yet
+    engine.abort(first_id)
+    t2, second = post_async(decode, {"prompt": [6] * PROMPT, "max_tokens": 2})
+    until(lambda: engine.status(first_id + 1) is not None, 30, "the second request reached vLLM")
+    engine.wait_steps(50)
+    taken_early = any(e[0] == "allocated" and e[1] == f"cmpl-{first_id + 1}" for e in engine.events)
+    prefill.signal(signal.SIGCONT)
+    t2.join(90)
+    t1.join(30)
+    return second.get("reply"), taken_early, first_blocks, engine
+
+
+def test_an_aborted_requests_blocks_wait_for_safe_to_reuse(pd):
+    reply, taken_early, first_blocks, engine = abort_while_the_prefill_is_stopped(pd, negative=False)
+    assert not taken_early, "the second request got blocks while the first one's release was pending"
+    assert reply is not None and reply[0] == 200, reply
+    assert reply[1]["tandem_check"]["corrupt_rows"] == 0, reply
+    ev = engine.events
+    first = next(e for e in ev if e[0] == "allocated" and e[2] == first_blocks)[1]
+    second = reply[1]["id"]
+    done_first = ev.index(("recving_done", first))
+    alloc_second = next(i for i, e in enumerate(ev) if e[0] == "allocated" and e[1] == second)
+    assert done_first < alloc_second, ev
+    # The second request reused the first one's blocks: the pool had room for only one.
+    second_blocks = ev[alloc_second][2]
+    assert set(first_blocks) & set(second_blocks)
+
+
+def test_negative_control_blocks_handed_back_at_the_abort_are_reused_before_safe_to_reuse(pd):
+    _, taken_early, _, _ = abort_while_the_prefill_is_stopped(pd, negative=True)
+    assert taken_early, "the check did not catch blocks reused before the room's SafeToReuse"
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_room_that_never_completes_is_a_load_error_after_its_release(pd, policy):
+    _, decode, double, make = pd
+    engine = make(failure_policy=policy)
+    until(lambda: ready_to_serve(decode, engine), 30, "a first request served")
+    next_id = max(double.seen) + 1
+    double.hold.add(next_id)
+    status, reply = post(decode, {"prompt": [5] * PROMPT, "max_tokens": 1, "kv_deadline_ms": 500})
+    assert status == 200, reply
+    loader = engine.worker._loader
+    assert loader.stats["failed"] == 1 and loader.stats["release_timeouts"] == 0, loader.stats
+    rid = f"cmpl-{next_id}"
+    assert ("recving_done", rid) in engine.events
+    if policy == "recompute":
+        # vLLM recomputed the whole prompt locally (the KV deadline failed the room).
+        assert reply["tandem_check"]["computed_tokens"] == PROMPT, reply
+        assert reply["choices"][0]["finish_reason"] == "length", reply
+    else:
+        # vLLM's default: the request ends with an error, never with blocks it did not fill.
+        assert reply["choices"][0]["finish_reason"] == "error" and reply["tandem_check"] is None, reply
+    assert engine.free_blocks() == engine.num_blocks - 1
+
+
+def test_the_loader_refuses_a_config_without_the_model():
+    with pytest.raises(ValueError, match="model"):
+        DecodeLoader({"socket_dir": "/nonexistent"}, 16)

@@ -1,0 +1,267 @@
+"""A vLLM decode engine for the PD tests, without a forward pass (no CPU platform in the vLLM
+wheel): a real `Scheduler` with `TandemConnector` loaded by module path in the scheduler role, the
+connector's worker role on CPU KV tensors of vLLM's layout, and an HTTP API on the pod's loopback
+that the decode worker's front door hands requests to (`POST /v1/completions`).
+
+The engine loop plays vLLM's model runner: each step binds the connector metadata, starts the
+loads, reports `get_finished` / `get_block_ids_with_load_errors` in the `KVConnectorOutput`, and
+samples one token per scheduled request. When a request is first scheduled after its load, the
+loop reads its blocks back and compares every token row with the prefill's bytes (`pattern`); the
+response carries that check and how many prompt tokens vLLM computed itself in that step. `events` logs, in order, ("allocated", req_id, blocks) when the
+connector learns a request's blocks and ("recving_done", req_id) when the worker side hands them
+back: the abort test's evidence.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import torch
+from transformers import LlamaConfig
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from tandem_kv.vllm_pd import TandemConnector
+
+BLOCK = 16
+
+
+def pattern(request_id: int, tokens: int, layers: int, row: int) -> np.ndarray:
+    """The bytes a test prefill writes for `request_id`: (tokens, layers, row) uint8, distinct per
+    request, token, layer and byte (one wrong row anywhere is caught)."""
+    t = np.arange(tokens, dtype=np.uint64)[:, None, None]
+    layer = np.arange(layers, dtype=np.uint64)[None, :, None]
+    b = np.arange(row, dtype=np.uint64)[None, None, :]
+    return ((request_id * 1_000_003 + t * 7919 + layer * 104_729 + b * 31) % 251).astype(np.uint8)
+
+
+def tiny_model_dir(model: dict) -> str:
+    """A local model directory of `model`'s KV geometry (config only: nothing is downloaded)."""
+    d = tempfile.mkdtemp(prefix="tandem-vllm-model-")
+    heads = 4
+    LlamaConfig(
+        vocab_size=1000,
+        hidden_size=heads * model["head_dim"],
+        intermediate_size=128,
+        num_hidden_layers=model["layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=model["kv_heads"],
+        max_position_embeddings=8192,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(d)
+    return d
+
+
+class Engine:
+    """The engine: `start()`, `abort(tandem_id)`, `stop()`; `url` is its API."""
+
+    def __init__(self, socket_dir: str, model: dict, port: int, num_blocks: int, extra=None, failure_policy="recompute"):
+        self.model = model
+        self.num_blocks = num_blocks
+        cfg = dict(socket_dir=socket_dir, model=model, timeout_s=5.0, release_timeout_s=60.0)
+        cfg.update(extra or {})
+        mc = ModelConfig(model=tiny_model_dir(model), skip_tokenizer_init=True, dtype="float16", max_model_len=4096)
+        self.vllm_config = VllmConfig(
+            model_config=mc,
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4096, is_encoder_decoder=False),
+            device_config=DeviceConfig("cpu"),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="TandemConnector",
+                kv_connector_module_path="tandem_kv.vllm_pd",
+                kv_role="kv_consumer",
+                kv_load_failure_policy=failure_policy,
+                kv_connector_extra_config=cfg,
+            ),
+        )
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(model["layers"])]
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=model["kv_heads"], head_size=model["head_dim"], dtype=torch.float16)
+        kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+        self.scheduler = Scheduler(
+            vllm_config=self.vllm_config,
+            kv_cache_config=kcc,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=BLOCK,
+            log_stats=False,
+        )
+        assert type(self.scheduler.connector).__name__ == "TandemConnector", type(self.scheduler.connector)
+        self.worker = TandemConnector(self.vllm_config, KVConnectorRole.WORKER, kcc)
+        self.kv = {n: torch.zeros(2, num_blocks, BLOCK, model["kv_heads"], model["head_dim"], dtype=torch.float16) for n in names}
+        self.names = names
+        self._sched_side = self.scheduler.connector._sched
+        self._wrap_scheduler_side()
+        self.events = []
+        self.steps = 0
+        self._lock = threading.Condition()
+        self._waiting = {}  # req_id -> dict(done=Event, result=...)
+        self._checked = set()
+        self._stop = threading.Event()
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self._http = None
+        self._loop = None
+
+    # -- bookkeeping hooks (evidence for the tests) --------------------------------------------
+
+    def _wrap_scheduler_side(self):
+        side = self._sched_side
+        orig_alloc, orig_finished = side.allocated, side.finished
+
+        def allocated(request, block_ids, n):
+            self.events.append(("allocated", request.request_id, tuple(block_ids)))
+            return orig_alloc(request, block_ids, n)
+
+        def finished(req_ids):
+            for r in req_ids:
+                self.events.append(("recving_done", r))
+            return orig_finished(req_ids)
+
+        side.allocated, side.finished = allocated, finished
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self):
+        self.worker.register_kv_caches(self.kv)
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                status, reply = engine._serve(body)
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._http = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self._http.serve_forever, daemon=True).start()
+        self._loop = threading.Thread(target=self._run, daemon=True)
+        self._loop.start()
+        return self
+
+    def stop(self):
+        self._stop.set()
+        if self._http:
+            self._http.shutdown()
+            self._http.server_close()
+        if self._loop:
+            self._loop.join(10)
+        self.worker.shutdown()
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _serve(self, body):
+        params = body.get("kv_transfer_params") or {}
+        tandem = params.get("tandem") or {}
+        prompt = body.get("prompt")
+        n = len(prompt) if isinstance(prompt, list) else int(body.get("input_tokens") or 1)
+        req_id = f"cmpl-{tandem.get('request_id', 0)}"
+        sp = SamplingParams(max_tokens=int(body.get("max_tokens") or 1), extra_args={"kv_transfer_params": params})
+        req = Request(request_id=req_id, prompt_token_ids=[1 + i % 900 for i in range(n)], sampling_params=sp, pooling_params=None)
+        slot = {"done": threading.Event(), "tandem": tandem, "n": n}
+        with self._lock:
+            self._waiting[req_id] = slot
+            self.scheduler.add_request(req)
+        if not slot["done"].wait(120):
+            return 504, {"error": "engine timeout"}
+        return slot["status"], slot["reply"]
+
+    def abort(self, tandem_id: int):
+        """What vLLM does when a request's client goes away (`finish_requests`, ABORTED)."""
+        req_id = f"cmpl-{tandem_id}"
+        with self._lock:
+            self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+            slot = self._waiting.pop(req_id, None)
+        if slot:
+            slot.update(status=499, reply={"error": "aborted"})
+            slot["done"].set()
+
+    def status(self, tandem_id: int):
+        r = self.scheduler.requests.get(f"cmpl-{tandem_id}")
+        return None if r is None else r.status
+
+    def free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def wait_steps(self, n: int, within: float = 30.0):
+        """Returns once the loop has run `n` more steps (the abort test's observation window)."""
+        with self._lock:
+            target = self.steps + n
+            if not self._lock.wait_for(lambda: self.steps >= target, within):
+                raise AssertionError(f"the engine loop did not run {n} steps within {within}s")
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _run(self):
+        while not self._stop.is_set():
+            with self._lock:
+                self._step()
+                self.steps += 1
+                self._lock.notify_all()
+            self._stop.wait(0.005)
+
+    def _step(self):
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        if meta is not None:
+            self.worker.bind_connector_metadata(meta)
+            self.worker.start_load_kv(None)
+        _, recving = self.worker.get_finished(out.finished_req_ids)
+        invalid = self.worker.get_block_ids_with_load_errors()
+        if meta is not None:
+            self.worker.clear_connector_metadata()
+        ids = list(out.num_scheduled_tokens)
+        for r in ids:
+            if r not in self._checked:
+                self._checked.add(r)
+                self._check(r, out.num_scheduled_tokens[r])
+        mro = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[7] for _ in ids],
+            kv_connector_output=KVConnectorOutput(finished_recving=recving, invalid_block_ids=invalid),
+        )
+        outputs = self.scheduler.update_from_output(out, mro)
+        for eco in outputs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    slot = self._waiting.pop(o.request_id, None)
+                    if slot:
+                        slot.update(status=200, reply={"id": o.request_id, "choices": [{"text": "x", "finish_reason": str(o.finish_reason)}], "tandem_check": slot.get("check")})
+                        slot["done"].set()
+
+    def _check(self, req_id, scheduled: int):
+        """Reads the request's blocks back and compares each token row with the prefill's bytes;
+        `scheduled` is how many prompt tokens vLLM computes itself in the request's first step (1
+        after a load: the last token; the whole prompt after a failed one)."""
+        slot = self._waiting.get(req_id)
+        if slot is None or not slot["tandem"]:
+            return
+        blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+        n = slot["n"]
+        half = self.model["kv_heads"] * self.model["head_dim"] * 2
+        want = pattern(slot["tandem"]["request_id"], n, self.model["layers"], 2 * half)
+        corrupt = 0
+        for li, name in enumerate(self.names):
+            u8 = self.kv[name].view(-1).view(torch.uint8).view(2, self.num_blocks, BLOCK, half).numpy()
+            for t in range(n):
+                b, r = blocks[t // BLOCK], t % BLOCK
+                if not (np.array_equal(u8[0, b, r], want[t, li, :half]) and np.array_equal(u8[1, b, r], want[t, li, half:])):
+                    corrupt += 1
+        slot["check"] = {"tokens": n, "corrupt_rows": corrupt, "computed_tokens": scheduled}

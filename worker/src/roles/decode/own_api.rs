@@ -1,0 +1,277 @@
+//! The front door in front of an engine that serves its own OpenAI-compatible API (SGLang, vLLM;
+//! issue 14, README "Engines on Kubernetes").
+//!
+//! The front door stays the stack's router: it admits the request (the decode's admission and
+//! request deadline), its router picks the prefill peer ([`super::peers`]), and
+//! [`EngineRooms::hand_over`] records the request as handed to the engine — so the engine's
+//! `Reserve` under that id opens the room on that peer, into the engine's pool, and the release
+//! gate owns its pages as on the Simulated path. The request itself goes to the engine's HTTP
+//! port on the pod's loopback with `kv_transfer_params.tandem` naming the worker's request id
+//! (Tandem's vLLM connector, `tandem_kv.vllm_pd`, Reserves under it); the engine's response is
+//! streamed back as the engine wrote it.
+//!
+//! - The engine's response is bounded by the request deadline (`TANDEM_DECODE_REQUEST_DEADLINE_MS`):
+//!   headers and body alike; past it the client gets what arrived and the stream ends.
+//! - A client that goes away drops the hand-off: a room still waiting for its KV fails through
+//!   the gate (`ClientAbort`), and the engine sees its connection close (vLLM then aborts the
+//!   request; its connector holds the request's blocks until the room's `SafeToReuse`).
+//! - One attempt: a room that fails (peer lost, KV deadline) is the engine's to handle (vLLM
+//!   recomputes the blocks whose load failed, `get_block_ids_with_load_errors`).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{HeaderValue, Request, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::engine::{Admission, DecodeEngine, GuardReport, RequestError, Stage};
+use super::front_door::request_error_after;
+use super::node::engine_rooms::{EngineEvent, EngineRooms};
+use crate::control::pb as cpb;
+
+/// The engine beside a decode worker that serves its own API.
+#[derive(Debug, Clone, Copy)]
+pub struct OwnApiEngine {
+    /// `SGLang` or `vLLM` (the config's `engine.kind`).
+    pub kind: &'static str,
+    /// The engine's HTTP API on the pod's loopback (`127.0.0.1:<engine.httpPort>`).
+    pub addr: SocketAddr,
+    /// Whether the front door hands requests to the engine. False when this decode serves the
+    /// tier calls from the engine's pool (`super::serves_tiers`): the tier calls use any page of
+    /// that pool, so no room may be reserved in it; the front door then answers 421
+    /// `engine_serves_its_own_api` and the DecodePool Service targets the engine directly.
+    pub hands_off: bool,
+}
+
+/// What the front door hands to the engine for one admitted request.
+pub struct HandOff {
+    /// The worker's request id (the engine Reserves under it).
+    pub request_id: u64,
+    /// The client's request body (a JSON object).
+    pub body: Value,
+    /// The request path (`/v1/completions`).
+    pub path: &'static str,
+    /// Prompt tokens as the front door counts them (the room's size comes from the engine's
+    /// Reserve, which counts with the model's tokenizer).
+    pub prompt_tokens: u32,
+    /// Tokens to generate.
+    pub max_tokens: u32,
+    /// Prefix identity (`kv_block_hashes`), for routing.
+    pub hashes: Vec<u64>,
+    /// The KV deadline the engine should Reserve with.
+    pub kv_deadline_ms: u64,
+}
+
+/// The body the engine gets: the client's, with `kv_transfer_params.tandem` set to the worker's
+/// request id, attempt, KV deadline and prefix hashes, and `do_remote_prefill: true` (vLLM's
+/// spelling of "the KV comes from a prefill"). Other `kv_transfer_params` keys are kept.
+///
+/// # Errors
+/// The body is not a JSON object, or its `kv_transfer_params` is not one.
+pub fn engine_body(h: &HandOff) -> Result<Value, String> {
+    let mut body = h.body.clone();
+    let obj = body
+        .as_object_mut()
+        .ok_or("the request body is not a JSON object")?;
+    let params = obj
+        .entry("kv_transfer_params")
+        .or_insert_with(|| json!({}))
+        .as_object_mut()
+        .ok_or("kv_transfer_params is not a JSON object")?;
+    params.insert(
+        "tandem".into(),
+        json!({
+            "request_id": h.request_id,
+            "attempt": 0,
+            "kv_deadline_ms": h.kv_deadline_ms,
+            "prefix_hashes": h.hashes,
+        }),
+    );
+    params.insert("do_remote_prefill".into(), json!(true));
+    Ok(body)
+}
+
+/// Ends the hand-off when dropped: a room still waiting for its KV fails through the gate.
+struct Forget {
+    rooms: Arc<EngineRooms>,
+    request: u64,
+}
+
+impl Drop for Forget {
+    fn drop(&mut self) {
+        self.rooms.forget(self.request, 0);
+    }
+}
+
+/// Serves one admitted request through the engine's own API.
+pub(super) async fn completion(
+    engine: Arc<DecodeEngine>,
+    rooms: Arc<EngineRooms>,
+    own: OwnApiEngine,
+    h: HandOff,
+    mut admission: Admission,
+) -> Response {
+    let guard = GuardReport::default();
+    let fail = |admission: Admission, e: RequestError| {
+        admission.ended_with(&e);
+        request_error_after(&e, &guard)
+    };
+    admission.enter(Stage::Prefill);
+    let Some(link) = engine.peers.pick(&[], &h.hashes) else {
+        let e = RequestError::NoPeer(engine.peers.not_ready_reason());
+        return fail(admission, e);
+    };
+    let peer = link.addr().to_owned();
+    let spec = cpb::RequestSpec {
+        request_id: h.request_id,
+        input_tokens: h.prompt_tokens.max(1),
+        output_tokens: h.max_tokens,
+        hash_ids: h.hashes.clone(),
+    };
+    let (events, _side) = match rooms.hand_over(h.request_id, 0, link, spec) {
+        Ok(x) => x,
+        Err(why) => return fail(admission, RequestError::NotReady(why)),
+    };
+    let forget = Forget {
+        rooms: rooms.clone(),
+        request: h.request_id,
+    };
+    let body = match engine_body(&h) {
+        Ok(b) => b,
+        Err(e) => return fail(admission, RequestError::Failed(e)),
+    };
+    let uri = format!("http://{}{}", own.addr, h.path);
+    let req = match Request::post(&uri)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body.to_string()))
+    {
+        Ok(r) => r,
+        Err(e) => return fail(admission, RequestError::Failed(e.to_string())),
+    };
+    let client: Client<_, Body> = Client::builder(TokioExecutor::new()).build_http();
+    let deadline = admission.deadline();
+    let reply = match tokio::time::timeout_at(deadline, client.request(req)).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
+            let e = RequestError::NotReady(format!(
+                "the {} engine's API at {} did not answer: {e}",
+                own.kind, own.addr
+            ));
+            return fail(admission, e);
+        }
+        Err(_) => {
+            let e = admission.deadline_exceeded();
+            return request_error_after(&e, &guard);
+        }
+    };
+    engine.peers.routed(&peer, &h.hashes);
+    let status = reply.status();
+    let content_type = reply
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from_static("application/json"));
+    admission.enter(Stage::Stream);
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+    let mut data = Body::new(reply.into_body()).into_data_stream();
+    tokio::spawn(async move {
+        let _forget = forget;
+        let mut events = events;
+        let mut ended = false;
+        let mut client_gone = false;
+        loop {
+            tokio::select! {
+                chunk = tokio::time::timeout_at(deadline, data.next()) => match chunk {
+                    Ok(Some(Ok(bytes))) => {
+                        if tx.send(Ok(bytes)).await.is_err() {
+                            client_gone = true;
+                            break;
+                        }
+                    }
+                    Ok(None) => {
+                        ended = true;
+                        break;
+                    }
+                    Ok(Some(Err(e))) => {
+                        tracing::warn!(request_id = h.request_id, error = %e, "the engine's response broke off");
+                        let _ = tx.send(Err(std::io::Error::other(e.to_string()))).await;
+                        break;
+                    }
+                    Err(_) => {
+                        tracing::warn!(request_id = h.request_id, "the engine's response passed the request deadline");
+                        break;
+                    }
+                },
+                ev = events.recv() => match ev {
+                    Some(EngineEvent::Reserved(key)) => {
+                        tracing::debug!(request_id = h.request_id, %key, %peer, "the engine reserved the request's pages");
+                    }
+                    Some(_) => {}
+                    // The hand-off was replaced or the engine left: the response still decides.
+                    None => events = mpsc::unbounded_channel().1,
+                },
+            }
+        }
+        if client_gone {
+            tracing::info!(request_id = h.request_id, "client went away mid-response");
+            admission.cancelled();
+        } else if ended && status.is_success() {
+            admission.succeeded();
+        } else {
+            admission.failed();
+        }
+    });
+    let mut resp = Body::from_stream(ReceiverStream::new(rx)).into_response();
+    *resp.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, content_type);
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hand_off(body: Value) -> HandOff {
+        HandOff {
+            request_id: 7,
+            body,
+            path: "/v1/completions",
+            prompt_tokens: 3,
+            max_tokens: 2,
+            hashes: vec![11, 12],
+            kv_deadline_ms: 5_000,
+        }
+    }
+
+    #[test]
+    fn the_engine_body_names_the_request_and_keeps_the_clients_fields() {
+        let b = engine_body(&hand_off(json!({
+            "prompt": "a b c", "temperature": 0.5,
+            "kv_transfer_params": {"other": 1}
+        })))
+        .unwrap();
+        assert_eq!(b["temperature"], 0.5);
+        assert_eq!(b["prompt"], "a b c");
+        let p = &b["kv_transfer_params"];
+        assert_eq!(p["other"], 1);
+        assert_eq!(p["do_remote_prefill"], true);
+        assert_eq!(p["tandem"]["request_id"], 7);
+        assert_eq!(p["tandem"]["kv_deadline_ms"], 5_000);
+        assert_eq!(p["tandem"]["prefix_hashes"], json!([11, 12]));
+    }
+
+    #[test]
+    fn a_body_that_is_not_an_object_is_refused() {
+        assert!(engine_body(&hand_off(json!([1, 2]))).is_err());
+        assert!(engine_body(&hand_off(json!({"kv_transfer_params": 3}))).is_err());
+    }
+}
