@@ -16,8 +16,12 @@ Finishes. Loopback net 127.0.153.x; the vLLM venv (`worker/tools/vllm-venv.sh`).
 - A request whose KV never comes (the prefill never answers) fails its room at the KV deadline:
   vLLM gets the blocks as load errors, after the room's SafeToReuse, and recomputes.
 
-The prefill engine here is a test double on the engine API (the vLLM prefill connector is not
-built yet): it writes `vllm_engine.pattern` into its pool pages and calls PagesReady.
+- vLLM on both sides: the front door hands the request to the chosen prefill's engine too; its
+  connector (producer) copies the prompt's blocks into the room the decode opened, and the
+  decode's blocks hold exactly what the prefill computed; both engines free every block after.
+
+The other tests' prefill engine is a test double on the engine API, which can hold a room back:
+it writes `vllm_engine.pattern` into its pool pages and calls PagesReady.
 """
 
 import json
@@ -105,10 +109,9 @@ class PrefillDouble:
         self.client.close()
 
 
-@pytest.fixture
-def pd(tmp_path):
-    """(prefill worker, decode worker, prefill double, engine factory) on shared ports; the engine
-    factory `make(num_blocks, **extra)` starts the vLLM engine beside the decode."""
+def start_workers(tmp_path):
+    """A prefill and a decode worker beside vLLM engines, on shared ports (each on its own
+    loopback address), and the engines' HTTP port."""
     ports = free_ports(5)
     http_port = ports[4]
     pc = worker_config(ports[:3], engine_kind="vLLM")
@@ -121,6 +124,25 @@ def pd(tmp_path):
     # receiver no fence to prove with), so a stopped prefill holds the release back.
     env = {"TANDEM_DECODE_GATE_PROOF": "ack-only"}
     decode = Worker(tmp_path, NET, 2, dc, role="decode", names=("decode.svc",), env=env).start()
+    return prefill, decode, http_port
+
+
+def stop_all(engines, workers):
+    for e in engines:
+        e.stop()
+    for w in workers:
+        try:
+            w.signal(signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        w.kill()
+
+
+@pytest.fixture
+def pd(tmp_path):
+    """(prefill worker, decode worker, prefill double, engine factory); the engine factory
+    `make(num_blocks, **extra)` starts the vLLM decode engine."""
+    prefill, decode, http_port = start_workers(tmp_path)
     double = PrefillDouble(prefill.socket_dir)
     engines = []
 
@@ -130,15 +152,20 @@ def pd(tmp_path):
         return e
 
     yield prefill, decode, double, make
-    for e in engines:
-        e.stop()
     double.close()
-    for w in (decode, prefill):
-        try:
-            w.signal(signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        w.kill()
+    stop_all(engines, (decode, prefill))
+
+
+@pytest.fixture
+def pd_vllm(tmp_path):
+    """(prefill worker, decode worker, prefill engine, decode engine): vLLM on both sides."""
+    prefill, decode, http_port = start_workers(tmp_path)
+    engines = [
+        Engine(prefill.socket_dir, MODEL, http_port, 160, role="prefill", host=prefill.ip).start(),
+        Engine(decode.socket_dir, MODEL, http_port, 160).start(),
+    ]
+    yield prefill, decode, engines[0], engines[1]
+    stop_all(engines, (decode, prefill))
 
 
 def post(decode, body, timeout=60):
@@ -259,3 +286,19 @@ def test_a_room_that_never_completes_is_a_load_error_after_its_release(pd, polic
 def test_the_loader_refuses_a_config_without_the_model():
     with pytest.raises(ValueError, match="model"):
         DecodeLoader({"socket_dir": "/nonexistent"}, 16)
+
+
+def test_vllm_on_both_sides_the_prefills_computed_kv_lands_in_the_decodes_blocks(pd_vllm):
+    prefill, decode, p_engine, d_engine = pd_vllm
+    until(lambda: ready_to_serve(decode, d_engine), 30, "a first request served")
+    for prompt in (PROMPT, 1, 513):
+        status, reply = post(decode, {"prompt": [5] * prompt, "max_tokens": 3})
+        assert status == 200, reply
+        assert reply["tandem_check"] == {"tokens": prompt, "corrupt_rows": 0, "computed_tokens": 1}, reply
+    sender = p_engine.worker._loader
+    assert sender.stats["sent"] >= 4 and sender.stats["no_room"] == 0, sender.stats
+    # The prefill computed each prompt once (its forward pass), and freed every block after the
+    # send; the decode's too.
+    assert len(p_engine.computed) == sender.stats["sent"]
+    until(lambda: p_engine.free_blocks() == p_engine.num_blocks - 1, 10, "the prefill's blocks freed after the sends")
+    assert d_engine.free_blocks() == d_engine.num_blocks - 1

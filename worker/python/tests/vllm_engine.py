@@ -1,7 +1,8 @@
-"""A vLLM decode engine for the PD tests, without a forward pass (no CPU platform in the vLLM
-wheel): a real `Scheduler` with `TandemConnector` loaded by module path in the scheduler role, the
-connector's worker role on CPU KV tensors of vLLM's layout, and an HTTP API on the pod's loopback
-that the decode worker's front door hands requests to (`POST /v1/completions`).
+"""A vLLM engine for the PD tests (`role` decode or prefill), without a forward pass (no CPU
+platform in the vLLM wheel): a real `Scheduler` with `TandemConnector` loaded by module path in the
+scheduler role, the connector's worker role on CPU KV tensors of vLLM's layout, and an HTTP API
+that the decode worker's front door hands requests to (`POST /v1/completions`). A prefill engine
+"computes" a request's prompt by writing `pattern` into its blocks when it is first scheduled.
 
 The engine loop plays vLLM's model runner: each step binds the connector metadata, starts the
 loads, reports `get_finished` / `get_block_ids_with_load_errors` in the `KVConnectorOutput`, and
@@ -65,7 +66,9 @@ def tiny_model_dir(model: dict) -> str:
 class Engine:
     """The engine: `start()`, `abort(tandem_id)`, `stop()`; `url` is its API."""
 
-    def __init__(self, socket_dir: str, model: dict, port: int, num_blocks: int, extra=None, failure_policy="recompute"):
+    def __init__(self, socket_dir: str, model: dict, port: int, num_blocks: int, extra=None, failure_policy="recompute", role="decode", host="127.0.0.1"):
+        self.role = role
+        self.host = host
         self.model = model
         self.num_blocks = num_blocks
         cfg = dict(socket_dir=socket_dir, model=model, timeout_s=5.0, release_timeout_s=60.0)
@@ -79,7 +82,7 @@ class Engine:
             kv_transfer_config=KVTransferConfig(
                 kv_connector="TandemConnector",
                 kv_connector_module_path="tandem_kv.vllm_pd",
-                kv_role="kv_consumer",
+                kv_role="kv_consumer" if role == "decode" else "kv_producer",
                 kv_load_failure_policy=failure_policy,
                 kv_connector_extra_config=cfg,
             ),
@@ -102,13 +105,14 @@ class Engine:
         self._sched_side = self.scheduler.connector._sched
         self._wrap_scheduler_side()
         self.events = []
+        self.computed = []
         self.steps = 0
         self._lock = threading.Condition()
         self._waiting = {}  # req_id -> dict(done=Event, result=...)
         self._checked = set()
         self._stop = threading.Event()
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
         self._http = None
         self._loop = None
 
@@ -149,7 +153,7 @@ class Engine:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self._http = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._http = ThreadingHTTPServer((self.host, self.port), Handler)
         threading.Thread(target=self._http.serve_forever, daemon=True).start()
         self._loop = threading.Thread(target=self._run, daemon=True)
         self._loop.start()
@@ -222,7 +226,7 @@ class Engine:
         if meta is not None:
             self.worker.bind_connector_metadata(meta)
             self.worker.start_load_kv(None)
-        _, recving = self.worker.get_finished(out.finished_req_ids)
+        sending, recving = self.worker.get_finished(out.finished_req_ids)
         invalid = self.worker.get_block_ids_with_load_errors()
         if meta is not None:
             self.worker.clear_connector_metadata()
@@ -230,12 +234,15 @@ class Engine:
         for r in ids:
             if r not in self._checked:
                 self._checked.add(r)
-                self._check(r, out.num_scheduled_tokens[r])
+                if self.role == "prefill":
+                    self._compute(r)
+                else:
+                    self._check(r, out.num_scheduled_tokens[r])
         mro = ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[[7] for _ in ids],
-            kv_connector_output=KVConnectorOutput(finished_recving=recving, invalid_block_ids=invalid),
+            kv_connector_output=KVConnectorOutput(finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid),
         )
         outputs = self.scheduler.update_from_output(out, mro)
         for eco in outputs.values():
@@ -245,6 +252,24 @@ class Engine:
                     if slot:
                         slot.update(status=200, reply={"id": o.request_id, "choices": [{"text": "x", "finish_reason": str(o.finish_reason)}], "tandem_check": slot.get("check")})
                         slot["done"].set()
+
+    def _compute(self, req_id):
+        """The prefill's forward pass, as far as the KV goes: the prompt's rows of every layer
+        become `pattern(front door id)` in the request's blocks."""
+        slot = self._waiting.get(req_id)
+        if slot is None or not slot["tandem"]:
+            return
+        blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+        n = slot["n"]
+        half = self.model["kv_heads"] * self.model["head_dim"] * 2
+        want = pattern(slot["tandem"]["request_id"], n, self.model["layers"], 2 * half)
+        for li, name in enumerate(self.names):
+            u8 = self.kv[name].view(-1).view(torch.uint8).view(2, self.num_blocks, BLOCK, half)
+            for t in range(n):
+                b, r = blocks[t // BLOCK], t % BLOCK
+                u8[0, b, r] = torch.from_numpy(want[t, li, :half])
+                u8[1, b, r] = torch.from_numpy(want[t, li, half:])
+        self.computed.append(req_id)
 
     def _check(self, req_id, scheduled: int):
         """Reads the request's blocks back and compares each token row with the prefill's bytes;

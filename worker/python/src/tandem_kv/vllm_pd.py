@@ -1,23 +1,25 @@
-"""`TandemConnector`: vLLM's KV connector for prefill/decode disaggregation through Tandem — the
-decode side (the KV consumer).
+"""`TandemConnector`: vLLM's KV connector for prefill/decode disaggregation through Tandem, both
+sides (`kv_role` `kv_producer` on a PrefillPool's engine, `kv_consumer` on a DecodePool's).
 
 Written against vLLM 0.33.0 (`KVConnectorBase_V1`, `vllm/distributed/kv_transfer/kv_connector/v1/
 base.py`), loaded by module path (no registration, no vLLM patch):
 
     --kv-transfer-config '{"kv_connector": "TandemConnector", "kv_role": "kv_consumer",
-      "kv_connector_module_path": "tandem_kv.vllm_pd",
+      "kv_connector_module_path": "tandem_kv.vllm_pd", "kv_load_failure_policy": "recompute",
       "kv_connector_extra_config": {"socket_dir": "/run/tandem/engine",
         "model": {"name": "llama-3-70b", "layers": 80, "attention": "gqa",
                   "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2}}}'
 
 The request path (README "Engines on Kubernetes"). The decode worker's front door admits the
-client's request, picks the prefill and hands the request to this engine's HTTP API with
-`kv_transfer_params: {"tandem": {"request_id", "kv_deadline_ms", ...}, "do_remote_prefill": true}`
-(`worker/src/roles/decode/own_api.rs`). For such a request:
+client's request, picks the prefill and hands the request to both engines' HTTP APIs with
+`kv_transfer_params.tandem` naming its request id (`worker/src/roles/decode/own_api.rs`): the
+chosen prefill's engine gets it with `do_remote_decode` (one token), the decode's with
+`do_remote_prefill`.
 
+Decode (consumer):
 1. Scheduler side: `get_num_new_matched_tokens` answers every prompt token not cached locally as
    external and loaded asynchronously; `update_state_after_alloc` records the blocks vLLM
-   allocated; `build_connector_meta` hands the load to the worker side.
+   allocated; `build_connector_meta` hands the load to the worker side. One load per request.
 2. Worker side (`start_load_kv`, non-blocking): a load thread `Reserve`s the room under the front
    door's request id (the worker opens it on the prefill peer it chose, into its pool), awaits
    the KV (`AwaitKv`, bounded by the KV deadline plus `kv_slack_s`), copies the room's pages
@@ -37,11 +39,19 @@ client's request, picks the prefill and hands the request to this engine's HTTP 
    when the pool is the engine's own memory (seed 003's failure: blocks reused while a late
    write could still land).
 
-Not here yet: the prefill side (a producer whose prefill's blocks become a room's source pages),
-and a decode that both Reserves rooms and serves the tier calls from one pool (the worker's front
-door refuses hand-offs then). Extra config keys: `model` (required: the worker config's `model`),
-`socket_dir` (default `$TANDEM_ENGINE_SOCKET_DIR` or `/run/tandem/engine`), `timeout_s` (5.0: each
-call), `kv_slack_s` (5.0), `release_timeout_s` (600: the longest a request's blocks wait for its
+Prefill (producer): a request that computed its prompt (finished with its one token) keeps its
+blocks (`request_finished` answers True); the worker side waits for the room the decode opened
+under the front door's id (`Prefill.WatchWork`, within the KV deadline plus `kv_slack_s`), copies
+the blocks into free pages of the worker's pool, calls `PagesReady(last)` and reports the send
+(`finished_sending`): vLLM frees the blocks, the worker moves the pages to the decode and gives
+them back on `SourceFree`. An aborted prefill sends nothing (the decode's room fails at its KV
+deadline).
+
+Not here: a decode that both Reserves rooms and serves the tier calls from one pool (the worker's
+front door refuses hand-offs then), layer-by-layer sends (the whole prompt moves after the
+forward pass). Extra config keys: `model` (required: the worker config's `model`), `socket_dir`
+(default `$TANDEM_ENGINE_SOCKET_DIR` or `/run/tandem/engine`), `timeout_s` (5.0: each call),
+`kv_slack_s` (5.0), `release_timeout_s` (600: the longest a decode request's blocks wait for its
 SafeToReuse; past it they are handed back, logged and counted), `load_threads` (4), `engine`
 (`vllm/<version>`).
 """
@@ -70,13 +80,14 @@ try:  # vLLM present (the serving image): subclass its ABCs so vLLM's factory ac
         KVConnectorMetadata,
         KVConnectorRole,
     )
+    from vllm.v1.request import RequestStatus
 except Exception:  # pragma: no cover - no vLLM: the module imports, the connector cannot be built.
     KVConnectorBase_V1 = object  # type: ignore[misc,assignment]
 
     class KVConnectorMetadata:  # type: ignore[no-redef]
         pass
 
-    KVConnectorRole = None  # type: ignore[assignment]
+    KVConnectorRole = RequestStatus = None  # type: ignore[assignment]
 
 
 def tandem_params(request):
@@ -103,11 +114,26 @@ class LoadSpec:
 
 
 @dataclass
+class SendSpec:
+    """One prefill request's send: vLLM's id, the front door's id, the prompt's tokens, the
+    request's blocks from token 0 (held by vLLM until the send is reported) and how long the
+    decode waits for the KV."""
+
+    req_id: str
+    tandem_id: int
+    kv_deadline_ms: int
+    prompt_tokens: int
+    block_ids: list
+
+
+@dataclass
 class TandemConnectorMetadata(KVConnectorMetadata):
-    """Scheduler → worker, once per step: loads to start, and requests whose loads end now."""
+    """Scheduler → worker, once per step: loads to start (decode), requests whose loads end now
+    (decode), and sends to start (prefill)."""
 
     loads: list = field(default_factory=list)
     aborts: list = field(default_factory=list)
+    sends: list = field(default_factory=list)
 
 
 def layer_order(names):
@@ -132,12 +158,19 @@ class TandemConnector(KVConnectorBase_V1):
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.block_size = int(vllm_config.cache_config.block_size)
         self._groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or [None])
+        kv_role = vllm_config.kv_transfer_config.kv_role
+        if kv_role not in ("kv_producer", "kv_consumer"):
+            raise ValueError(
+                f"TandemConnector needs kv_role kv_producer (a PrefillPool's engine) or kv_consumer "
+                f"(a DecodePool's), not {kv_role!r}"
+            )
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _SchedulerSide()
             self._loader = None
         else:
             self._sched = None
-            self._loader = DecodeLoader(extra, self.block_size)
+            side = PrefillSender if kv_role == "kv_producer" else DecodeLoader
+            self._loader = side(extra, self.block_size)
 
     # -- scheduler side ------------------------------------------------------------------------
 
@@ -155,10 +188,11 @@ class TandemConnector(KVConnectorBase_V1):
         self._sched.finished(connector_output.finished_recving or ())
 
     def request_finished(self, request, block_ids):
-        # vLLM itself holds the blocks of a request waiting for remote KV until `finished_recving`
-        # (Scheduler.finish_requests); the worker side reports it only after the room's SafeToReuse.
-        self._sched.ended(request.request_id)
-        return False, None
+        # Decode: vLLM itself holds the blocks of a request waiting for remote KV until
+        # `finished_recving` (Scheduler.finish_requests); the worker side reports it only after the
+        # room's SafeToReuse. Prefill: a request that computed its prompt keeps its blocks until
+        # the worker side reported the send (`finished_sending`).
+        return self._sched.ended(request, block_ids), None
 
     def get_loaded_kv_cache_group_ids(self, request):
         return tuple(range(self._groups))
@@ -170,7 +204,7 @@ class TandemConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs):
         meta = self._get_connector_metadata()
-        self._loader.start(meta.loads, meta.aborts)
+        self._loader.start(meta)
 
     def wait_for_layer_load(self, layer_name):
         return None
@@ -182,10 +216,10 @@ class TandemConnector(KVConnectorBase_V1):
         return None
 
     def get_finished(self, finished_req_ids):
-        return None, self._loader.take_finished()
+        return self._loader.take_finished()
 
     def get_block_ids_with_load_errors(self):
-        return self._loader.take_load_errors()
+        return self._loader.take_load_errors() if isinstance(self._loader, DecodeLoader) else set()
 
     def shutdown(self):
         if self._loader is not None:
@@ -203,10 +237,11 @@ class _SchedulerSide:
         # request), never loaded again — the front door's room is spent.
         self._tried = set()
         self._aborts = []
+        self._sends = []
 
     def matched(self, request, num_computed_tokens):
         t = tandem_params(request)
-        if t is None or request.request_id in self._tried:
+        if t is None or not request.kv_transfer_params.get("do_remote_prefill") or request.request_id in self._tried:
             return 0, False
         n = int(request.num_prompt_tokens) - int(num_computed_tokens)
         return (n, True) if n > 0 else (0, False)
@@ -230,17 +265,35 @@ class _SchedulerSide:
         self._tried.add(request.request_id)
 
     def meta(self):
-        m = TandemConnectorMetadata(loads=self._pending, aborts=self._aborts)
-        self._pending, self._aborts = [], []
+        m = TandemConnectorMetadata(loads=self._pending, aborts=self._aborts, sends=self._sends)
+        self._pending, self._aborts, self._sends = [], [], []
         return m
 
     def finished(self, req_ids):
         self._loading.difference_update(req_ids)
 
-    def ended(self, req_id):
+    def ended(self, request, block_ids) -> bool:
+        """A request finished (any reason); whether vLLM must hold its blocks for a send."""
+        req_id = request.request_id
         self._tried.discard(req_id)
         if req_id in self._loading:
             self._aborts.append(req_id)
+        t = tandem_params(request)
+        sends = t is not None and bool(request.kv_transfer_params.get("do_remote_decode"))
+        # Only a prompt computed to its end has KV to send (an aborted prefill has none: the
+        # decode's room fails at its KV deadline).
+        if not sends or request.status != RequestStatus.FINISHED_LENGTH_CAPPED and request.status != RequestStatus.FINISHED_STOPPED:
+            return False
+        self._sends.append(
+            SendSpec(
+                req_id=req_id,
+                tandem_id=int(t["request_id"]),
+                kv_deadline_ms=max(1, int(t.get("kv_deadline_ms") or 30_000)),
+                prompt_tokens=int(request.num_prompt_tokens),
+                block_ids=list(block_ids),
+            )
+        )
+        return True
 
 
 @dataclass
@@ -250,9 +303,9 @@ class _Load:
     aborted: bool = False
 
 
-class DecodeLoader:
-    """The worker side: the attach, the release watch and the load threads (module docstring).
-    Thread-safe; `start` never blocks on the worker."""
+class _EngineSide:
+    """What both worker sides share: the config, the attach (with its watch threads, started by
+    `_on_attach`), vLLM's KV tensors and the worker pool's rows. Thread-safe."""
 
     def __init__(self, extra: dict, block_size: int):
         if not isinstance(extra.get("model"), dict):
@@ -262,22 +315,14 @@ class DecodeLoader:
         self.socket_dir = extra.get("socket_dir") or os.environ.get("TANDEM_ENGINE_SOCKET_DIR") or "/run/tandem/engine"
         self.timeout_s = float(extra.get("timeout_s", 5.0))
         self.kv_slack_s = float(extra.get("kv_slack_s", 5.0))
-        self.release_timeout_s = float(extra.get("release_timeout_s", 600.0))
         self.engine = extra.get("engine") or _vllm_engine()
         self.client = EngineClient(self.socket_dir, call_timeout=self.timeout_s)
-        self._pool = ThreadPoolExecutor(max_workers=int(extra.get("load_threads", 4)), thread_name_prefix="tandem-load")
+        self._pool = ThreadPoolExecutor(max_workers=int(extra.get("load_threads", 4)), thread_name_prefix="tandem-kv")
         self._lock = threading.Lock()
-        self._released_cv = threading.Condition(self._lock)
+        self._cv = threading.Condition(self._lock)
         self._att = None
         self._layers = []  # (name, uint8 view (2, num_blocks, block_size, row_half)) in model order
-        self._loads = {}  # req_id -> _Load
-        self._finished = set()
-        self._errors = set()
-        self._released = {}  # (room, generation) -> seq
-        self._max_seq = 0
         self._closing = threading.Event()
-        self._watch = None
-        self.stats = {"loaded": 0, "failed": 0, "aborted": 0, "release_timeouts": 0, "pages_copied": 0}
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -295,7 +340,13 @@ class DecodeLoader:
             u8 = t.view(-1).view(dtype=_torch().uint8).view(2, t.shape[1], self.block_size, -1)
             layers.append((n, u8))
         self._layers = layers
-        self._session()
+        try:
+            self._session()
+        except errors.TandemError as e:  # the first request attaches again
+            logger.warning("tandem: cannot attach to the worker at %s yet: %s", self.socket_dir, e)
+
+    def _on_attach(self, att) -> None:
+        """Starts the watch threads of a fresh attach (called with the lock held)."""
 
     def _session(self):
         """The live attach (attaching first); raises `TandemError` when the worker cannot be
@@ -315,11 +366,8 @@ class DecodeLoader:
                 att.close()
                 return self._att
             self._att = att
-            self._released.clear()
-            self._max_seq = 0
-            self._watch = threading.Thread(target=self._watch_releases, args=(att,), name="tandem-releases", daemon=True)
-            self._watch.start()
-        logger.info("tandem: vLLM decode connector attached (id %d, %d pages of %d B)", att.id, pool.page_count, pool.page_bytes)
+            self._on_attach(att)
+        logger.info("tandem: vLLM connector attached (id %d, %d pages of %d B)", att.id, pool.page_count, pool.page_bytes)
         return att
 
     def _lost(self, att, why) -> None:
@@ -327,41 +375,100 @@ class DecodeLoader:
             if self._att is not att:
                 return
             self._att = None
-            self._released_cv.notify_all()
+            self._cv.notify_all()
         logger.warning("tandem: attach %d lost (%s)", att.id, why)
         att.close()
 
-    def _watch_releases(self, att) -> None:
-        """Records every SafeToReuse of `att` (re-subscribing every hour); ends with the attach."""
-        while not self._closing.is_set():
-            with self._lock:
-                if self._att is not att:
+    def _watch(self, att, name, stub, method, request, on_event) -> None:
+        """Runs one server stream of `att` on a thread (re-subscribing hourly) and calls
+        `on_event(ev)` under the lock; the attach ends when the stream fails otherwise."""
+
+        def run():
+            while not self._closing.is_set():
+                with self._lock:
+                    if self._att is not att:
+                        return
+                try:
+                    for ev in self.client.stream(stub, method, request, timeout=3600.0):
+                        with self._lock:
+                            on_event(ev)
+                            self._cv.notify_all()
+                except (errors.DeadlineExceeded, errors.CallTimeout):
+                    continue
+                except errors.TandemError as e:
+                    self._lost(att, e)
                     return
+                except Exception as e:  # a malformed event must not end the watch silently
+                    logger.exception("tandem: the %s watch failed: %r", name, e)
+                    self._lost(att, e)
+                    return
+
+        threading.Thread(target=run, name=f"tandem-{name}", daemon=True).start()
+
+    def _rows(self, pool):
+        """The pool as (pages, layers, page_tokens, 2, row_half) bytes: a page row's K half, then
+        its V half (page-first layout, engine.proto)."""
+        p_tok = pool.descriptor.page_tokens
+        half = pool.chunk_bytes // p_tok // 2
+        flat = np.ndarray((pool.page_count * pool.page_bytes,), dtype=np.uint8, buffer=pool.map)
+        return flat.reshape(pool.page_count, pool.layers, p_tok, 2, half)
+
+    def _runs(self, pages, block_ids, first: int, last: int, p_tok: int):
+        """(page, page row, block, block row, n) runs covering tokens [first, last)."""
+        t = first
+        while t < last:
+            prow, brow = t % p_tok, t % self.block_size
+            n = min(p_tok - prow, self.block_size - brow, last - t)
+            yield pages[t // p_tok], prow, block_ids[t // self.block_size], brow, n
+            t += n
+
+    def close(self) -> None:
+        self._closing.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            att, self._att = self._att, None
+            self._cv.notify_all()
+        if att is not None:
             try:
-                req = pb.WatchReleasesRequest(attach_id=att.id)
-                for ev in self.client.stream(self.client.decode, "WatchReleases", req, timeout=3600.0):
-                    with self._lock:
-                        key = (ev.room.room_id, ev.room.generation)
-                        if ev.seq > self._max_seq + 1 and self._max_seq:
-                            logger.warning("tandem: releases %d..%d were dropped by the worker", self._max_seq + 1, ev.seq - 1)
-                        self._released[key] = ev.seq
-                        self._max_seq = max(self._max_seq, ev.seq)
-                        self._released_cv.notify_all()
-            except (errors.DeadlineExceeded, errors.CallTimeout):
-                continue
-            except errors.TandemError as e:
-                self._lost(att, e)
-                return
-            except Exception as e:  # a malformed event must not end the watch silently
-                logger.exception("tandem: the release watch failed: %r", e)
-                self._lost(att, e)
-                return
+                self.client.detach(att.id)
+            except errors.TandemError:
+                pass
+            att.close()
+        self.client.close()
+
+
+class DecodeLoader(_EngineSide):
+    """The decode's worker side: the release watch and the load threads (module docstring).
+    Thread-safe; `start` never blocks on the worker."""
+
+    def __init__(self, extra: dict, block_size: int):
+        super().__init__(extra, block_size)
+        self.release_timeout_s = float(extra.get("release_timeout_s", 600.0))
+        self._loads = {}  # req_id -> _Load
+        self._finished = set()
+        self._errors = set()
+        self._released = {}  # (room, generation) -> seq
+        self._max_seq = 0
+        self.stats = {"loaded": 0, "failed": 0, "aborted": 0, "release_timeouts": 0, "pages_copied": 0}
+
+    def _on_attach(self, att) -> None:
+        self._released.clear()
+        self._max_seq = 0
+        self._watch(att, "releases", self.client.decode, "WatchReleases", pb.WatchReleasesRequest(attach_id=att.id), self._on_release)
+
+    def _on_release(self, ev) -> None:
+        key = (ev.room.room_id, ev.room.generation)
+        if self._max_seq and ev.seq > self._max_seq + 1:
+            logger.warning("tandem: releases %d..%d were dropped by the worker", self._max_seq + 1, ev.seq - 1)
+        self._released[key] = ev.seq
+        self._max_seq = max(self._max_seq, ev.seq)
 
     # -- per step ------------------------------------------------------------------------------
 
-    def start(self, loads, aborts) -> None:
-        """Starts `loads` on the load threads and passes `aborts` to theirs (a request without a
-        live load is reported finished at once: nothing was reserved for it)."""
+    def start(self, meta) -> None:
+        """Starts the step's loads on the load threads and passes its aborts to theirs (a request
+        without a live load is reported finished at once: nothing was reserved for it)."""
+        loads, aborts = meta.loads, meta.aborts
         for spec in loads:
             ld = _Load(spec)
             with self._lock:
@@ -380,9 +487,10 @@ class DecodeLoader:
                 self._abort(att, room)
 
     def take_finished(self):
+        """(None, the requests whose blocks vLLM may have back), as `get_finished` answers."""
         with self._lock:
             out, self._finished = self._finished, set()
-        return out or None
+        return None, out or None
 
     def take_load_errors(self):
         with self._lock:
@@ -456,7 +564,7 @@ class DecodeLoader:
                 left = end - time.monotonic()
                 if left <= 0:
                     raise errors.CallTimeout(f"SafeToReuse {seq} did not arrive within {self.timeout_s}s")
-                self._released_cv.wait(left)
+                self._cv.wait(left)
 
     def _await_release(self, att, room) -> None:
         """Waits until the room's SafeToReuse arrived, the attach ended (a worker gone can write
@@ -470,43 +578,112 @@ class DecodeLoader:
                     self.stats["release_timeouts"] += 1
                     logger.error("tandem: no SafeToReuse for room %d within %.0fs: its blocks are handed back", room.room_id, self.release_timeout_s)
                     return
-                self._released_cv.wait(min(left, 1.0))
+                self._cv.wait(min(left, 1.0))
             self._released.pop(key, None)
 
     def _copy(self, pool, pages, spec: LoadSpec) -> None:
         """Copies tokens [first_token, prompt_tokens) of the room's pages into the request's
         blocks, layer by layer: each page row's K half to `kv[0]`, its V half to `kv[1]`."""
         torch = _torch()
-        p_tok = pool.descriptor.page_tokens
-        row = pool.chunk_bytes // p_tok
-        half = row // 2
-        view = np.frombuffer(pool.map, dtype=np.uint8, count=pool.page_count * pool.page_bytes)
-        view = view.reshape(pool.page_count, pool.layers, p_tok, 2, half)
-        t = spec.first_token
-        while t < spec.prompt_tokens:
-            page, prow = pages[t // p_tok], t % p_tok
-            block, brow = spec.block_ids[t // self.block_size], t % self.block_size
-            n = min(p_tok - prow, self.block_size - brow, spec.prompt_tokens - t)
+        rows = self._rows(pool)
+        for page, prow, block, brow, n in self._runs(pages, spec.block_ids, spec.first_token, spec.prompt_tokens, rows.shape[2]):
             for li, (_, kv) in enumerate(self._layers):
-                src = torch.from_numpy(view[page, li, prow : prow + n])  # (n, 2, half)
+                src = torch.from_numpy(rows[page, li, prow : prow + n])  # (n, 2, half)
                 kv[0, block, brow : brow + n].copy_(src[:, 0])
                 kv[1, block, brow : brow + n].copy_(src[:, 1])
-            t += n
         self.stats["pages_copied"] += len(pages)
 
-    def close(self) -> None:
-        self._closing.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+
+class PrefillSender(_EngineSide):
+    """The prefill's worker side: the rooms the worker asks for (`Prefill.WatchWork`), the pool's
+    free pages (`WatchSourceFree`), and the send threads. For each request that computed its
+    prompt: wait (within its KV deadline plus `kv_slack_s`) for the room the decode opened under
+    the front door's id, copy the request's blocks into free pages of the worker's pool (K half,
+    V half of each row), `PagesReady(last)`, and report the send (`finished_sending`: vLLM frees
+    the blocks). The worker moves the pages to the decode and returns them on SourceFree."""
+
+    def __init__(self, extra: dict, block_size: int):
+        super().__init__(extra, block_size)
+        self._work = {}  # front door id -> PrefillWork
+        self._free = []
+        self._sent = set()
+        self.stats = {"sent": 0, "no_room": 0, "refused": 0, "failed": 0}
+
+    def _on_attach(self, att) -> None:
+        self._work.clear()
+        self._free = list(range(att.pool().page_count))
+        self._watch(att, "work", self.client.prefill, "WatchWork", pb.WatchWorkRequest(attach_id=att.id), self._on_work)
+        self._watch(att, "source-free", self.client.prefill, "WatchSourceFree", pb.WatchSourceFreeRequest(attach_id=att.id), self._on_free)
+
+    def _on_work(self, w) -> None:
+        self._work[w.request_id] = w
+
+    def _on_free(self, ev) -> None:
+        self._free.extend(ev.pages)
+
+    def start(self, meta) -> None:
+        for spec in meta.sends:
+            self._pool.submit(self._send, spec)
+
+    def take_finished(self):
+        """(the requests whose blocks vLLM may free, None), as `get_finished` answers."""
         with self._lock:
-            att, self._att = self._att, None
-            self._released_cv.notify_all()
-        if att is not None:
-            try:
-                self.client.detach(att.id)
-            except errors.TandemError:
-                pass
-            att.close()
-        self.client.close()
+            out, self._sent = self._sent, set()
+        return out or None, None
+
+    def _send(self, spec: SendSpec) -> None:
+        outcome = "failed"
+        try:
+            att = self._session()
+            end = time.monotonic() + spec.kv_deadline_ms / 1000.0 + self.kv_slack_s
+            pool = att.pool()
+            p_tok = pool.descriptor.page_tokens
+            with self._lock:
+                while spec.tandem_id not in self._work and self._att is att:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)
+                work = self._work.pop(spec.tandem_id, None)
+                tokens = 0 if work is None else min(int(work.tokens), spec.prompt_tokens)
+                need = -(-tokens // p_tok)
+                while work is not None and len(self._free) < need and self._att is att:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)
+                if work is None or len(self._free) < need:
+                    outcome = "no_room"
+                    pages = None
+                else:
+                    pages, self._free = self._free[:need], self._free[need:]
+            if pages is not None:
+                try:
+                    self._copy_out(pool, pages, spec.block_ids, tokens)
+                    reply = self.client.pages_ready(att.id, work.room, pages, first_page=0, last=True)
+                except BaseException:
+                    with self._lock:  # nobody else will return them: PagesReady never named them
+                        self._free.extend(pages)
+                    raise
+                outcome = "sent" if reply.accepted else "refused"
+        except errors.TandemError as e:
+            logger.warning("tandem: request %s (tandem %d): send failed: %s", spec.req_id, spec.tandem_id, e)
+        except Exception as e:  # never let a send thread die with the request's blocks held
+            logger.exception("tandem: request %s: send failed: %r", spec.req_id, e)
+        finally:
+            if outcome != "sent":
+                logger.info("tandem: request %s (tandem %d): %s", spec.req_id, spec.tandem_id, outcome)
+            with self._lock:
+                self.stats[outcome] += 1
+                self._sent.add(spec.req_id)
+
+    def _copy_out(self, pool, pages, block_ids, tokens: int) -> None:
+        """Copies tokens [0, tokens) of the request's blocks into `pages`, layer by layer."""
+        rows = self._rows(pool)
+        for page, prow, block, brow, n in self._runs(pages, block_ids, 0, tokens, rows.shape[2]):
+            for li, (_, kv) in enumerate(self._layers):
+                rows[page, li, prow : prow + n, 0] = kv[0, block, brow : brow + n].cpu().numpy()
+                rows[page, li, prow : prow + n, 1] = kv[1, block, brow : brow + n].cpu().numpy()
 
 
 def _torch():

@@ -5,9 +5,11 @@
 //! request deadline), its router picks the prefill peer ([`super::peers`]), and
 //! [`EngineRooms::hand_over`] records the request as handed to the engine — so the engine's
 //! `Reserve` under that id opens the room on that peer, into the engine's pool, and the release
-//! gate owns its pages as on the Simulated path. The request itself goes to the engine's HTTP
-//! port on the pod's loopback with `kv_transfer_params.tandem` naming the worker's request id
-//! (Tandem's vLLM connector, `tandem_kv.vllm_pd`, Reserves under it); the engine's response is
+//! gate owns its pages as on the Simulated path. The request itself goes to two engines with
+//! `kv_transfer_params.tandem` naming the worker's request id (Tandem's vLLM connector,
+//! `tandem_kv.vllm_pd`, works under it): to the chosen prefill's engine (`<peer ip>:<engine
+//! port>`, one token, `do_remote_decode`: it computes the prompt and writes the KV into the
+//! room), and to this pod's engine on the loopback (`do_remote_prefill`), whose response is
 //! streamed back as the engine wrote it.
 //!
 //! - The engine's response is bounded by the request deadline (`TANDEM_DECODE_REQUEST_DEADLINE_MS`):
@@ -99,6 +101,87 @@ pub fn engine_body(h: &HandOff) -> Result<Value, String> {
     Ok(body)
 }
 
+/// The body the chosen prefill's engine gets: the client's, generating one token and not
+/// streamed, with `kv_transfer_params.tandem` as for the decode and `do_remote_decode: true` (its
+/// KV goes to a decode: vLLM's producer spelling).
+///
+/// # Errors
+/// As [`engine_body`].
+pub fn prefill_body(h: &HandOff) -> Result<Value, String> {
+    let mut body = engine_body(h)?;
+    let obj = body
+        .as_object_mut()
+        .ok_or("the request body is not a JSON object")?;
+    obj.insert("max_tokens".into(), json!(1));
+    obj.insert("stream".into(), json!(false));
+    obj.remove("stream_options");
+    if let Some(p) = obj
+        .get_mut("kv_transfer_params")
+        .and_then(Value::as_object_mut)
+    {
+        p.remove("do_remote_prefill");
+        p.insert("do_remote_decode".into(), json!(true));
+    }
+    Ok(body)
+}
+
+/// The chosen prefill's engine API: the peer's pod address with the engine port of this pod's
+/// engine (the operator renders one `engine-http` port for both pools).
+fn prefill_engine_addr(peer: &str, port: u16) -> Option<SocketAddr> {
+    let control: SocketAddr = peer.parse().ok()?;
+    Some(SocketAddr::new(control.ip(), port))
+}
+
+/// Sends the request to the prefill's engine (it computes the prompt; its connector writes the KV
+/// into the room this decode's engine Reserves): bounded by the request deadline; the one-token
+/// answer is drained, a failure logged (the decode's room then fails at its KV deadline and the
+/// decode engine recomputes or fails the request, by its policy).
+fn send_to_prefill(
+    client: Client<hyper_util::client::legacy::connect::HttpConnector, Body>,
+    addr: SocketAddr,
+    body: Value,
+    request_id: u64,
+    deadline: tokio::time::Instant,
+) {
+    tokio::spawn(async move {
+        let req = match Request::post(format!("http://{addr}/v1/completions"))
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body.to_string()))
+        {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(request_id, error = %e, "building the prefill hand-off failed");
+                return;
+            }
+        };
+        let sent = tokio::time::timeout_at(deadline, async {
+            let reply = client.request(req).await.map_err(|e| e.to_string())?;
+            let status = reply.status();
+            let mut data = Body::new(reply.into_body()).into_data_stream();
+            while let Some(chunk) = data.next().await {
+                chunk.map_err(|e| e.to_string())?;
+            }
+            if status.is_success() {
+                Ok(())
+            } else {
+                Err(format!("status {status}"))
+            }
+        })
+        .await;
+        match sent {
+            Ok(Ok(())) => {
+                tracing::debug!(request_id, %addr, "the prefill's engine computed the prompt")
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(request_id, %addr, error = %e, "the prefill's engine did not take the request")
+            }
+            Err(_) => {
+                tracing::warn!(request_id, %addr, "the prefill's engine passed the request deadline")
+            }
+        }
+    });
+}
+
 /// Ends the hand-off when dropped: a room still waiting for its KV fails through the gate.
 struct Forget {
     rooms: Arc<EngineRooms>,
@@ -158,6 +241,21 @@ pub(super) async fn completion(
     };
     let client: Client<_, Body> = Client::builder(TokioExecutor::new()).build_http();
     let deadline = admission.deadline();
+    match (
+        prefill_engine_addr(&peer, own.addr.port()),
+        prefill_body(&h),
+    ) {
+        (Some(addr), Ok(pbody)) => {
+            send_to_prefill(client.clone(), addr, pbody, h.request_id, deadline);
+        }
+        (addr, body) => tracing::warn!(
+            request_id = h.request_id,
+            %peer,
+            ?addr,
+            error = ?body.err(),
+            "no prefill hand-off: the decode engine's room fails at its KV deadline"
+        ),
+    }
     let reply = match tokio::time::timeout_at(deadline, client.request(req)).await {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
@@ -267,6 +365,27 @@ mod tests {
         assert_eq!(p["tandem"]["request_id"], 7);
         assert_eq!(p["tandem"]["kv_deadline_ms"], 5_000);
         assert_eq!(p["tandem"]["prefix_hashes"], json!([11, 12]));
+    }
+
+    #[test]
+    fn the_prefill_body_generates_one_token_and_sends_its_kv_to_the_decode() {
+        let b = prefill_body(&hand_off(json!({
+            "prompt": [1, 2, 3], "max_tokens": 50, "stream": true,
+            "stream_options": {"include_usage": true}
+        })))
+        .unwrap();
+        assert_eq!(b["max_tokens"], 1);
+        assert_eq!(b["stream"], false);
+        assert!(b.get("stream_options").is_none());
+        let p = &b["kv_transfer_params"];
+        assert_eq!(p["do_remote_decode"], true);
+        assert!(p.get("do_remote_prefill").is_none());
+        assert_eq!(p["tandem"]["request_id"], 7);
+        assert_eq!(
+            prefill_engine_addr("10.1.2.3:7400", 8100),
+            Some("10.1.2.3:8100".parse().unwrap())
+        );
+        assert_eq!(prefill_engine_addr("prefill.svc:7400", 8100), None);
     }
 
     #[test]
