@@ -45,11 +45,14 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from tandem_kv.client import EngineClient, engine_identity  # noqa: E402
 from tandem_kv.vllm_pd import DecodeLoader  # noqa: E402
 
-from conftest import MODEL, PAGE_TOKENS, Worker, free_ports, until, worker_config  # noqa: E402
+from conftest import MODEL as BASE_MODEL  # noqa: E402
+from conftest import PAGE_TOKENS, Worker, free_ports, until, worker_config  # noqa: E402
 from vllm_engine import Engine, pattern  # noqa: E402
 
 NET = 153
 PROMPT = 1000  # two 512-token worker pages; 63 vLLM blocks of 16
+# Two KV heads (the head order inside a row counts), 64-byte rows as conftest's MODEL.
+MODEL = dict(BASE_MODEL, name="tiny-8l-2h", kv_heads=2, head_dim=8)
 ROW = 2 * MODEL["kv_heads"] * MODEL["head_dim"] * MODEL["dtype_bytes"]
 
 
@@ -114,8 +117,8 @@ def start_workers(tmp_path):
     loopback address), and the engines' HTTP port."""
     ports = free_ports(5)
     http_port = ports[4]
-    pc = worker_config(ports[:3], engine_kind="vLLM")
-    dc = worker_config(ports[:3], engine_kind="vLLM")
+    pc = worker_config(ports[:3], engine_kind="vLLM", model=MODEL)
+    dc = worker_config(ports[:3], engine_kind="vLLM", model=MODEL)
     dc.update(role="decode", pool="d")
     dc["ports"]["frontDoor"] = ports[3]
     dc["engine"]["httpPort"] = http_port

@@ -27,10 +27,12 @@ from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
 
 from tandem_kv.vllm_pd import TandemConnector
 
@@ -100,7 +102,11 @@ class Engine:
         )
         assert type(self.scheduler.connector).__name__ == "TandemConnector", type(self.scheduler.connector)
         self.worker = TandemConnector(self.vllm_config, KVConnectorRole.WORKER, kcc)
-        self.kv = {n: torch.zeros(2, num_blocks, BLOCK, model["kv_heads"], model["head_dim"], dtype=torch.float16) for n in names}
+        # vLLM's own allocation, in a block-outermost layout: strided per-layer views
+        # `[blocks, kv_heads, BLOCK, 2 x head_dim]`, as its GPU model runner hands them over.
+        page = spec.page_size_bytes
+        kcc.kv_cache_tensors = [KVCacheTensor(size=page * num_blocks * len(names), layers=names, layer_stride=page, block_stride=page * len(names))]
+        self.kv = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.BLNHC, None)
         self.names = names
         self._sched_side = self.scheduler.connector._sched
         self._wrap_scheduler_side()
@@ -253,40 +259,62 @@ class Engine:
                         slot.update(status=200, reply={"id": o.request_id, "choices": [{"text": "x", "finish_reason": str(o.finish_reason)}], "tandem_check": slot.get("check")})
                         slot["done"].set()
 
-    def _compute(self, req_id):
-        """The prefill's forward pass, as far as the KV goes: the prompt's rows of every layer
-        become `pattern(front door id)` in the request's blocks."""
+    def _rows_of(self, req_id):
+        """(token count, the request's blocks, the prefill's bytes (tokens, layers, row)), or
+        None for a request that did not come through the front door."""
         slot = self._waiting.get(req_id)
         if slot is None or not slot["tandem"]:
-            return
+            return None
         blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
         n = slot["n"]
-        half = self.model["kv_heads"] * self.model["head_dim"] * 2
-        want = pattern(slot["tandem"]["request_id"], n, self.model["layers"], 2 * half)
+        row = 2 * self.model["kv_heads"] * self.model["head_dim"] * 2
+        return slot, n, blocks, pattern(slot["tandem"]["request_id"], n, self.model["layers"], row)
+
+    def _kv_of(self, row_bytes):
+        """A worker row's K and V of each head as float16 (heads, dim) arrays: the row is K of
+        every head, then V of every head."""
+        h, d = self.model["kv_heads"], self.model["head_dim"]
+        half = len(row_bytes) // 2
+        k = np.frombuffer(row_bytes[:half].tobytes(), dtype=np.float16).reshape(h, d)
+        v = np.frombuffer(row_bytes[half:].tobytes(), dtype=np.float16).reshape(h, d)
+        return k, v
+
+    def _compute(self, req_id):
+        """The prefill's forward pass, as far as the KV goes: the prompt's K and V of every head
+        and layer become `pattern(front door id)` in the request's blocks."""
+        got = self._rows_of(req_id)
+        if got is None:
+            return
+        _, n, blocks, want = got
+        d = self.model["head_dim"]
         for li, name in enumerate(self.names):
-            u8 = self.kv[name].view(-1).view(torch.uint8).view(2, self.num_blocks, BLOCK, half)
+            kv = self.kv[name]
             for t in range(n):
+                k, v = self._kv_of(want[t, li])
                 b, r = blocks[t // BLOCK], t % BLOCK
-                u8[0, b, r] = torch.from_numpy(want[t, li, :half])
-                u8[1, b, r] = torch.from_numpy(want[t, li, half:])
+                kv[b, :, r, :d] = torch.from_numpy(k.copy())
+                kv[b, :, r, d:] = torch.from_numpy(v.copy())
         self.computed.append(req_id)
 
     def _check(self, req_id, scheduled: int):
-        """Reads the request's blocks back and compares each token row with the prefill's bytes;
-        `scheduled` is how many prompt tokens vLLM computes itself in the request's first step (1
-        after a load: the last token; the whole prompt after a failed one)."""
-        slot = self._waiting.get(req_id)
-        if slot is None or not slot["tandem"]:
+        """Reads the request's blocks back and compares each token's K and V of every head and
+        layer with the prefill's bytes; `scheduled` is how many prompt tokens vLLM computes itself
+        in the request's first step (1 after a load: the last token; the whole prompt after a
+        failed one)."""
+        got = self._rows_of(req_id)
+        if got is None:
             return
-        blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
-        n = slot["n"]
-        half = self.model["kv_heads"] * self.model["head_dim"] * 2
-        want = pattern(slot["tandem"]["request_id"], n, self.model["layers"], 2 * half)
+        slot, n, blocks, want = got
+        d = self.model["head_dim"]
         corrupt = 0
         for li, name in enumerate(self.names):
-            u8 = self.kv[name].view(-1).view(torch.uint8).view(2, self.num_blocks, BLOCK, half).numpy()
+            kv = self.kv[name]
             for t in range(n):
+                k, v = self._kv_of(want[t, li])
                 b, r = blocks[t // BLOCK], t % BLOCK
-                if not (np.array_equal(u8[0, b, r], want[t, li, :half]) and np.array_equal(u8[1, b, r], want[t, li, half:])):
+                # Bytes, not floats: the pattern's halves include NaN encodings.
+                got_k = np.ascontiguousarray(kv[b, :, r, :d].numpy()).view(np.uint8)
+                got_v = np.ascontiguousarray(kv[b, :, r, d:].numpy()).view(np.uint8)
+                if not (np.array_equal(got_k, k.view(np.uint8)) and np.array_equal(got_v, v.view(np.uint8))):
                     corrupt += 1
         slot["check"] = {"tokens": n, "corrupt_rows": corrupt, "computed_tokens": scheduled}

@@ -23,8 +23,9 @@ Decode (consumer):
 2. Worker side (`start_load_kv`, non-blocking): a load thread `Reserve`s the room under the front
    door's request id (the worker opens it on the prefill peer it chose, into its pool), awaits
    the KV (`AwaitKv`, bounded by the KV deadline plus `kv_slack_s`), copies the room's pages
-   into the request's blocks (each page row: the K half, then the V half — vLLM's
-   `(2, num_blocks, block_size, kv_heads, head_size)` layer tensors) and `Finish`es the room.
+   into the request's blocks (a worker page row is K of every head, then V of every head; vLLM
+   0.33's per-layer views are `[kernel blocks, kv_heads, tokens, 2 x head_size]`, any stride
+   order) and `Finish`es the room.
 3. The request's blocks go back to the scheduler (`get_finished` → `finished_recving`) only once
    the worker's `SafeToReuse` for its room arrived: the gate's proof that no write of the room
    can land any more. A failed room (KV deadline, lost prefill) reports its blocks in
@@ -321,25 +322,32 @@ class _EngineSide:
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._att = None
-        self._layers = []  # (name, uint8 view (2, num_blocks, block_size, row_half)) in model order
+        self._layers = []  # (name, vLLM's [kernel blocks, heads, tokens, 2 x dim] view) in model order
+        self._kernel_block = int(block_size)
         self._closing = threading.Event()
 
     # -- setup ---------------------------------------------------------------------------------
 
     def register(self, kv_caches) -> None:
-        """Takes vLLM's per-layer KV tensors (`(2, num_blocks, block_size, kv_heads, head_size)`);
-        `ValueError` when their count or shape is not the model's."""
+        """Takes vLLM's per-layer KV views: `[kernel blocks, kv_heads, kernel block tokens,
+        2 * head_size]` (K then V on the last axis, vLLM 0.33's `allocate_kv_cache`; any stride
+        order). `ValueError` when their count or shape is not the model's attention (MLA caches,
+        without a K/V split, are not served by this connector)."""
         names = layer_order(list(kv_caches))
         if len(names) != int(self.model["layers"]):
             raise ValueError(f"{len(names)} KV layers for a model of {self.model['layers']}")
+        heads, dim = int(self.model.get("kv_heads", 0)), int(self.model.get("head_dim", 0))
         layers = []
         for n in names:
             t = kv_caches[n]
-            if t.dim() != 5 or t.shape[0] != 2 or t.shape[2] != self.block_size:
-                raise ValueError(f"layer {n}: KV shape {tuple(t.shape)} is not (2, blocks, {self.block_size}, heads, dim)")
-            u8 = t.view(-1).view(dtype=_torch().uint8).view(2, t.shape[1], self.block_size, -1)
-            layers.append((n, u8))
+            if t.dim() != 4 or t.shape[1] != heads or t.shape[3] != 2 * dim or self.block_size % t.shape[2]:
+                raise ValueError(
+                    f"layer {n}: KV view {tuple(t.shape)} is not [blocks, {heads} heads, tokens dividing "
+                    f"{self.block_size}, 2 x {dim}]"
+                )
+            layers.append((n, t))
         self._layers = layers
+        self._kernel_block = int(layers[0][1].shape[2])
         try:
             self._session()
         except errors.TandemError as e:  # the first request attaches again
@@ -358,9 +366,12 @@ class _EngineSide:
         att = self.client.attach(engine_identity(self.engine, self.model, health.page_tokens, layout="page_first"))
         pool = att.pool()
         row = pool.chunk_bytes // pool.descriptor.page_tokens
-        if self._layers and 2 * self._layers[0][1].shape[3] != row:
-            att.close()
-            raise errors.PoolsError(f"a page row of the worker is {row} B; vLLM's K+V row is {2 * self._layers[0][1].shape[3]} B")
+        if self._layers:
+            kv = self._layers[0][1]
+            ours = kv.shape[1] * kv.shape[3] * kv.element_size()
+            if ours != row:
+                att.close()
+                raise errors.PoolsError(f"a page row of the worker is {row} B; vLLM's K+V row of a token and layer is {ours} B")
         with self._lock:
             if self._att is not None:  # another thread attached meanwhile
                 att.close()
@@ -413,14 +424,33 @@ class _EngineSide:
         flat = np.ndarray((pool.page_count * pool.page_bytes,), dtype=np.uint8, buffer=pool.map)
         return flat.reshape(pool.page_count, pool.layers, p_tok, 2, half)
 
-    def _runs(self, pages, block_ids, first: int, last: int, p_tok: int):
-        """(page, page row, block, block row, n) runs covering tokens [first, last)."""
-        t = first
-        while t < last:
-            prow, brow = t % p_tok, t % self.block_size
-            n = min(p_tok - prow, self.block_size - brow, last - t)
-            yield pages[t // p_tok], prow, block_ids[t // self.block_size], brow, n
-            t += n
+    def _index(self, pages, block_ids, first: int, last: int, p_tok: int):
+        """For tokens [first, last): (page, page row) as numpy arrays and (kernel block, row) as
+        torch tensors (a scheduler block of `block_size` tokens is `block_size / kernel block`
+        consecutive kernel blocks)."""
+        torch = _torch()
+        t = np.arange(first, last)
+        page = np.asarray(pages, dtype=np.int64)[t // p_tok]
+        prow = t % p_tok
+        kb_size = self._kernel_block
+        sblock = np.asarray(block_ids, dtype=np.int64)[t // self.block_size]
+        kb = sblock * (self.block_size // kb_size) + (t % self.block_size) // kb_size
+        return page, prow, torch.from_numpy(kb), torch.from_numpy(t % kb_size)
+
+    def _to_rows(self, vals, half: int):
+        """vLLM's `(T, heads, 2 x dim)` values as the worker's `(T, 2, half)` row bytes: K of every
+        head, then V of every head."""
+        n, h, c = vals.shape
+        kv = vals.reshape(n, h, 2, c // 2).permute(0, 2, 1, 3).contiguous().cpu()
+        return kv.view(_torch().uint8).reshape(n, 2, half).numpy()
+
+    def _from_rows(self, src, kv):
+        """The worker's `(T, 2, half)` row bytes as vLLM's `(T, heads, 2 x dim)` values of `kv`'s
+        dtype, on `kv`'s device."""
+        torch = _torch()
+        n, h, c = src.shape[0], kv.shape[1], kv.shape[3]
+        vals = torch.from_numpy(np.ascontiguousarray(src)).view(kv.dtype).reshape(n, 2, h, c // 2)
+        return vals.permute(0, 2, 1, 3).reshape(n, h, c).to(kv.device)
 
     def close(self) -> None:
         self._closing.set()
@@ -583,15 +613,13 @@ class DecodeLoader(_EngineSide):
 
     def _copy(self, pool, pages, spec: LoadSpec) -> None:
         """Copies tokens [first_token, prompt_tokens) of the room's pages into the request's
-        blocks, layer by layer: each page row's K half to `kv[0]`, its V half to `kv[1]`."""
-        torch = _torch()
+        blocks: per layer one gather from the pool and one indexed write into vLLM's view."""
         rows = self._rows(pool)
-        for page, prow, block, brow, n in self._runs(pages, spec.block_ids, spec.first_token, spec.prompt_tokens, rows.shape[2]):
-            for li, (_, kv) in enumerate(self._layers):
-                src = torch.from_numpy(rows[page, li, prow : prow + n])  # (n, 2, half)
-                kv[0, block, brow : brow + n].copy_(src[:, 0])
-                kv[1, block, brow : brow + n].copy_(src[:, 1])
-        self.stats["pages_copied"] += len(pages)
+        page, prow, kb, row = self._index(pages, spec.block_ids, spec.first_token, spec.prompt_tokens, rows.shape[2])
+        for li, (_, kv) in enumerate(self._layers):
+            kv[kb.to(kv.device), :, row.to(kv.device)] = self._from_rows(rows[page, li, prow], kv)
+        with self._lock:
+            self.stats["pages_copied"] += len(pages)
 
 
 class PrefillSender(_EngineSide):
@@ -678,12 +706,12 @@ class PrefillSender(_EngineSide):
                 self._sent.add(spec.req_id)
 
     def _copy_out(self, pool, pages, block_ids, tokens: int) -> None:
-        """Copies tokens [0, tokens) of the request's blocks into `pages`, layer by layer."""
+        """Copies tokens [0, tokens) of the request's blocks into `pages`: per layer one indexed
+        read of vLLM's view and one scatter into the pool."""
         rows = self._rows(pool)
-        for page, prow, block, brow, n in self._runs(pages, block_ids, 0, tokens, rows.shape[2]):
-            for li, (_, kv) in enumerate(self._layers):
-                rows[page, li, prow : prow + n, 0] = kv[0, block, brow : brow + n].cpu().numpy()
-                rows[page, li, prow : prow + n, 1] = kv[1, block, brow : brow + n].cpu().numpy()
+        page, prow, kb, row = self._index(pages, block_ids, 0, tokens, rows.shape[2])
+        for li, (_, kv) in enumerate(self._layers):
+            rows[page, li, prow] = self._to_rows(kv[kb.to(kv.device), :, row.to(kv.device)], rows.shape[4])
 
 
 def _torch():
