@@ -457,8 +457,9 @@ impl WorkerConfig {
 
     /// Checks the invariants the operator guarantees: version, segment sum, owner-map length,
     /// client mode only with a cache, Standalone only in SharedMemory (seed 000), spec-guard bounds
-    /// ([`SpecGuard::check`]), and beside an SGLang or vLLM engine no `speculative`, `kvDeadline`,
-    /// `layerSplit` or parallelism above 1 (issue 14: nothing on their path uses them yet).
+    /// ([`SpecGuard::check`]), and beside an SGLang or vLLM engine no `speculative`, `layerSplit`
+    /// or parallelism above 1, nor `kvDeadline` beside SGLang (issue 14: nothing on their path
+    /// uses them yet).
     ///
     /// # Errors
     /// [`ConfigError::Version`] or [`ConfigError::Inconsistent`] naming the broken invariant.
@@ -527,7 +528,12 @@ impl WorkerConfig {
             // report settings it does not act on.
             let unused: Vec<&str> = [
                 ("speculative", self.speculative.is_some()),
-                ("kvDeadline", self.kv_deadline.is_some()),
+                // A vLLM decode's front door hands its requests over with the KV deadline
+                // (`roles::decode::own_api`); SGLang takes no hand-off.
+                (
+                    "kvDeadline",
+                    self.kv_deadline.is_some() && e.kind != EngineKind::Vllm,
+                ),
                 ("layerSplit", self.layer_split.is_some()),
                 (
                     "parallelism above 1",
@@ -539,8 +545,9 @@ impl WorkerConfig {
             .collect();
             if !unused.is_empty() {
                 return bad(format!(
-                    "{} set beside engine {:?}: only the Simulated engine's path uses them in this \
-                     version (one engine per pod, no draft pool, room deadline or LayerSplit)",
+                    "{} set beside engine {:?}: not on this engine's path in this version (one \
+                     engine per pod; no draft pool or LayerSplit; a room deadline only on a vLLM \
+                     decode's front door)",
                     unused.join(", "),
                     e.kind
                 ));

@@ -193,9 +193,10 @@ def post_async(decode, body):
 
 
 def ready_to_serve(decode, engine):
-    """The front door can route (a prefill peer is live) and the engine's connector attached."""
-    status, _ = post(decode, {"prompt": [1] * 8, "max_tokens": 1})
-    return status == 200
+    """The front door's id of a first request served (a prefill peer is live and the engine's
+    connector attached), or None."""
+    status, reply = post(decode, {"prompt": [1] * 8, "max_tokens": 1})
+    return int(reply["id"].removeprefix("cmpl-")) if status == 200 else None
 
 
 def test_a_request_through_the_front_door_lands_the_prefills_bytes_in_vllms_blocks(pd):
@@ -218,24 +219,33 @@ def test_a_request_through_the_front_door_lands_the_prefills_bytes_in_vllms_bloc
 
 def abort_while_the_prefill_is_stopped(pd, negative: bool):
     """The abort scenario; returns (second request's reply, whether the second request got blocks
-    while the first one's release was pending, the events)."""
+    while the first one's release was pending, the first one's blocks, the engine)."""
     prefill, decode, double, make = pd
     engine = make(num_blocks=100)  # one 1000-token request (63 blocks) at a time
+    loader = engine.worker._loader
     if negative:
-        engine.worker._loader._await_release = lambda att, room: None
-    until(lambda: ready_to_serve(decode, engine), 30, "a first request served")
-    first_id = max(double.seen) + 1  # the front door numbers requests in order
+
+        def hand_back_at_once(att, ld, ok):
+            with loader._lock:
+                loader._done(ld, ok)
+
+        loader._hold = hand_back_at_once
+    last = until(lambda: ready_to_serve(decode, engine), 30, "a first request served")
+    # The front door numbers requests in order, and nothing else sends it any here.
+    first_id, second_id = last + 1, last + 2
     double.hold.add(first_id)
     t1, _ = post_async(decode, {"prompt": [5] * PROMPT, "max_tokens": 2})
     until(lambda: first_id in double.seen, 30, "the first request's room opened on the prefill")
     assert engine.status(first_id) == RequestStatus.WAITING_FOR_REMOTE_KVS, engine.status(first_id)
     first_blocks = next(e[2] for e in engine.events if e[0] == "allocated" and e[1] == f"cmpl-{first_id}")
+    # The second request reaches vLLM while the prefill still runs (the front door routes only to
+    # a live peer); it needs the first one's blocks, so it waits for them.
+    t2, second = post_async(decode, {"prompt": [6] * PROMPT, "max_tokens": 2})
+    until(lambda: engine.status(second_id) is not None, 30, "the second request reached vLLM")
     prefill.signal(signal.SIGSTOP)  # it cannot acknowledge the abort: no SafeToReuse yet
     engine.abort(first_id)
-    t2, second = post_async(decode, {"prompt": [6] * PROMPT, "max_tokens": 2})
-    until(lambda: engine.status(first_id + 1) is not None, 30, "the second request reached vLLM")
     engine.wait_steps(50)
-    taken_early = any(e[0] == "allocated" and e[1] == f"cmpl-{first_id + 1}" for e in engine.events)
+    taken_early = any(e[0] == "allocated" and e[1] == f"cmpl-{second_id}" for e in engine.events)
     prefill.signal(signal.SIGCONT)
     t2.join(90)
     t1.join(30)
@@ -267,8 +277,7 @@ def test_negative_control_blocks_handed_back_at_the_abort_are_reused_before_safe
 def test_a_room_that_never_completes_is_a_load_error_after_its_release(pd, policy):
     _, decode, double, make = pd
     engine = make(failure_policy=policy)
-    until(lambda: ready_to_serve(decode, engine), 30, "a first request served")
-    next_id = max(double.seen) + 1
+    next_id = until(lambda: ready_to_serve(decode, engine), 30, "a first request served") + 1
     double.hold.add(next_id)
     status, reply = post(decode, {"prompt": [5] * PROMPT, "max_tokens": 1, "kv_deadline_ms": 500})
     assert status == 200, reply
@@ -305,3 +314,34 @@ def test_vllm_on_both_sides_the_prefills_computed_kv_lands_in_the_decodes_blocks
     assert len(p_engine.computed) == sender.stats["sent"]
     until(lambda: p_engine.free_blocks() == p_engine.num_blocks - 1, 10, "the prefill's blocks freed after the sends")
     assert d_engine.free_blocks() == d_engine.num_blocks - 1
+
+
+def test_the_connector_reattaches_after_the_decode_worker_restarts(pd):
+    _, decode, _, make = pd
+    engine = make()
+    until(lambda: ready_to_serve(decode, engine), 30, "a first request served")
+    decode.restart()  # SIGKILL and start: the attach is gone, the new worker is not Ready
+    # No request can reach the engine until it attached again (an unready front door admits
+    # none): the keepalive must do it on its own.
+    until(lambda: ready_to_serve(decode, engine), 30, "a request served after the restart")
+    status, reply = post(decode, {"prompt": [5] * PROMPT, "max_tokens": 2})
+    assert status == 200 and reply["tandem_check"]["corrupt_rows"] == 0, reply
+
+
+def test_an_abort_of_a_load_already_reported_is_not_reported_again():
+    from tandem_kv.vllm_pd import LoadSpec, TandemConnectorMetadata, _Load
+
+    loader = DecodeLoader({"socket_dir": "/nonexistent", "model": MODEL, "keepalive_s": 0}, 16)
+    try:
+        spec = LoadSpec("r1", 7, 1000, 32, 0, [1, 2])
+        with loader._lock:
+            loader._loads["r1"] = ld = _Load(spec)
+            loader._done(ld, True)  # the load finished and is reported once
+        assert loader.take_finished() == (None, {"r1"})
+        # vLLM aborted it before the report was processed: the abort must not report it again
+        # (the scheduler asserts every finished id is still one of its requests).
+        loader.start(TandemConnectorMetadata(aborts=["r1", "never-loaded"]))
+        assert loader.take_finished() == (None, None)
+        assert loader.take_load_errors() == set()
+    finally:
+        loader.close()

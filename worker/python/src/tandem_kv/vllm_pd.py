@@ -53,8 +53,9 @@ front door refuses hand-offs then), layer-by-layer sends (the whole prompt moves
 forward pass). Extra config keys: `model` (required: the worker config's `model`), `socket_dir`
 (default `$TANDEM_ENGINE_SOCKET_DIR` or `/run/tandem/engine`), `timeout_s` (5.0: each call),
 `kv_slack_s` (5.0), `release_timeout_s` (600: the longest a decode request's blocks wait for its
-SafeToReuse; past it they are handed back, logged and counted), `load_threads` (4), `engine`
-(`vllm/<version>`).
+SafeToReuse; past it they are handed back, logged and counted), `load_threads` (16: transfers in
+flight), `keepalive_s` (2.0: how often the attach is checked and restored without requests; 0
+turns it off), `engine` (`vllm/<version>`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ import os
 import re
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -318,13 +320,15 @@ class _EngineSide:
         self.kv_slack_s = float(extra.get("kv_slack_s", 5.0))
         self.engine = extra.get("engine") or _vllm_engine()
         self.client = EngineClient(self.socket_dir, call_timeout=self.timeout_s)
-        self._pool = ThreadPoolExecutor(max_workers=int(extra.get("load_threads", 4)), thread_name_prefix="tandem-kv")
+        self._pool = ThreadPoolExecutor(max_workers=int(extra.get("load_threads", 16)), thread_name_prefix="tandem-kv")
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._att = None
         self._layers = []  # (name, vLLM's [kernel blocks, heads, tokens, 2 x dim] view) in model order
         self._kernel_block = int(block_size)
         self._closing = threading.Event()
+        self.keepalive_s = float(extra.get("keepalive_s", 2.0))
+        self._keepalive = None
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -350,8 +354,46 @@ class _EngineSide:
         self._kernel_block = int(layers[0][1].shape[2])
         try:
             self._session()
-        except errors.TandemError as e:  # the first request attaches again
+        except errors.TandemError as e:  # the keepalive attaches again
             logger.warning("tandem: cannot attach to the worker at %s yet: %s", self.socket_dir, e)
+        if self.keepalive_s > 0 and self._keepalive is None:
+            self._keepalive = threading.Thread(target=self._keepalive_loop, name="tandem-keepalive", daemon=True)
+            self._keepalive.start()
+
+    def _keepalive_loop(self) -> None:
+        """Every `keepalive_s`: attach when there is no attach (a worker is Ready only with its
+        engine attached, and an unready worker gets no request that would make us attach), end
+        an attach the worker no longer holds (it restarted), then `_tick`."""
+        while not self._closing.wait(self.keepalive_s):
+            try:
+                with self._lock:
+                    att = self._att
+                if att is None:
+                    self._session()
+                else:
+                    held = self.client.health(timeout=self.timeout_s).attach_id
+                    if held != att.id:
+                        self._lost(att, f"the worker holds attach {held}, not {att.id} (it restarted)")
+                        self._session()
+            except errors.CallTimeout:
+                pass  # a busy or stopped worker: the calls judge that
+            except errors.TandemError as e:
+                with self._lock:
+                    att = self._att
+                if att is not None and isinstance(e, errors.WorkerUnavailable):
+                    self._lost(att, e)
+            except Exception as e:  # never let the thread die
+                logger.warning("tandem: keepalive failed: %r", e)
+            try:
+                self._tick()
+            except Exception as e:
+                logger.warning("tandem: keepalive tick failed: %r", e)
+
+    def _tick(self) -> None:
+        """Periodic work of a side (the keepalive thread)."""
+
+    def _on_lost(self) -> None:
+        """The attach ended (called with the lock held)."""
 
     def _on_attach(self, att) -> None:
         """Starts the watch threads of a fresh attach (called with the lock held)."""
@@ -386,6 +428,7 @@ class _EngineSide:
             if self._att is not att:
                 return
             self._att = None
+            self._on_lost()
             self._cv.notify_all()
         logger.warning("tandem: attach %d lost (%s)", att.id, why)
         att.close()
@@ -468,8 +511,11 @@ class _EngineSide:
 
 
 class DecodeLoader(_EngineSide):
-    """The decode's worker side: the release watch and the load threads (module docstring).
-    Thread-safe; `start` never blocks on the worker."""
+    """The decode's worker side: the load threads and the release watch (module docstring).
+    Thread-safe; `start` never blocks on the worker. A load thread is busy from Reserve to
+    Finish (or the room's failure) only: the wait for the room's SafeToReuse is a record the
+    release watch completes (`_held`), the keepalive tick times it out, and an attach loss ends
+    it (a worker that is gone can write nothing)."""
 
     def __init__(self, extra: dict, block_size: int):
         super().__init__(extra, block_size)
@@ -477,44 +523,92 @@ class DecodeLoader(_EngineSide):
         self._loads = {}  # req_id -> _Load
         self._finished = set()
         self._errors = set()
-        self._released = {}  # (room, generation) -> seq
+        self._held = {}  # (room, generation) -> (_Load, ok, hand-back deadline)
+        self._early = OrderedDict()  # releases of rooms not (yet) held: a Reserve reply can trail them
         self._max_seq = 0
+        self._aborter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-abort")
         self.stats = {"loaded": 0, "failed": 0, "aborted": 0, "release_timeouts": 0, "pages_copied": 0}
 
     def _on_attach(self, att) -> None:
-        self._released.clear()
+        self._early.clear()
         self._max_seq = 0
         self._watch(att, "releases", self.client.decode, "WatchReleases", pb.WatchReleasesRequest(attach_id=att.id), self._on_release)
+
+    def _on_lost(self) -> None:
+        for ld, ok, _ in list(self._held.values()):
+            self._done(ld, ok)
+        self._held.clear()
 
     def _on_release(self, ev) -> None:
         key = (ev.room.room_id, ev.room.generation)
         if self._max_seq and ev.seq > self._max_seq + 1:
             logger.warning("tandem: releases %d..%d were dropped by the worker", self._max_seq + 1, ev.seq - 1)
-        self._released[key] = ev.seq
         self._max_seq = max(self._max_seq, ev.seq)
+        held = self._held.pop(key, None)
+        if held is not None:
+            self._done(held[0], held[1])
+            return
+        self._early[key] = ev.seq
+        while len(self._early) > 4096:
+            self._early.popitem(last=False)
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            late = [k for k, (_, _, at) in self._held.items() if at <= now]
+            for k in late:
+                ld, ok, _ = self._held.pop(k)
+                self.stats["release_timeouts"] += 1
+                logger.error("tandem: no SafeToReuse for room %d within %.0fs: request %s's blocks are handed back", k[0], self.release_timeout_s, ld.spec.req_id)
+                self._done(ld, ok)
+
+    def _done(self, ld: _Load, ok: bool) -> None:
+        """The request's blocks go back to vLLM (called with the lock held), as load errors
+        unless `ok`."""
+        spec = ld.spec
+        self._loads.pop(spec.req_id, None)
+        if ok:
+            self.stats["loaded"] += 1
+        else:
+            self.stats["failed"] += 1
+            # An aborted request is gone from the scheduler: its blocks are freed, not recomputed
+            # (naming them invalid could hit the request they go to next).
+            if not ld.aborted:
+                self._errors.update(spec.block_ids[spec.first_token // self.block_size :])
+        self._finished.add(spec.req_id)
+
+    def _hold(self, att, ld: _Load, ok: bool) -> None:
+        """The room of `ld` is Finished or Aborted: its blocks go back once its SafeToReuse is
+        here (maybe already), the attach is gone, or `release_timeout_s` passed."""
+        key = (ld.room.room_id, ld.room.generation)
+        with self._lock:
+            if self._early.pop(key, None) is not None or self._att is not att:
+                self._done(ld, ok)
+            else:
+                self._held[key] = (ld, ok, time.monotonic() + self.release_timeout_s)
 
     # -- per step ------------------------------------------------------------------------------
 
     def start(self, meta) -> None:
-        """Starts the step's loads on the load threads and passes its aborts to theirs (a request
-        without a live load is reported finished at once: nothing was reserved for it)."""
-        loads, aborts = meta.loads, meta.aborts
-        for spec in loads:
+        """Starts the step's loads on the load threads and hands its aborts to the abort thread.
+        An abort without a live load was already reported (a load always reaches this side in
+        the step's metadata before its abort): it is ignored, so that no request is reported
+        twice."""
+        for spec in meta.loads:
             ld = _Load(spec)
             with self._lock:
                 self._loads[spec.req_id] = ld
             self._pool.submit(self._run, ld)
-        for req_id in aborts:
+        for req_id in meta.aborts:
             with self._lock:
                 ld = self._loads.get(req_id)
-                if ld is None:
-                    self._finished.add(req_id)
+                if ld is None or ld.aborted:
                     continue
                 ld.aborted = True
                 room, att = ld.room, self._att
-            self.stats["aborted"] += 1
+                self.stats["aborted"] += 1
             if room is not None and att is not None:
-                self._abort(att, room)
+                self._aborter.submit(self._abort, att, room)
 
     def take_finished(self):
         """(None, the requests whose blocks vLLM may have back), as `get_finished` answers."""
@@ -535,30 +629,55 @@ class DecodeLoader(_EngineSide):
         except errors.TandemError as e:
             logger.info("tandem: Abort of room %d: %s", room.room_id, e)
 
+    def _reserve(self, att, spec: LoadSpec, end: float):
+        """Reserve, retried on NO_FREE_PAGES (after the next release, within the KV deadline)."""
+        req = pb.ReserveRequest(attach_id=att.id, request_id=spec.tandem_id, tokens=spec.prompt_tokens, kv_deadline_ms=spec.kv_deadline_ms)
+        while True:
+            try:
+                return self.client.unary(self.client.decode, "Reserve", req)
+            except errors.NoFreePages:
+                with self._lock:
+                    seq = self._max_seq
+                    left = end - time.monotonic()
+                    if left <= 0 or self._att is not att:
+                        raise
+                    self._cv.wait_for(lambda: self._max_seq > seq or self._att is not att, min(left, 1.0))
+
+    def _await_kv(self, att, room, end: float):
+        """AwaitKv until the room completes or fails, or the connector's deadline `end` passes
+        (each call bounded below the worker's per-call maximum, 30 s by default)."""
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                return self.client.unary(self.client.decode, "AwaitKv", pb.AwaitKvRequest(attach_id=att.id, room=room), timeout=min(left, 25.0))
+            except (errors.DeadlineExceeded, errors.CallTimeout):
+                continue
+
     def _run(self, ld: _Load) -> None:
         spec = ld.spec
         ok = False
         att = None
         try:
+            if ld.aborted:
+                return
             att = self._session()
-            r = self.client.unary(
-                self.client.decode,
-                "Reserve",
-                pb.ReserveRequest(attach_id=att.id, request_id=spec.tandem_id, tokens=spec.prompt_tokens, kv_deadline_ms=spec.kv_deadline_ms),
-            )
+            end = time.monotonic() + spec.kv_deadline_ms / 1000.0 + self.kv_slack_s
+            r = self._reserve(att, spec, end)
             with self._lock:
                 ld.room = r.room
                 aborted = ld.aborted
             if aborted:
                 self._abort(att, r.room)
-            wait = spec.kv_deadline_ms / 1000.0 + self.kv_slack_s
-            got = self.client.unary(self.client.decode, "AwaitKv", pb.AwaitKvRequest(attach_id=att.id, room=r.room), timeout=wait)
-            if got.WhichOneof("outcome") == "complete" and not ld.aborted:
+            got = self._await_kv(att, r.room, end)
+            outcome = None if got is None else got.WhichOneof("outcome")
+            if outcome == "complete" and not ld.aborted:
                 self._until_seq(r.after_release)
                 self._copy(att.pool(), list(r.pages), spec)
                 self.client.unary(self.client.decode, "Finish", pb.FinishRequest(attach_id=att.id, room=r.room))
                 ok = True
-            elif got.WhichOneof("outcome") == "failed":
+            elif outcome == "failed":
                 logger.info("tandem: request %s: room %d failed: %s", spec.req_id, r.room.room_id, got.failed.message)
             else:
                 self._abort(att, r.room)
@@ -574,16 +693,10 @@ class DecodeLoader(_EngineSide):
                 self._abort(att, ld.room)
         finally:
             if ld.room is not None:
-                self._await_release(att, ld.room)
-            with self._lock:
-                self._loads.pop(spec.req_id, None)
-                if ok:
-                    self.stats["loaded"] += 1
-                else:
-                    self.stats["failed"] += 1
-                    first_block = spec.first_token // self.block_size
-                    self._errors.update(spec.block_ids[first_block:])
-                self._finished.add(spec.req_id)
+                self._hold(att, ld, ok)
+            else:
+                with self._lock:
+                    self._done(ld, False)
 
     def _until_seq(self, seq: int) -> None:
         """Waits (bounded by `timeout_s`) until SafeToReuse `seq` of this attach has arrived: the
@@ -596,21 +709,6 @@ class DecodeLoader(_EngineSide):
                     raise errors.CallTimeout(f"SafeToReuse {seq} did not arrive within {self.timeout_s}s")
                 self._cv.wait(left)
 
-    def _await_release(self, att, room) -> None:
-        """Waits until the room's SafeToReuse arrived, the attach ended (a worker gone can write
-        nothing) or `release_timeout_s` passed (logged and counted: the blocks are handed back)."""
-        key = (room.room_id, room.generation)
-        end = time.monotonic() + self.release_timeout_s
-        with self._lock:
-            while key not in self._released and self._att is att and att is not None:
-                left = end - time.monotonic()
-                if left <= 0:
-                    self.stats["release_timeouts"] += 1
-                    logger.error("tandem: no SafeToReuse for room %d within %.0fs: its blocks are handed back", room.room_id, self.release_timeout_s)
-                    return
-                self._cv.wait(min(left, 1.0))
-            self._released.pop(key, None)
-
     def _copy(self, pool, pages, spec: LoadSpec) -> None:
         """Copies tokens [first_token, prompt_tokens) of the room's pages into the request's
         blocks: per layer one gather from the pool and one indexed write into vLLM's view."""
@@ -620,6 +718,10 @@ class DecodeLoader(_EngineSide):
             kv[kb.to(kv.device), :, row.to(kv.device)] = self._from_rows(rows[page, li, prow], kv)
         with self._lock:
             self.stats["pages_copied"] += len(pages)
+
+    def close(self) -> None:
+        self._aborter.shutdown(wait=False, cancel_futures=True)
+        super().close()
 
 
 class PrefillSender(_EngineSide):

@@ -406,9 +406,9 @@ async fn completions(
             "engine_serves_its_own_api",
             format!(
                 "this decode's {} engine serves requests on its own OpenAI-compatible API \
-                 (container port engine-http, which the DecodePool Service's http port targets), \
-                 and this decode serves the KV tier calls from the engine's pool, so no room can \
-                 be reserved in it for a prefill's KV",
+                 (container port engine-http, which the DecodePool Service's http port targets); \
+                 the front door hands requests only to a vLLM engine (Tandem's KV connector) \
+                 whose pool does not serve the KV tier calls",
                 own.kind
             ),
         );
@@ -482,6 +482,10 @@ async fn completions(
                 );
             }
         };
+        if let Err((param, message)) = super::own_api::one_sequence(&body) {
+            admission.refused();
+            return invalid("unsupported", Some(param), message);
+        }
         let hand = super::own_api::HandOff {
             request_id,
             body,

@@ -425,7 +425,7 @@ impl DecodeServer {
             Some(own_api::OwnApiEngine {
                 kind,
                 addr: std::net::SocketAddr::from(([127, 0, 0, 1], e.http_port())),
-                hands_off: !serves_tiers(cfg),
+                hands_off: e.kind == EngineKind::Vllm && !serves_tiers(cfg),
             })
         });
         let ready_now: Arc<dyn Fn() -> Result<(), String> + Send + Sync> =

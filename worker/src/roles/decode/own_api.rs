@@ -46,9 +46,10 @@ pub struct OwnApiEngine {
     pub kind: &'static str,
     /// The engine's HTTP API on the pod's loopback (`127.0.0.1:<engine.httpPort>`).
     pub addr: SocketAddr,
-    /// Whether the front door hands requests to the engine. False when this decode serves the
-    /// tier calls from the engine's pool (`super::serves_tiers`): the tier calls use any page of
-    /// that pool, so no room may be reserved in it; the front door then answers 421
+    /// Whether the front door hands requests to the engine: for vLLM (whose connector,
+    /// `tandem_kv.vllm_pd`, Reserves under the hand-off) on a decode that does not serve the tier
+    /// calls from the engine's pool (`super::serves_tiers`: the tier calls use any page of that
+    /// pool, so no room may be reserved in it). Otherwise the front door answers 421
     /// `engine_serves_its_own_api` and the DecodePool Service targets the engine directly.
     pub hands_off: bool,
 }
@@ -270,8 +271,10 @@ pub(super) async fn completion(
             return request_error_after(&e, &guard);
         }
     };
-    engine.peers.routed(&peer, &h.hashes);
     let status = reply.status();
+    if status.is_success() {
+        engine.peers.routed(&peer, &h.hashes);
+    }
     let content_type = reply
         .headers()
         .get(header::CONTENT_TYPE)
@@ -283,48 +286,52 @@ pub(super) async fn completion(
     tokio::spawn(async move {
         let _forget = forget;
         let mut events = events;
-        let mut ended = false;
-        let mut client_gone = false;
-        loop {
+        let mut events_open = true;
+        let end = loop {
             tokio::select! {
+                // The client went away (even while the engine is silent, e.g. during the KV wait).
+                () = tx.closed() => break End::ClientGone,
                 chunk = tokio::time::timeout_at(deadline, data.next()) => match chunk {
                     Ok(Some(Ok(bytes))) => {
-                        if tx.send(Ok(bytes)).await.is_err() {
-                            client_gone = true;
-                            break;
+                        // A client that stops reading is bounded by the deadline too.
+                        match tokio::time::timeout_at(deadline, tx.send(Ok(bytes))).await {
+                            Ok(Ok(())) => {}
+                            Ok(Err(_)) => break End::ClientGone,
+                            Err(_) => break End::Deadline,
                         }
                     }
-                    Ok(None) => {
-                        ended = true;
-                        break;
-                    }
+                    Ok(None) => break End::Done,
                     Ok(Some(Err(e))) => {
                         tracing::warn!(request_id = h.request_id, error = %e, "the engine's response broke off");
-                        let _ = tx.send(Err(std::io::Error::other(e.to_string()))).await;
-                        break;
+                        let _ = tx.try_send(Err(std::io::Error::other(e.to_string())));
+                        break End::Broken;
                     }
-                    Err(_) => {
-                        tracing::warn!(request_id = h.request_id, "the engine's response passed the request deadline");
-                        break;
-                    }
+                    Err(_) => break End::Deadline,
                 },
-                ev = events.recv() => match ev {
+                ev = events.recv(), if events_open => match ev {
                     Some(EngineEvent::Reserved(key)) => {
                         tracing::debug!(request_id = h.request_id, %key, %peer, "the engine reserved the request's pages");
                     }
                     Some(_) => {}
                     // The hand-off was replaced or the engine left: the response still decides.
-                    None => events = mpsc::unbounded_channel().1,
+                    None => events_open = false,
                 },
             }
-        }
-        if client_gone {
-            tracing::info!(request_id = h.request_id, "client went away mid-response");
-            admission.cancelled();
-        } else if ended && status.is_success() {
-            admission.succeeded();
-        } else {
-            admission.failed();
+        };
+        match end {
+            End::ClientGone => {
+                tracing::info!(request_id = h.request_id, "client went away mid-response");
+                admission.cancelled();
+            }
+            End::Done if status.is_success() => admission.succeeded(),
+            End::Done | End::Broken => admission.failed(),
+            End::Deadline => {
+                let e = admission.deadline_exceeded();
+                tracing::warn!(request_id = h.request_id, error = %e, "the engine's response passed the request deadline");
+                // An error chunk makes the server abort the body: the client sees a cut response,
+                // never one that looks complete.
+                let _ = tx.try_send(Err(std::io::Error::other(e.to_string())));
+            }
         }
     });
     let mut resp = Body::from_stream(ReceiverStream::new(rx)).into_response();
@@ -332,6 +339,46 @@ pub(super) async fn completion(
     resp.headers_mut()
         .insert(header::CONTENT_TYPE, content_type);
     resp
+}
+
+/// How a proxied response ended.
+enum End {
+    Done,
+    ClientGone,
+    Broken,
+    Deadline,
+}
+
+/// Refuses what would make the engine run several sequences under one hand-off (`n` or
+/// `best_of` above 1, several prompts): each would Reserve under the same request id, and only
+/// the first room can open. Returns the parameter and the message of the 400.
+///
+/// # Errors
+/// `(param, message)` for the first such field.
+pub fn one_sequence(body: &Value) -> Result<(), (&'static str, String)> {
+    for param in ["n", "best_of"] {
+        if body
+            .get(param)
+            .and_then(Value::as_u64)
+            .is_some_and(|n| n > 1)
+        {
+            return Err((
+                param,
+                format!(
+                    "{param} above 1 is not served through the front door: one request is one prefill → decode transfer"
+                ),
+            ));
+        }
+    }
+    if let Some(Value::Array(items)) = body.get("prompt")
+        && items.iter().any(|i| !i.is_u64())
+    {
+        return Err((
+            "prompt",
+            "one prompt per request (a string or one array of token ids): one request is one prefill → decode transfer".into(),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -386,6 +433,30 @@ mod tests {
             Some("10.1.2.3:8100".parse().unwrap())
         );
         assert_eq!(prefill_engine_addr("prefill.svc:7400", 8100), None);
+    }
+
+    #[test]
+    fn several_sequences_under_one_hand_off_are_refused() {
+        assert!(one_sequence(&json!({"prompt": "a", "n": 1, "best_of": 1})).is_ok());
+        assert!(one_sequence(&json!({"prompt": [1, 2, 3]})).is_ok());
+        assert_eq!(
+            one_sequence(&json!({"prompt": "a", "n": 2})).unwrap_err().0,
+            "n"
+        );
+        assert_eq!(
+            one_sequence(&json!({"prompt": "a", "best_of": 3}))
+                .unwrap_err()
+                .0,
+            "best_of"
+        );
+        assert_eq!(
+            one_sequence(&json!({"prompt": ["a", "b"]})).unwrap_err().0,
+            "prompt"
+        );
+        assert_eq!(
+            one_sequence(&json!({"prompt": [[1], [2]]})).unwrap_err().0,
+            "prompt"
+        );
     }
 
     #[test]
