@@ -47,6 +47,7 @@ async fn await_kv_past_its_deadline_is_deadline_exceeded_and_the_room_stays() {
             request_id: 1,
             tokens: 4,
             kv_deadline_ms: 60_000,
+            hand_off_token: 0,
         }))
         .await
         .unwrap()
@@ -125,6 +126,7 @@ async fn a_room_past_its_kv_deadline_fails_through_the_gate() {
             request_id: 1,
             tokens: 4,
             kv_deadline_ms: 100,
+            hand_off_token: 0,
         }))
         .await
         .unwrap()

@@ -119,6 +119,7 @@ async fn malformed_decode_calls_are_refused_typed() {
         request_id: 1,
         tokens,
         kv_deadline_ms,
+        hand_off_token: 0,
     };
     let e = api_err(c.decode.reserve(c.req(reserve(id + 1, 4, 1000))).await);
     check(
@@ -535,6 +536,7 @@ async fn malformed_prefill_calls_and_out_of_range_pages_are_refused_typed() {
                 request_id: 1,
                 tokens: 1,
                 kv_deadline_ms: 1,
+                hand_off_token: 0,
             }))
             .await,
     );

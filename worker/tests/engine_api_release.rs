@@ -83,6 +83,7 @@ async fn abort_holds_the_pages_until_the_ack_then_releases_them() {
             request_id: 7,
             tokens: 3 * PAGE_TOKENS,
             kv_deadline_ms: 60_000,
+            hand_off_token: 0,
         }))
         .await
         .unwrap()
@@ -118,6 +119,7 @@ async fn abort_holds_the_pages_until_the_ack_then_releases_them() {
                 request_id: 8,
                 tokens: 2 * PAGE_TOKENS,
                 kv_deadline_ms: 60_000,
+                hand_off_token: 0,
             }))
             .await,
     );
@@ -159,6 +161,7 @@ async fn abort_holds_the_pages_until_the_ack_then_releases_them() {
             request_id: 9,
             tokens: 4 * PAGE_TOKENS,
             kv_deadline_ms: 60_000,
+            hand_off_token: 0,
         }))
         .await
         .unwrap()
@@ -196,6 +199,7 @@ async fn finish_releases_at_once_and_a_missing_ack_quarantines_until_a_late_one(
         request_id: request,
         tokens: PAGE_TOKENS,
         kv_deadline_ms: 60_000,
+        hand_off_token: 0,
     };
     // Finish: KV complete, decode done: released at once with proof CONCLUDED.
     let r = c
@@ -304,6 +308,7 @@ async fn a_tripped_spec_guard_aborts_the_room_through_the_gate() {
             request_id: 1,
             tokens: 5,
             kv_deadline_ms: 60_000,
+            hand_off_token: 0,
         }))
         .await
         .unwrap()
@@ -503,6 +508,7 @@ async fn abort_scenario(bypass: bool) -> Vec<String> {
         request_id: request,
         tokens,
         kv_deadline_ms: 60_000,
+        hand_off_token: 0,
     };
     let mut violations = Vec::new();
 

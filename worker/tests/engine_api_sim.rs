@@ -283,6 +283,7 @@ async fn rooms_at_once(
                 request_id: request,
                 tokens,
                 kv_deadline_ms: 60_000,
+                hand_off_token: 0,
             }))
             .await
             .unwrap()

@@ -345,3 +345,28 @@ def test_an_abort_of_a_load_already_reported_is_not_reported_again():
         assert loader.take_load_errors() == set()
     finally:
         loader.close()
+
+
+def test_a_request_sent_to_the_engine_directly_cannot_claim_a_handed_over_room(pd):
+    _, decode, double, make = pd
+    engine = make()
+    handed = until(lambda: ready_to_serve(decode, engine), 30, "a first request served") + 1
+    # The front door hands request `handed` over; vLLM sees it only once the test lets it in.
+    let_in = engine.delay_first[handed] = threading.Event()
+    t, first = post_async(decode, {"prompt": [5] * PROMPT, "max_tokens": 1})
+    until(lambda: handed not in engine.delay_first, 30, "the hand-off reached the engine")
+    # Meanwhile someone who reaches vLLM's API directly (the DecodePool Service targets it)
+    # names that request id without the front door's hand-off token.
+    body = {"prompt": [9] * PROMPT, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_prefill": True, "tandem": {"request_id": handed, "token": 1}}}
+    req = urllib.request.Request(engine.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        direct = json.loads(r.read())
+    # Its Reserve opened no room: it got none of the handed-over request's KV (vLLM computed the
+    # whole prompt itself) ...
+    assert direct["tandem_check"]["computed_tokens"] == PROMPT, direct
+    # ... and the handed-over request, let in now, still gets its room and its KV.
+    let_in.set()
+    t.join(60)
+    status, reply = first["reply"]
+    assert status == 200 and reply["tandem_check"] == {"tokens": PROMPT, "corrupt_rows": 0, "computed_tokens": 1}, reply

@@ -112,6 +112,8 @@ class Engine:
         self._wrap_scheduler_side()
         self.events = []
         self.computed = []
+        # front door id -> Event: the first request naming the id waits for it before vLLM sees it.
+        self.delay_first = {}
         self.steps = 0
         self._lock = threading.Condition()
         self._waiting = {}  # req_id -> dict(done=Event, result=...)
@@ -182,8 +184,14 @@ class Engine:
         prompt = body.get("prompt")
         n = len(prompt) if isinstance(prompt, list) else int(body.get("input_tokens") or 1)
         req_id = f"cmpl-{tandem.get('request_id', 0)}"
+        with self._lock:
+            if req_id in self._waiting or req_id in self.scheduler.requests:  # a second claim of the id
+                req_id += f"-{len(self.events)}-{self.steps}"
         sp = SamplingParams(max_tokens=int(body.get("max_tokens") or 1), extra_args={"kv_transfer_params": params})
         req = Request(request_id=req_id, prompt_token_ids=[1 + i % 900 for i in range(n)], sampling_params=sp, pooling_params=None)
+        delay = self.delay_first.pop(tandem.get("request_id"), None)
+        if delay is not None:  # the test lets this first claim of the id in later
+            delay.wait(60)
         slot = {"done": threading.Event(), "tandem": tandem, "n": n}
         with self._lock:
             self._waiting[req_id] = slot
@@ -254,6 +262,7 @@ class Engine:
         for eco in outputs.values():
             for o in eco.outputs:
                 if o.finish_reason is not None:
+                    self._checked.discard(o.request_id)  # a later request may reuse the name
                     slot = self._waiting.pop(o.request_id, None)
                     if slot:
                         slot.update(status=200, reply={"id": o.request_id, "choices": [{"text": "x", "finish_reason": str(o.finish_reason)}], "tandem_check": slot.get("check")})

@@ -57,6 +57,8 @@ pub struct RoomOpen {
     pub pages: Vec<u32>,
     /// How long the KV may take.
     pub deadline: Duration,
+    /// The Reserve's hand-off token (`ReserveRequest.hand_off_token`; 0 when none).
+    pub hand_off_token: u64,
 }
 
 /// The transport that delivers a room's KV into this worker's pools (the seam the serving path wires
@@ -461,6 +463,22 @@ impl DecodeSide {
         tokens: u32,
         kv_deadline: Duration,
     ) -> Result<Reserved, ApiError> {
+        self.reserve_handed(attach, request_id, tokens, kv_deadline, 0)
+    }
+
+    /// [`DecodeSide::reserve`] carrying the hand-off token of a request the front door handed to
+    /// the engine over its own HTTP API (`ReserveRequest.hand_off_token`; the source checks it).
+    ///
+    /// # Errors
+    /// As [`DecodeSide::reserve`].
+    pub fn reserve_handed(
+        &self,
+        attach: u64,
+        request_id: u64,
+        tokens: u32,
+        kv_deadline: Duration,
+        hand_off_token: u64,
+    ) -> Result<Reserved, ApiError> {
         if tokens == 0 {
             return Err(ApiError::malformed("tokens", "tokens must be at least 1"));
         }
@@ -528,6 +546,7 @@ impl DecodeSide {
             tokens,
             pages: wire.clone(),
             deadline,
+            hand_off_token,
         };
         if let Err(e) = self.source.open(open) {
             // No writer knows the room: its pages can go back at once.

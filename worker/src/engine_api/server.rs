@@ -198,11 +198,12 @@ impl pb::decode_server::Decode for Services {
         let r = req.into_inner();
         bounded("Reserve", b, async {
             let d = self.0.decode(r.attach_id)?;
-            let got = d.reserve(
+            let got = d.reserve_handed(
                 r.attach_id,
                 r.request_id,
                 r.tokens,
                 Duration::from_millis(r.kv_deadline_ms),
+                r.hand_off_token,
             )?;
             Ok(pb::ReserveReply {
                 room: Some(got.key.into()),

@@ -383,6 +383,7 @@ impl Ctx {
                 request_id: w.request_id,
                 tokens: w.prompt_tokens.max(1),
                 kv_deadline_ms: w.kv_deadline_ms.max(1),
+                hand_off_token: 0,
             });
             match c.decode.reserve(r).await {
                 Ok(r) => return Ok(r.into_inner()),

@@ -660,6 +660,7 @@ async fn decode_loop(
                 request_id: request,
                 tokens,
                 kv_deadline_ms: args.kv_deadline_ms,
+                hand_off_token: 0,
             });
             match client.decode.reserve(r).await {
                 Ok(r) => break r.into_inner(),

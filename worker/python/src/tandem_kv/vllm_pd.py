@@ -21,7 +21,9 @@ Decode (consumer):
    external and loaded asynchronously; `update_state_after_alloc` records the blocks vLLM
    allocated; `build_connector_meta` hands the load to the worker side. One load per request.
 2. Worker side (`start_load_kv`, non-blocking): a load thread `Reserve`s the room under the front
-   door's request id (the worker opens it on the prefill peer it chose, into its pool), awaits
+   door's request id and hand-off token (the worker opens it on the prefill peer it chose, into
+   its pool; a Reserve without the token opens nothing, so a client that reaches vLLM's API
+   directly cannot claim another request's room), awaits
    the KV (`AwaitKv`, bounded by the KV deadline plus `kv_slack_s`), copies the room's pages
    into the request's blocks (a worker page row is K of every head, then V of every head; vLLM
    0.33's per-layer views are `[kernel blocks, kv_heads, tokens, 2 x head_size]`, any stride
@@ -114,6 +116,7 @@ class LoadSpec:
     prompt_tokens: int
     first_token: int
     block_ids: list
+    token: int = 0
 
 
 @dataclass
@@ -262,6 +265,7 @@ class _SchedulerSide:
                 prompt_tokens=prompt,
                 first_token=prompt - int(num_external_tokens),
                 block_ids=list(block_ids),
+                token=int(t.get("token") or 0),
             )
         )
         self._loading.add(request.request_id)
@@ -631,7 +635,13 @@ class DecodeLoader(_EngineSide):
 
     def _reserve(self, att, spec: LoadSpec, end: float):
         """Reserve, retried on NO_FREE_PAGES (after the next release, within the KV deadline)."""
-        req = pb.ReserveRequest(attach_id=att.id, request_id=spec.tandem_id, tokens=spec.prompt_tokens, kv_deadline_ms=spec.kv_deadline_ms)
+        req = pb.ReserveRequest(
+            attach_id=att.id,
+            request_id=spec.tandem_id,
+            tokens=spec.prompt_tokens,
+            kv_deadline_ms=spec.kv_deadline_ms,
+            hand_off_token=spec.token,
+        )
         while True:
             try:
                 return self.client.unary(self.client.decode, "Reserve", req)

@@ -71,6 +71,17 @@ pub struct HandOff {
     pub hashes: Vec<u64>,
     /// The KV deadline the engine should Reserve with.
     pub kv_deadline_ms: u64,
+    /// The hand-off token (random, non-zero) the engine's Reserve must carry.
+    pub token: u64,
+}
+
+/// A hand-off token for `request_id`: SipHash under the process's random keys (std's
+/// `RandomState`), non-zero; unpredictable to a client that never saw it.
+pub fn hand_off_token(request_id: u64) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(request_id);
+    h.finish().max(1)
 }
 
 /// The body the engine gets: the client's, with `kv_transfer_params.tandem` set to the worker's
@@ -93,6 +104,7 @@ pub fn engine_body(h: &HandOff) -> Result<Value, String> {
         "tandem".into(),
         json!({
             "request_id": h.request_id,
+            "token": h.token,
             "attempt": 0,
             "kv_deadline_ms": h.kv_deadline_ms,
             "prefix_hashes": h.hashes,
@@ -220,7 +232,7 @@ pub(super) async fn completion(
         output_tokens: h.max_tokens,
         hash_ids: h.hashes.clone(),
     };
-    let (events, _side) = match rooms.hand_over(h.request_id, 0, link, spec) {
+    let (events, _side) = match rooms.hand_over(h.request_id, 0, h.token, link, spec) {
         Ok(x) => x,
         Err(why) => return fail(admission, RequestError::NotReady(why)),
     };
@@ -394,6 +406,7 @@ mod tests {
             max_tokens: 2,
             hashes: vec![11, 12],
             kv_deadline_ms: 5_000,
+            token: 99,
         }
     }
 
@@ -411,6 +424,7 @@ mod tests {
         assert_eq!(p["do_remote_prefill"], true);
         assert_eq!(p["tandem"]["request_id"], 7);
         assert_eq!(p["tandem"]["kv_deadline_ms"], 5_000);
+        assert_eq!(p["tandem"]["token"], 99);
         assert_eq!(p["tandem"]["prefix_hashes"], json!([11, 12]));
     }
 

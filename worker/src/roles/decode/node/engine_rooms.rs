@@ -61,6 +61,8 @@ pub enum EngineEvent {
 
 struct Pending {
     attempt: u32,
+    /// The hand-off token a Reserve must carry (0: none, a DecodeWork hand-off).
+    token: u64,
     link: RoutedLink,
     spec: cpb::RequestSpec,
     tx: mpsc::UnboundedSender<EngineEvent>,
@@ -230,15 +232,16 @@ impl EngineRooms {
         link: RoutedLink,
         spec: cpb::RequestSpec,
     ) -> Result<mpsc::UnboundedReceiver<EngineEvent>, String> {
-        let (rx, side) = self.hand_over(work.request_id, work.attempt, link, spec)?;
+        let (rx, side) = self.hand_over(work.request_id, work.attempt, 0, link, spec)?;
         side.work().emit(work);
         Ok(rx)
     }
 
     /// Records attempt `attempt` of `request_id`, whose room goes to `link`, as handed to the
-    /// engine without a `DecodeWork`: an engine that serves its own API (SGLang, vLLM) learns of
-    /// the request from the front door's HTTP hand-off (`roles::decode::own_api`) and Reserves
-    /// under this id. Returns the attempt's events and the decode side.
+    /// engine without a `DecodeWork`: an engine that serves its own API (vLLM) learns of the
+    /// request from the front door's HTTP hand-off (`roles::decode::own_api`) and Reserves under
+    /// this id with `token` (non-zero: a Reserve without it opens no room). Returns the attempt's
+    /// events and the decode side.
     ///
     /// # Errors
     /// No engine attached (nobody would decode it).
@@ -246,6 +249,7 @@ impl EngineRooms {
         &self,
         request_id: u64,
         attempt: u32,
+        token: u64,
         link: RoutedLink,
         spec: cpb::RequestSpec,
     ) -> Result<(mpsc::UnboundedReceiver<EngineEvent>, Arc<DecodeSide>), String> {
@@ -264,6 +268,7 @@ impl EngineRooms {
             request_id,
             Pending {
                 attempt,
+                token,
                 link,
                 spec,
                 tx,
@@ -433,6 +438,13 @@ impl KvSource for EngineRooms {
                     room.request_id
                 )
             })?;
+            if p.token != room.hand_off_token {
+                return Err(format!(
+                    "request {} was handed over with another hand-off token: the Reserve must \
+                     carry the token of kv_transfer_params.tandem",
+                    room.request_id
+                ));
+            }
             if let Some(k) = p.room {
                 return Err(format!(
                     "attempt {} of request {} already reserved {k}",
