@@ -394,15 +394,19 @@ pub(crate) const REAL_ENGINE_PREFILL_MESSAGE: &str = "layerSplit and speculative
      engine.kind Simulated in this version: the SGLang and vLLM adapters carry the KV tiers, not \
      LayerSplit or the draft pool (run the engine's own speculative decoding through engine.args)";
 
-/// CEL (DecodePool): `speculative` (with its spec guard) and `prefill.kvDeadline` take effect
-/// only beside the Simulated engine: an SGLang or vLLM decode serves whole requests on its own API
-/// in this version, so no room, KV deadline, draft pool or spec guard is on its path.
+/// CEL (DecodePool): `speculative` (with its spec guard) takes effect only beside the Simulated
+/// engine, and `prefill.kvDeadline` beside it or on a vLLM DecodePool without a CacheTier (vLLM
+/// prefill/decode through Tandem: the front door hands the deadline to the engine's connector).
+/// An SGLang decode, or a vLLM one with a CacheTier, serves whole requests on its own API in this
+/// version: no room, KV deadline, draft pool or spec guard is on its path.
 pub(crate) const REAL_ENGINE_DECODE_RULE: &str = "!has(self.engine) || self.engine.kind == 'Simulated' \
-     || (!has(self.speculative) && !has(self.prefill.kvDeadline))";
-pub(crate) const REAL_ENGINE_DECODE_MESSAGE: &str = "speculative and prefill.kvDeadline take effect only \
-     with engine.kind Simulated in this version: an SGLang or vLLM decode serves whole requests on its \
-     own API (no prefill → decode KV transfer through Tandem yet), so no draft pool, spec guard or KV \
-     deadline is on its path (run the engine's own speculative decoding through engine.args)";
+     || (!has(self.speculative) && (!has(self.prefill.kvDeadline) \
+     || (self.engine.kind == 'vLLM' && !has(self.cacheTierRef))))";
+pub(crate) const REAL_ENGINE_DECODE_MESSAGE: &str = "speculative, and prefill.kvDeadline unless the engine \
+     is vLLM without a CacheTier (prefill/decode through Tandem), take effect only with engine.kind \
+     Simulated in this version: an SGLang decode, or a vLLM one with a CacheTier, serves whole requests \
+     on its own API, so no draft pool, spec guard or KV deadline is on its path (run the engine's own \
+     speculative decoding through engine.args)";
 
 /// Message of the engine's GPU rule.
 const ENGINE_NO_GPU_MESSAGE: &str =

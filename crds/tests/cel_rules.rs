@@ -81,8 +81,8 @@ fn valid_samples_pass_every_rule() {
     let engines = yaml_files(&samples_dir().join("engines"));
     assert_eq!(
         engines.len(),
-        2,
-        "the engine samples are SGLang and vLLM stacks"
+        3,
+        "the engine samples are SGLang and vLLM stacks, and vLLM prefill/decode"
     );
     for path in files.into_iter().chain(layersplit).chain(engines) {
         for doc in documents(&path) {
@@ -283,7 +283,7 @@ fn real_engines_refuse_what_only_the_simulated_engine_serves() {
     let parallel = "engine.kind SGLang and vLLM run one engine per pod";
     let prefill_only = "layerSplit and speculative take effect only with engine.kind Simulated";
     let decode_only =
-        "speculative and prefill.kvDeadline take effect only with engine.kind Simulated";
+        "speculative, and prefill.kvDeadline unless the engine is vLLM without a CacheTier";
     let speculative = json!({"draftModel": {"name": "llama-3.2-1b", "layers": 16,
         "attention": "GQA", "kvHeads": 8, "headDim": 64, "dtype": "BF16"}, "draftTokens": 4});
     for file in ["prefillpool.yaml", "decodepool.yaml"] {
@@ -332,6 +332,17 @@ fn real_engines_refuse_what_only_the_simulated_engine_serves() {
                     "{file} {what} beside {kind}: {refused:?}"
                 );
             }
+        }
+        if decode {
+            // vLLM prefill/decode through Tandem (no CacheTier): the front door hands the KV
+            // deadline to the engine's connector, so it is admitted there.
+            let mut doc = base.clone();
+            doc["spec"].as_object_mut().unwrap().remove("cacheTierRef");
+            doc["spec"]["prefill"]["kvDeadline"] = json!({"milliseconds": 10000});
+            doc["spec"]["engine"] = json!({"kind": "vLLM", "image": "e:1"});
+            assert_eq!(admit(&doc, None), Ok(()), "vLLM PD with a KV deadline");
+            doc["spec"]["engine"] = json!({"kind": "SGLang", "image": "e:1"});
+            assert!(admit(&doc, None).is_err(), "SGLang takes no hand-off");
         }
         // Without an engine (the worker's built-in simulated engine) every field is admitted too.
         let mut doc = base.clone();

@@ -24,10 +24,11 @@
 //!    when one rank's `/readyz` turns 404 (the test removes its file), neither pod is a ready
 //!    endpoint while the other stays `ContainersReady` (the operator closed the
 //!    `serving.tandem.dev/group-ready` gate on both), and both are back once it is ready again.
-//! 2. A PrefillPool `{kind: vLLM, image: …}` whose args set `--kv-transfer-config` is refused by
-//!    the API server (the operator owns that flag); as written without it, it is admitted and
-//!    rolled out: its StatefulSet's engine runs `vllm serve` with Tandem's offloading tier in the
-//!    KV transfer config and the user's args first. `kubectl get` shows both kinds in the `ENGINE`
+//! 2. A PrefillPool `{kind: vLLM, image: …}` whose args set `--kv-transfer-config`, or with two
+//!    pods per group, is refused by the API server (the operator owns that flag; each pod would be
+//!    its own engine); as written without it, it is admitted and rolled out: its StatefulSet's
+//!    engine runs `vllm serve` with Tandem's PD connector (`kv_producer`: the pool has no
+//!    CacheTier) in the KV transfer config and the user's args first. `kubectl get` shows both kinds in the `ENGINE`
 //!    column.
 //!
 //! 3. Bounded group recovery (issue 17, `maxGroupRestarts`): a PrefillPool whose engine exits at
@@ -266,7 +267,7 @@ async fn scenario(client: &Client, t: &Tools<'_>, runner_dir: &Path) -> Result<(
 
     // 2. vLLM: a flag the operator owns, and a group of two pods (two independent engines), are
     //    refused by the API server (CEL); the pool as written is admitted and rolls out as `vllm
-    //    serve` with Tandem's offloading tier (issue 14).
+    //    serve` with Tandem's PD connector (no CacheTier; issue 14).
     for (engine, tensor, why) in [
         (
             "{kind: vLLM, image: vllm/vllm-openai:v0.33.0, args: [m, --kv-transfer-config, '{}']}",
@@ -312,10 +313,13 @@ async fn scenario(client: &Client, t: &Tools<'_>, runner_dir: &Path) -> Result<(
         .and_then(|i| args.get(i + 1))
         .and_then(|j| serde_json::from_str::<Value>(j).ok())
         .ok_or_else(|| format!("no --kv-transfer-config JSON in {args:?}"))?;
-    let tier = &transfer["kv_connector_extra_config"]["secondary_tiers"][0];
+    // No CacheTier: vLLM prefill/decode through Tandem, this PrefillPool's engine the producer.
+    let extra = &transfer["kv_connector_extra_config"];
     if engine.command.as_deref() != Some(&["vllm".to_owned(), "serve".to_owned()][..])
-        || tier["type"] != "TandemSecondaryTier"
-        || tier["socket_dir"] != "/run/tandem/engine"
+        || transfer["kv_connector"] != "TandemConnector"
+        || transfer["kv_connector_module_path"] != "tandem_kv.vllm_pd"
+        || transfer["kv_role"] != "kv_producer"
+        || extra["socket_dir"] != "/run/tandem/engine"
         || args.first().map(String::as_str) != Some("meta-llama/Llama-3.1-8B-Instruct")
     {
         return Err(format!(
@@ -342,7 +346,7 @@ async fn scenario(client: &Client, t: &Tools<'_>, runner_dir: &Path) -> Result<(
         ));
     }
     println!(
-        "[{:>5.1}s] {VLLM}: an owned flag refused at admission; rendered as vllm serve with the Tandem tier",
+        "[{:>5.1}s] {VLLM}: an owned flag refused at admission; rendered as vllm serve with Tandem's PD connector",
         t0.elapsed().as_secs_f64()
     );
     // Its pods cannot start here (no vLLM image on the runner): free their GPUs for step 3.

@@ -16,11 +16,11 @@ use tandem_crds::{CacheTier, DecodePool, EngineSpec, PrefillPool};
 use tandem_interfaces::config::{EngineKind as SeatKind, EngineSeat, WorkerConfig};
 use tandem_operator::controller::revision::resolve_with;
 use tandem_operator::policy::TierLookup;
-use tandem_operator::render::engine::{ENGINE_HTTP_PORT, ENGINE_SOCKET_DIR};
+use tandem_operator::render::engine::{ENGINE_HTTP_PORT, ENGINE_SOCKET_DIR, vllm_pd, vllm_pd_pool};
 use tandem_operator::render::{PoolView, workload};
 
 mod samples;
-use samples::{engine_sample, load};
+use samples::{engine_sample, load, pools_sample};
 
 fn engine(yaml: &str) -> EngineSpec {
     serde_saphyr::from_str(yaml).unwrap()
@@ -396,7 +396,7 @@ fn assert_engine_pod(cfg: &WorkerConfig, sts: &StatefulSet, kind: SeatKind, user
         .expect("engine-shm emptyDir");
     assert_eq!(shm.medium.as_deref(), Some("Memory"));
     let limit: u64 = shm.size_limit.as_ref().unwrap().0.parse().unwrap();
-    let cpu_tier = if kind == SeatKind::Vllm {
+    let cpu_tier = if kind == SeatKind::Vllm && cfg.cache.is_some() {
         cfg.memory.target_pool_bytes
     } else {
         0
@@ -498,4 +498,62 @@ fn the_front_door_service_targets_the_engine_api_of_sglang_and_vllm() {
             "{file}"
         );
     }
+}
+
+/// vLLM prefill/decode through Tandem (`engines/vllm-pd.yaml`, no CacheTier): both engines run
+/// `TandemConnector` (the prefill's as producer, the decode's as consumer, failed loads
+/// recomputed), without vLLM's CPU offload tier in their `/dev/shm`; the DecodePool Service reaches
+/// the worker's front door, which hands requests to the engines with the pool's KV deadline.
+#[test]
+fn a_vllm_pd_stack_runs_tandems_connector_behind_the_front_door() {
+    let (p, d) = pools_sample("engines/vllm-pd.yaml");
+    for (view, role) in [
+        (PoolView::prefill(&p), "kv_producer"),
+        (PoolView::decode(&d), "kv_consumer"),
+    ] {
+        let r = resolve_with(&view, TierLookup::None).expect("renders");
+        let mut cfg = r.config;
+        cfg.revision = r.own_revision;
+        let sts = workload::group_statefulset(&view, &cfg, 0, &owner());
+        assert!(vllm_pd(&cfg) && vllm_pd_pool(&view), "{role}");
+        assert_engine_pod(
+            &cfg,
+            &sts,
+            SeatKind::Vllm,
+            &["meta-llama/Llama-3.1-8B-Instruct"],
+        );
+        let e = &pod(&sts).containers[0];
+        let t: Value =
+            serde_json::from_str(flag(e.args.as_deref().unwrap(), "--kv-transfer-config")).unwrap();
+        assert_eq!(t["kv_connector"], "TandemConnector");
+        assert_eq!(t["kv_connector_module_path"], "tandem_kv.vllm_pd");
+        assert_eq!(t["kv_role"], role);
+        assert_eq!(t["kv_load_failure_policy"], "recompute");
+        let x = &t["kv_connector_extra_config"];
+        assert_eq!(x["socket_dir"], ENGINE_SOCKET_DIR);
+        assert_eq!(x["model"], serde_json::to_value(&cfg.model).unwrap());
+        assert_eq!(cfg.engine.as_ref().unwrap().http_port(), ENGINE_HTTP_PORT);
+        if role == "kv_consumer" {
+            assert_eq!(
+                cfg.kv_deadline.map(|k| k.milliseconds),
+                Some(10_000),
+                "the front door hands the pool's KV deadline to the connector"
+            );
+            // The worker accepts it beside vLLM (its config check runs on load).
+            cfg.check().expect("the rendered config loads");
+        }
+    }
+    let svc = workload::front_door_service(&PoolView::decode(&d), 80, &owner());
+    assert_eq!(
+        svc.spec.unwrap().ports.unwrap()[0].target_port,
+        Some(IntOrString::Int(i32::from(
+            tandem_crds::ports::FRONT_DOOR_PORT
+        ))),
+        "the Service reaches the worker's front door"
+    );
+    // With a CacheTier the same engine serves whole requests (the offloading tier instead).
+    let (tier, _, d) = engine_sample("engines/vllm.yaml");
+    let view = PoolView::decode(&d);
+    let (cfg, _) = render_on(&view, &tier);
+    assert!(!vllm_pd(&cfg) && !vllm_pd_pool(&view));
 }

@@ -14,7 +14,7 @@ use tandem_operator::policy::{self, TierLookup};
 use tandem_operator::render::{PoolView, config::worker_config, workload};
 
 mod samples;
-use samples::{engine_sample, load};
+use samples::{engine_sample, load, pools_sample};
 
 fn owner(kind: &str, name: &str) -> OwnerReference {
     OwnerReference {
@@ -94,16 +94,26 @@ fn prefill_pool_without_engine_matches_golden_objects() {
 /// front-door Service, against their golden fixtures (`engine-<kind>-…`): the engine's command
 /// and the adapter's flags as a user would read them in `kubectl get -o yaml`.
 fn assert_engine_golden(kind: &str) {
-    let (tier, p, d) = engine_sample(&format!("engines/{kind}.yaml"));
-    let tier_name = tier.metadata.name.clone().unwrap();
+    let file = format!("engines/{kind}.yaml");
+    let (tier, p, d) = if kind == "vllm-pd" {
+        let (p, d) = pools_sample(&file);
+        (None, p, d)
+    } else {
+        let (tier, p, d) = engine_sample(&file);
+        (Some(tier), p, d)
+    };
+    let tier_name = tier.as_ref().map(|t| t.metadata.name.clone().unwrap());
     for (view, role) in [
         (PoolView::prefill(&p), "prefill"),
         (PoolView::decode(&d), "decode"),
     ] {
-        let lookup = TierLookup::Found {
-            name: &tier_name,
-            spec: &tier.spec,
-            terminating: false,
+        let lookup = match (&tier, &tier_name) {
+            (Some(t), Some(name)) => TierLookup::Found {
+                name,
+                spec: &t.spec,
+                terminating: false,
+            },
+            _ => TierLookup::None,
         };
         let policy = policy::resolve(view.model, lookup).expect("sample policy resolves");
         let mut cfg = worker_config(&view, &policy, "").expect("sample renders");
@@ -137,6 +147,11 @@ fn assert_engine_golden(kind: &str) {
 #[test]
 fn sglang_engine_pools_match_golden_objects() {
     assert_engine_golden("sglang");
+}
+
+#[test]
+fn vllm_pd_engine_pools_match_golden_objects() {
+    assert_engine_golden("vllm-pd");
 }
 
 #[test]

@@ -19,15 +19,18 @@
 //!   (`tandem_kv.sglang.TandemHiCacheStorage` through `--hicache-storage-backend dynamic`), its
 //!   page size set to the worker's and the worker config's model in the backend's extra config
 //!   (so the attach identity is the worker's own model, never a guess from the host pool).
-//! - `vLLM` runs `vllm serve` with `OffloadingConnector` + `TieringOffloadingSpec` and Tandem's
-//!   secondary tier (`tandem_kv.vllm.TandemSecondaryTier`): one offloaded chunk is one worker page
-//!   (`block_size` = the page's tokens) and vLLM's own CPU tier is `hostPool.size`.
+//! - `vLLM` with a CacheTier runs `vllm serve` with `OffloadingConnector` +
+//!   `TieringOffloadingSpec` and Tandem's secondary tier (`tandem_kv.vllm.TandemSecondaryTier`):
+//!   one offloaded chunk is one worker page (`block_size` = the page's tokens) and vLLM's own CPU
+//!   tier is `hostPool.size`. Without one ([`vllm_pd`]) it runs with Tandem's PD connector
+//!   (`tandem_kv.vllm_pd.TandemConnector`, `kv_producer` / `kv_consumer`, failed loads
+//!   recomputed).
 //!
 //! SGLang and vLLM serve their OpenAI-compatible API on [`ENGINE_HTTP_PORT`] (container port
-//! `engine-http`, with a readiness probe on its `/health`; the DecodePool Service's `http` port
-//! targets it). Their requests do not pass the worker's front door and no KV moves from prefill to
-//! decode: with these adapters Tandem serves the engines' KV tiers (L2 in the worker, L3 in the
-//! CacheTier); Tandem's PD transfer for them is not built (README "Engines on Kubernetes").
+//! `engine-http`, with a readiness probe on its `/health`). The DecodePool Service's `http` port
+//! targets it — the engines serve whole requests, and Tandem their KV tiers (L2 in the worker, L3
+//! in the CacheTier) — except for vLLM PD, where it targets the worker's front door, which hands
+//! each request to the chosen prefill's engine and to its own (README "Engines on Kubernetes").
 
 use std::collections::BTreeMap;
 
@@ -99,6 +102,7 @@ pub fn shm_volume(kind: EngineKind, cfg: &WorkerConfig) -> Option<Volume> {
     let bytes = match kind {
         EngineKind::Simulated => return None,
         EngineKind::SgLang => ENGINE_SHM_BASE_BYTES,
+        EngineKind::Vllm if vllm_pd(cfg) => ENGINE_SHM_BASE_BYTES,
         EngineKind::Vllm => ENGINE_SHM_BASE_BYTES + cfg.memory.target_pool_bytes,
     };
     Some(Volume {
@@ -110,6 +114,27 @@ pub fn shm_volume(kind: EngineKind, cfg: &WorkerConfig) -> Option<Volume> {
         }),
         ..Volume::default()
     })
+}
+
+/// Whether a vLLM pool with this worker config runs prefill/decode through Tandem (no CacheTier):
+/// its engine gets `TandemConnector` (`tandem_kv.vllm_pd`; `kv_producer` on a PrefillPool,
+/// `kv_consumer` on a DecodePool) and the DecodePool Service targets the worker's front door,
+/// which hands each request to the chosen prefill's engine and to its own. With a CacheTier the
+/// engine gets the offloading tier instead and serves whole requests on its own API: the two on
+/// one worker pool (vLLM's `MultiConnector`, with the pool's pages split between them) are not
+/// rendered yet.
+pub fn vllm_pd(cfg: &WorkerConfig) -> bool {
+    cfg.cache.is_none()
+        && cfg
+            .engine
+            .as_ref()
+            .is_some_and(|e| e.kind == SeatKind::Vllm)
+}
+
+/// [`vllm_pd`] read from the pool (its worker config's `cache` is set exactly when the pool has a
+/// `cacheTierRef`).
+pub fn vllm_pd_pool(pool: &PoolView<'_>) -> bool {
+    pool.cache_tier_ref.is_none() && pool.engine.is_some_and(|e| e.kind == EngineKind::Vllm)
 }
 
 /// The socket volume's mount, the same in the worker and the engine.
@@ -197,6 +222,28 @@ pub fn engine_args(engine: &EngineSpec, cfg: &WorkerConfig, config_path: &str) -
                 "dynamic".into(),
                 "--hicache-storage-backend-extra-config".into(),
                 extra.to_string(),
+            ]);
+            a
+        }
+        EngineKind::Vllm if vllm_pd(cfg) => {
+            let transfer = json!({
+                "kv_connector": "TandemConnector",
+                "kv_connector_module_path": "tandem_kv.vllm_pd",
+                "kv_role": match cfg.role {
+                    tandem_interfaces::config::WorkerRole::Prefill => "kv_producer",
+                    tandem_interfaces::config::WorkerRole::Decode => "kv_consumer",
+                },
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {
+                    "socket_dir": ENGINE_SOCKET_DIR,
+                    "model": model,
+                },
+            });
+            let mut a = http.to_vec();
+            a.extend([
+                ENGINE_HTTP_PORT.to_string(),
+                "--kv-transfer-config".into(),
+                transfer.to_string(),
             ]);
             a
         }

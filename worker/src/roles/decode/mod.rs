@@ -429,10 +429,12 @@ impl DecodeServer {
             })
         });
         let ready_now: Arc<dyn Fn() -> Result<(), String> + Send + Sync> =
-            if own_api_engine.is_some() {
-                // An SGLang or vLLM decode serves whole requests on its own API (the Service targets
-                // it) and takes no KV from the prefills: its readiness is the attach alone, so that a
-                // PrefillPool rollout or outage does not empty the DecodePool's endpoints.
+            if own_api_engine.is_some_and(|o| !o.hands_off) {
+                // An SGLang decode, or a vLLM one serving the tier calls, serves whole requests on
+                // its own API (the Service targets it) and takes no KV from the prefills: its
+                // readiness is the attach alone, so that a PrefillPool rollout or outage does not
+                // empty the DecodePool's endpoints. A vLLM decode the front door hands requests to
+                // needs a live prefill, as the Simulated engine's.
                 Arc::new(|| Ok(()))
             } else {
                 Arc::new(move || {
