@@ -269,9 +269,13 @@ pub enum EngineKind {
     /// the `tandem-kv` package installed.
     #[serde(rename = "SGLang")]
     SgLang,
-    /// vLLM (`vllm serve`) with Tandem's KV offloading tier (`tandem_kv.vllm.TandemSecondaryTier`
-    /// behind vLLM's `OffloadingConnector` + `TieringOffloadingSpec`): offloaded blocks go to the
-    /// worker's tiers. The image must have the `tandem-kv` package installed.
+    /// vLLM (`vllm serve`). With a CacheTier: Tandem's KV offloading tier
+    /// (`tandem_kv.vllm.TandemSecondaryTier` behind vLLM's `OffloadingConnector` +
+    /// `TieringOffloadingSpec`), offloaded blocks going to the worker's tiers, and the engine
+    /// serving whole requests. Without one: prefill/decode through Tandem
+    /// (`tandem_kv.vllm_pd.TandemConnector`; the DecodePool's front door hands each request to the
+    /// chosen prefill's engine and to its own). The image must have the `tandem-kv` package
+    /// installed.
     #[serde(rename = "vLLM")]
     Vllm,
 }
@@ -384,10 +388,10 @@ pub(crate) const REAL_ENGINE_PARALLELISM_MESSAGE: &str = "engine.kind SGLang and
      engines' multi-node tensor and context parallelism is not rendered)";
 
 /// CEL (PrefillPool): `layerSplit` and `speculative` take effect only beside the Simulated
-/// engine. The SGLang and vLLM adapters carry the KV tiers; no prefill → decode transfer runs
-/// through them yet (issue 14), so a draft pool or a LayerSplit group the worker sets up would sit
-/// unused while the status reported them — refused instead ("a config field the worker ignores is
-/// a lie in the pool's status").
+/// engine. The SGLang and vLLM adapters carry the KV tiers and (vLLM without a CacheTier) the
+/// whole prompt's KV to the decode, not LayerSplit or a draft pool (issue 14), so a draft pool or
+/// a LayerSplit group the worker sets up would sit unused while the status reported them —
+/// refused instead ("a config field the worker ignores is a lie in the pool's status").
 pub(crate) const REAL_ENGINE_PREFILL_RULE: &str = "!has(self.engine) || self.engine.kind == 'Simulated' \
      || (!self.layerSplit && !has(self.speculative))";
 pub(crate) const REAL_ENGINE_PREFILL_MESSAGE: &str = "layerSplit and speculative take effect only with \

@@ -192,6 +192,9 @@ reasons! {
     AllocatorMismatch,
     /// A DecodePool's model differs from its PrefillPool's.
     PrefillModelMismatch,
+    /// A DecodePool's engine moves KV another way than its PrefillPool's (e.g. a vLLM decode
+    /// through Tandem's connector beside a Simulated or SGLang prefill).
+    PrefillEngineMismatch,
     /// Two live DecodePools pair with one PrefillPool.
     MultipleDecodePools,
     // InsufficientCapacity.

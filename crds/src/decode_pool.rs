@@ -22,7 +22,7 @@ pub struct PrefillPairing {
     pub ratio: PdRatio,
     /// How long a decode waits for a request's KV from its prefill (queueing, compute and
     /// transfer) before it aborts the room through the release gate and retries the request on
-    /// another prefill. Unset: 30 s.
+    /// another prefill (a vLLM decode recomputes the prompt instead). Unset: 30 s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_deadline: Option<KvDeadlineSpec>,
 }
@@ -196,7 +196,9 @@ pub struct DecodePoolSpec {
     /// Parallel layout of one group.
     #[serde(default)]
     pub parallelism: Parallelism,
-    /// The CacheTier (L3) this pool reads and writes; no L3 when unset.
+    /// The CacheTier (L3) this pool reads and writes; no L3 when unset. With a vLLM engine it
+    /// also picks the mode: with a tier the engine serves whole requests with Tandem's offloading
+    /// tier, without one it runs prefill/decode through Tandem.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_tier_ref: Option<LocalRef>,
     /// Host (L2) KV pool of each pod.

@@ -12,7 +12,9 @@ pub const HEALTH_PORT: u16 = 8080;
 /// maps `spec.frontDoor.port` to it.
 pub const FRONT_DOOR_PORT: u16 = 8000;
 /// Container port `engine-http` of an SGLang or vLLM engine (its own OpenAI-compatible API); the
-/// DecodePool Service's `http` port targets it for those engines.
+/// DecodePool Service's `http` port targets it for those engines, except vLLM without a CacheTier
+/// (prefill/decode through Tandem: the Service targets the front door, which hands requests to
+/// the engines on this port).
 pub const ENGINE_HTTP_PORT: u16 = 8100;
 /// Rank-link port of a prefill pod of more than one CP rank: the TCP mesh between the CP ranks of
 /// one group (step orders, and LayerSplit's layer broadcasts; worker `layer_split::tcp_link`).

@@ -264,6 +264,49 @@ async fn a_policy_conflict_creates_no_child_and_says_why() {
     );
 }
 
+/// Issue 14: a vLLM DecodePool without a CacheTier (Tandem's connector) paired with a Simulated
+/// PrefillPool could move no KV: the DecodePool is refused with `PrefillEngineMismatch`, naming
+/// both paths, and creates no child; both vLLM without a tier is admitted.
+#[tokio::test]
+async fn a_pair_whose_engines_move_kv_differently_is_refused() {
+    let (fake, client) = FakeApi::start();
+    let mut d = sample("decodepool.yaml");
+    let spec = d["spec"].as_object_mut().unwrap();
+    spec.remove("cacheTierRef");
+    spec.remove("speculative");
+    spec.insert(
+        "engine".into(),
+        json!({"kind": "vLLM", "image": "vllm/vllm-openai:v0.33.0", "args": ["m"]}),
+    );
+    fake.insert(paths::PREFILLS, sample("prefillpool.yaml"));
+    fake.insert(paths::DECODES, d);
+    let ctx = context(client);
+    reconcile_decode(&ctx).await;
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    let pc = condition(&d, "PolicyConflict");
+    assert_eq!(
+        (pc["status"].as_str(), pc["reason"].as_str()),
+        (Some("True"), Some("PrefillEngineMismatch"))
+    );
+    let m = pc["message"].as_str().unwrap();
+    assert!(
+        m.contains("TandemConnector") && m.contains("Simulated"),
+        "{m}"
+    );
+    assert!(fake.names(paths::STS).is_empty());
+    // The PrefillPool on vLLM without a tier too: the pair moves KV one way, and rolls out.
+    fake.edit(paths::PREFILLS, PREFILL, |o| {
+        o["spec"].as_object_mut().unwrap().remove("cacheTierRef");
+        o["spec"]["engine"] =
+            json!({"kind": "vLLM", "image": "vllm/vllm-openai:v0.33.0", "args": ["m"]});
+        o["metadata"]["generation"] = json!(2);
+    });
+    reconcile_prefill(&ctx).await;
+    reconcile_decode(&ctx).await;
+    let d = fake.get(paths::DECODES, DECODE).unwrap();
+    assert_eq!(condition(&d, "PolicyConflict")["status"], "False", "{d}");
+}
+
 fn mark_deleting(fake: &FakeApi, collection: &str, name: &str) {
     fake.edit(collection, name, |o| {
         o["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");

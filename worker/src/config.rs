@@ -114,14 +114,32 @@ mod tests {
             });
             c.check().unwrap();
         }
-        // A vLLM decode's front door hands requests over with the KV deadline; SGLang takes none.
-        for (kind, named) in [
+        // A vLLM decode without a cache hands requests over with the KV deadline; SGLang, and a
+        // vLLM decode serving the tier calls (the sample has a cache), take none.
+        let (cache, mode) = (c.cache.clone(), c.memory.client_mode);
+        for (kind, cached, named) in [
             (
                 EngineKind::SgLang,
+                false,
                 "kvDeadline, parallelism above 1 set beside engine",
             ),
-            (EngineKind::Vllm, "parallelism above 1 set beside engine"),
+            (
+                EngineKind::Vllm,
+                true,
+                "kvDeadline, parallelism above 1 set beside engine",
+            ),
+            (
+                EngineKind::Vllm,
+                false,
+                "parallelism above 1 set beside engine",
+            ),
         ] {
+            // memory.clientMode is set exactly when cache is.
+            (c.cache, c.memory.client_mode) = if cached {
+                (cache.clone(), mode)
+            } else {
+                (None, None)
+            };
             c.engine = Some(EngineSeat {
                 kind,
                 socket_dir: "/run/tandem/engine".into(),

@@ -129,6 +129,17 @@ impl PoolKind for DecodePool {
             });
         }
         let pview = PoolView::prefill(prefill);
+        let (ours, theirs) = (
+            crate::render::engine::kv_path(&dp.view()),
+            crate::render::engine::kv_path(&pview),
+        );
+        if ours != theirs {
+            return Err(Refusal::PrefillEngineMismatch {
+                prefill: prefill_name.clone(),
+                ours,
+                theirs,
+            });
+        }
         let theirs = revision::resolve(&pview, &world.prefill_tier).map_err(|cause| {
             Refusal::PrefillPoolBlocked {
                 name: prefill_name.clone(),

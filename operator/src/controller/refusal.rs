@@ -62,6 +62,20 @@ pub enum Refusal {
         /// The first differing field.
         detail: String,
     },
+    /// The DecodePool's engine moves KV another way than its PrefillPool's: no KV could move
+    /// (e.g. a vLLM decode's connector waiting for rooms a Simulated or SGLang prefill never
+    /// fills for it).
+    #[error(
+        "engines differ from PrefillPool {prefill:?}: this pool moves KV through {ours}, the PrefillPool through {theirs}; pair pools whose engines move KV the same way (both Simulated, or both vLLM without a CacheTier)"
+    )]
+    PrefillEngineMismatch {
+        /// The PrefillPool.
+        prefill: String,
+        /// This DecodePool's path.
+        ours: crate::render::engine::KvPath,
+        /// The PrefillPool's path.
+        theirs: crate::render::engine::KvPath,
+    },
     /// The DecodePool's PrefillPool cannot roll out (its own conflict or render failure).
     #[error("PrefillPool {name:?} cannot roll out: {cause}")]
     PrefillPoolBlocked {
@@ -97,7 +111,8 @@ impl Refusal {
             Refusal::MultipleDecodePools { .. }
             | Refusal::SharedPrefillPool { .. }
             | Refusal::Policy(_)
-            | Refusal::PrefillModelMismatch { .. } => ConditionType::PolicyConflict,
+            | Refusal::PrefillModelMismatch { .. }
+            | Refusal::PrefillEngineMismatch { .. } => ConditionType::PolicyConflict,
             Refusal::Render(_)
             | Refusal::PrefillPoolNotFound { .. }
             | Refusal::PrefillPoolBlocked { .. }
@@ -115,6 +130,7 @@ impl Refusal {
             Refusal::Render(_) => Reason::RenderFailed,
             Refusal::PrefillPoolNotFound { .. } => Reason::PrefillPoolNotFound,
             Refusal::PrefillModelMismatch { .. } => Reason::PrefillModelMismatch,
+            Refusal::PrefillEngineMismatch { .. } => Reason::PrefillEngineMismatch,
             Refusal::PrefillPoolBlocked { .. } => Reason::PrefillPoolBlocked,
             Refusal::DecodePoolBlocked { .. } => Reason::DecodePoolBlocked,
         }

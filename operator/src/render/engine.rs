@@ -131,6 +131,38 @@ pub fn vllm_pd(cfg: &WorkerConfig) -> bool {
             .is_some_and(|e| e.kind == SeatKind::Vllm)
 }
 
+/// How a pool's engine moves prefill → decode KV: what must be equal on a DecodePool and its
+/// PrefillPool for any KV to move (the DecodePool refuses a pair that differs,
+/// `PrefillEngineMismatch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvPath {
+    /// Through the engine API: the Simulated engine (or none: the worker's built-in one).
+    EngineApi,
+    /// Through `tandem_kv.vllm_pd.TandemConnector` ([`vllm_pd_pool`]).
+    VllmConnector,
+    /// Not at all: the engine serves whole requests (SGLang; vLLM with a CacheTier).
+    WholeRequests,
+}
+
+impl std::fmt::Display for KvPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KvPath::EngineApi => "the engine API (Simulated engine)",
+            KvPath::VllmConnector => "vLLM's TandemConnector (vLLM without a CacheTier)",
+            KvPath::WholeRequests => "no transfer (the engine serves whole requests)",
+        })
+    }
+}
+
+/// The [`KvPath`] of `pool`.
+pub fn kv_path(pool: &PoolView<'_>) -> KvPath {
+    match pool.engine.map(|e| e.kind) {
+        None | Some(EngineKind::Simulated) => KvPath::EngineApi,
+        Some(EngineKind::Vllm) if vllm_pd_pool(pool) => KvPath::VllmConnector,
+        Some(EngineKind::Vllm | EngineKind::SgLang) => KvPath::WholeRequests,
+    }
+}
+
 /// [`vllm_pd`] read from the pool (its worker config's `cache` is set exactly when the pool has a
 /// `cacheTierRef`).
 pub fn vllm_pd_pool(pool: &PoolView<'_>) -> bool {
@@ -326,8 +358,9 @@ pub fn engine_container(
             ..ContainerPort::default()
         }]
     });
-    // The Service targets the engine's API: the pod is Ready only once that API answers (after
-    // the model loaded), not merely once the adapter attached to the worker.
+    // The pod is Ready only once the engine's API answers (after the model loaded), not merely
+    // once the adapter attached to the worker: the Service targets that API, or (vLLM PD) the
+    // front door, which hands requests to it, and the prefills' API takes the front doors'.
     let readiness_probe = serves_http.then(|| Probe {
         http_get: Some(HTTPGetAction {
             path: Some("/health".into()),

@@ -528,11 +528,12 @@ impl WorkerConfig {
             // report settings it does not act on.
             let unused: Vec<&str> = [
                 ("speculative", self.speculative.is_some()),
-                // A vLLM decode's front door hands its requests over with the KV deadline
-                // (`roles::decode::own_api`); SGLang takes no hand-off.
+                // A vLLM decode without a cache hands its requests over with the KV deadline
+                // (`roles::decode::own_api`); SGLang, and vLLM serving the tier calls, take none.
                 (
                     "kvDeadline",
-                    self.kv_deadline.is_some() && e.kind != EngineKind::Vllm,
+                    self.kv_deadline.is_some()
+                        && (e.kind != EngineKind::Vllm || self.cache.is_some()),
                 ),
                 ("layerSplit", self.layer_split.is_some()),
                 (

@@ -45,7 +45,7 @@ def pattern(request_id: int, tokens: int, layers: int, row: int) -> np.ndarray:
     t = np.arange(tokens, dtype=np.uint64)[:, None, None]
     layer = np.arange(layers, dtype=np.uint64)[None, :, None]
     b = np.arange(row, dtype=np.uint64)[None, None, :]
-    return ((request_id * 1_000_003 + t * 7919 + layer * 104_729 + b * 31) % 251).astype(np.uint8)
+    return (((request_id % 65_521) * 1_000_003 + t * 7919 + layer * 104_729 + b * 31) % 251).astype(np.uint8)
 
 
 def tiny_model_dir(model: dict) -> str:

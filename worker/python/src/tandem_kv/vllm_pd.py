@@ -171,7 +171,7 @@ class TandemConnector(KVConnectorBase_V1):
                 f"(a DecodePool's), not {kv_role!r}"
             )
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = _SchedulerSide()
+            self._sched = _SchedulerSide(producer=kv_role == "kv_producer")
             self._loader = None
         else:
             self._sched = None
@@ -236,7 +236,11 @@ class _SchedulerSide:
     """The scheduler's bookkeeping: loads not yet handed to the worker side, requests whose loads
     are in flight, and requests that ended while loading."""
 
-    def __init__(self):
+    def __init__(self, producer: bool):
+        # A producer (prefill) only sends, a consumer (decode) only loads, whatever a request's
+        # transfer parameters say: a request that reaches an engine directly cannot make it hold
+        # blocks for a transfer its worker side never runs.
+        self.producer = producer
         self._pending = []
         self._loading = set()
         # Requests whose one load was started: a failed load is recomputed by vLLM (or fails the
@@ -247,7 +251,7 @@ class _SchedulerSide:
 
     def matched(self, request, num_computed_tokens):
         t = tandem_params(request)
-        if t is None or not request.kv_transfer_params.get("do_remote_prefill") or request.request_id in self._tried:
+        if self.producer or t is None or not request.kv_transfer_params.get("do_remote_prefill") or request.request_id in self._tried:
             return 0, False
         n = int(request.num_prompt_tokens) - int(num_computed_tokens)
         return (n, True) if n > 0 else (0, False)
@@ -286,7 +290,7 @@ class _SchedulerSide:
         if req_id in self._loading:
             self._aborts.append(req_id)
         t = tandem_params(request)
-        sends = t is not None and bool(request.kv_transfer_params.get("do_remote_decode"))
+        sends = self.producer and t is not None and bool(request.kv_transfer_params.get("do_remote_decode"))
         # Only a prompt computed to its end has KV to send (an aborted prefill has none: the
         # decode's room fails at its KV deadline).
         if not sends or request.status != RequestStatus.FINISHED_LENGTH_CAPPED and request.status != RequestStatus.FINISHED_STOPPED:
@@ -326,6 +330,7 @@ class _EngineSide:
         self.client = EngineClient(self.socket_dir, call_timeout=self.timeout_s)
         self._pool = ThreadPoolExecutor(max_workers=int(extra.get("load_threads", 16)), thread_name_prefix="tandem-kv")
         self._lock = threading.Lock()
+        self._attach_lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._att = None
         self._layers = []  # (name, vLLM's [kernel blocks, heads, tokens, 2 x dim] view) in model order
@@ -405,6 +410,10 @@ class _EngineSide:
     def _session(self):
         """The live attach (attaching first); raises `TandemError` when the worker cannot be
         reached or refuses."""
+        with self._attach_lock:  # one Attach at a time: the worker admits one engine
+            return self._attach()
+
+    def _attach(self):
         with self._lock:
             if self._att is not None:
                 return self._att
@@ -449,6 +458,8 @@ class _EngineSide:
                 try:
                     for ev in self.client.stream(stub, method, request, timeout=3600.0):
                         with self._lock:
+                            if self._att is not att:  # a stale stream feeds nothing into a new attach
+                                return
                             on_event(ev)
                             self._cv.notify_all()
                 except (errors.DeadlineExceeded, errors.CallTimeout):
@@ -744,7 +755,7 @@ class PrefillSender(_EngineSide):
 
     def __init__(self, extra: dict, block_size: int):
         super().__init__(extra, block_size)
-        self._work = {}  # front door id -> PrefillWork
+        self._work = {}  # front door id -> (PrefillWork, when to forget it)
         self._free = []
         self._sent = set()
         self.stats = {"sent": 0, "no_room": 0, "refused": 0, "failed": 0}
@@ -756,7 +767,14 @@ class PrefillSender(_EngineSide):
         self._watch(att, "source-free", self.client.prefill, "WatchSourceFree", pb.WatchSourceFreeRequest(attach_id=att.id), self._on_free)
 
     def _on_work(self, w) -> None:
-        self._work[w.request_id] = w
+        self._work[w.request_id] = (w, time.monotonic() + w.deadline_ms / 1000.0 + self.kv_slack_s)
+
+    def _tick(self) -> None:
+        """Forgets rooms no send took within their deadline (the decode's room has failed)."""
+        now = time.monotonic()
+        with self._lock:
+            for k in [k for k, (_, until) in self._work.items() if until <= now]:
+                del self._work[k]
 
     def _on_free(self, ev) -> None:
         self._free.extend(ev.pages)
@@ -784,7 +802,7 @@ class PrefillSender(_EngineSide):
                     if left <= 0:
                         break
                     self._cv.wait(left)
-                work = self._work.pop(spec.tandem_id, None)
+                work = self._work.pop(spec.tandem_id, (None, 0))[0]
                 tokens = 0 if work is None else min(int(work.tokens), spec.prompt_tokens)
                 need = -(-tokens // p_tok)
                 while work is not None and len(self._free) < need and self._att is att:
@@ -800,11 +818,13 @@ class PrefillSender(_EngineSide):
             if pages is not None:
                 try:
                     self._copy_out(pool, pages, spec.block_ids, tokens)
-                    reply = self.client.pages_ready(att.id, work.room, pages, first_page=0, last=True)
                 except BaseException:
-                    with self._lock:  # nobody else will return them: PagesReady never named them
+                    with self._lock:  # the worker never saw them: they are free again
                         self._free.extend(pages)
                     raise
+                # A PagesReady that fails may still have reached the worker (a timeout): its pages
+                # then come back on SourceFree, or with the next attach — never put back here.
+                reply = self.client.pages_ready(att.id, work.room, pages, first_page=0, last=True)
                 outcome = "sent" if reply.accepted else "refused"
         except errors.TandemError as e:
             logger.warning("tandem: request %s (tandem %d): send failed: %s", spec.req_id, spec.tandem_id, e)

@@ -487,7 +487,7 @@ async fn completions(
             return invalid("unsupported", Some(param), message);
         }
         let hand = super::own_api::HandOff {
-            request_id,
+            request_id: super::own_api::hand_off_id(super::own_api::hand_off_base(), request_id),
             body,
             path: "/v1/completions",
             prompt_tokens,

@@ -75,6 +75,20 @@ pub struct HandOff {
     pub token: u64,
 }
 
+/// The id a request is handed over under: the front door's `request_id` in the low 32 bits and
+/// this process's random `base` (high 32 bits, [`hand_off_base`]) above, so that the decode pods
+/// of a pool, which number their requests from 1 each, never hand the same id to a shared
+/// prefill (its connector matches rooms to requests by id).
+pub fn hand_off_id(base: u64, request_id: u64) -> u64 {
+    base | (request_id & 0xFFFF_FFFF)
+}
+
+/// This process's random high 32 bits of [`hand_off_id`] (never 0).
+pub fn hand_off_base() -> u64 {
+    static BASE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *BASE.get_or_init(|| (hand_off_token(0) & 0xFFFF_FFFF_0000_0000).max(1 << 32))
+}
+
 /// A hand-off token for `request_id`: SipHash under the process's random keys (std's
 /// `RandomState`), non-zero; unpredictable to a client that never saw it.
 pub fn hand_off_token(request_id: u64) -> u64 {
@@ -84,33 +98,32 @@ pub fn hand_off_token(request_id: u64) -> u64 {
     h.finish().max(1)
 }
 
-/// The body the engine gets: the client's, with `kv_transfer_params.tandem` set to the worker's
-/// request id, attempt, KV deadline and prefix hashes, and `do_remote_prefill: true` (vLLM's
-/// spelling of "the KV comes from a prefill"). Other `kv_transfer_params` keys are kept.
+/// The body the engine gets: the client's, with `kv_transfer_params` replaced by the front door's
+/// (`tandem`: the request id, hand-off token, attempt, KV deadline and prefix hashes;
+/// `do_remote_prefill: true`, vLLM's spelling of "the KV comes from a prefill"). A client's own
+/// `kv_transfer_params` never reach the engine: they could steer its connector (e.g.
+/// `do_remote_decode` on a decode would hold the request's blocks for a send that never comes).
 ///
 /// # Errors
-/// The body is not a JSON object, or its `kv_transfer_params` is not one.
+/// The body is not a JSON object.
 pub fn engine_body(h: &HandOff) -> Result<Value, String> {
     let mut body = h.body.clone();
     let obj = body
         .as_object_mut()
         .ok_or("the request body is not a JSON object")?;
-    let params = obj
-        .entry("kv_transfer_params")
-        .or_insert_with(|| json!({}))
-        .as_object_mut()
-        .ok_or("kv_transfer_params is not a JSON object")?;
-    params.insert(
-        "tandem".into(),
+    obj.insert(
+        "kv_transfer_params".into(),
         json!({
-            "request_id": h.request_id,
-            "token": h.token,
-            "attempt": 0,
-            "kv_deadline_ms": h.kv_deadline_ms,
-            "prefix_hashes": h.hashes,
+            "tandem": {
+                "request_id": h.request_id,
+                "token": h.token,
+                "attempt": 0,
+                "kv_deadline_ms": h.kv_deadline_ms,
+                "prefix_hashes": h.hashes,
+            },
+            "do_remote_prefill": true,
         }),
     );
-    params.insert("do_remote_prefill".into(), json!(true));
     Ok(body)
 }
 
@@ -127,7 +140,9 @@ pub fn prefill_body(h: &HandOff) -> Result<Value, String> {
         .ok_or("the request body is not a JSON object")?;
     obj.insert("max_tokens".into(), json!(1));
     obj.insert("stream".into(), json!(false));
-    obj.remove("stream_options");
+    for k in ["stream_options", "min_tokens"] {
+        obj.remove(k);
+    }
     if let Some(p) = obj
         .get_mut("kv_transfer_params")
         .and_then(Value::as_object_mut)
@@ -414,13 +429,14 @@ mod tests {
     fn the_engine_body_names_the_request_and_keeps_the_clients_fields() {
         let b = engine_body(&hand_off(json!({
             "prompt": "a b c", "temperature": 0.5,
-            "kv_transfer_params": {"other": 1}
+            "kv_transfer_params": {"other": 1, "do_remote_decode": true}
         })))
         .unwrap();
         assert_eq!(b["temperature"], 0.5);
         assert_eq!(b["prompt"], "a b c");
         let p = &b["kv_transfer_params"];
-        assert_eq!(p["other"], 1);
+        // The client's own transfer parameters never reach the engine.
+        assert!(p.get("other").is_none() && p.get("do_remote_decode").is_none());
         assert_eq!(p["do_remote_prefill"], true);
         assert_eq!(p["tandem"]["request_id"], 7);
         assert_eq!(p["tandem"]["kv_deadline_ms"], 5_000);
@@ -431,13 +447,13 @@ mod tests {
     #[test]
     fn the_prefill_body_generates_one_token_and_sends_its_kv_to_the_decode() {
         let b = prefill_body(&hand_off(json!({
-            "prompt": [1, 2, 3], "max_tokens": 50, "stream": true,
+            "prompt": [1, 2, 3], "max_tokens": 50, "stream": true, "min_tokens": 5,
             "stream_options": {"include_usage": true}
         })))
         .unwrap();
         assert_eq!(b["max_tokens"], 1);
         assert_eq!(b["stream"], false);
-        assert!(b.get("stream_options").is_none());
+        assert!(b.get("stream_options").is_none() && b.get("min_tokens").is_none());
         let p = &b["kv_transfer_params"];
         assert_eq!(p["do_remote_decode"], true);
         assert!(p.get("do_remote_prefill").is_none());
@@ -476,6 +492,5 @@ mod tests {
     #[test]
     fn a_body_that_is_not_an_object_is_refused() {
         assert!(engine_body(&hand_off(json!([1, 2]))).is_err());
-        assert!(engine_body(&hand_off(json!({"kv_transfer_params": 3}))).is_err());
     }
 }
