@@ -257,44 +257,38 @@ pub fn engine_args(engine: &EngineSpec, cfg: &WorkerConfig, config_path: &str) -
             ]);
             a
         }
-        EngineKind::Vllm if vllm_pd(cfg) => {
-            let transfer = json!({
-                "kv_connector": "TandemConnector",
-                "kv_connector_module_path": "tandem_kv.vllm_pd",
-                "kv_role": match cfg.role {
-                    tandem_interfaces::config::WorkerRole::Prefill => "kv_producer",
-                    tandem_interfaces::config::WorkerRole::Decode => "kv_consumer",
-                },
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {
-                    "socket_dir": ENGINE_SOCKET_DIR,
-                    "model": model,
-                },
-            });
-            let mut a = http.to_vec();
-            a.extend([
-                ENGINE_HTTP_PORT.to_string(),
-                "--kv-transfer-config".into(),
-                transfer.to_string(),
-            ]);
-            a
-        }
         EngineKind::Vllm => {
-            let transfer = json!({
-                "kv_connector": "OffloadingConnector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {
-                    "spec_name": "TieringOffloadingSpec",
-                    "block_size": page_tokens,
-                    "cpu_bytes_to_use": cfg.memory.target_pool_bytes,
-                    "secondary_tiers": [{
-                        "type": "TandemSecondaryTier",
-                        "module_path": "tandem_kv.vllm",
+            let transfer = if vllm_pd(cfg) {
+                json!({
+                    "kv_connector": "TandemConnector",
+                    "kv_connector_module_path": "tandem_kv.vllm_pd",
+                    "kv_role": match cfg.role {
+                        tandem_interfaces::config::WorkerRole::Prefill => "kv_producer",
+                        tandem_interfaces::config::WorkerRole::Decode => "kv_consumer",
+                    },
+                    "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": {
                         "socket_dir": ENGINE_SOCKET_DIR,
                         "model": model,
-                    }],
-                },
-            });
+                    },
+                })
+            } else {
+                json!({
+                    "kv_connector": "OffloadingConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {
+                        "spec_name": "TieringOffloadingSpec",
+                        "block_size": page_tokens,
+                        "cpu_bytes_to_use": cfg.memory.target_pool_bytes,
+                        "secondary_tiers": [{
+                            "type": "TandemSecondaryTier",
+                            "module_path": "tandem_kv.vllm",
+                            "socket_dir": ENGINE_SOCKET_DIR,
+                            "model": model,
+                        }],
+                    },
+                })
+            };
             let mut a = http.to_vec();
             a.extend([
                 ENGINE_HTTP_PORT.to_string(),

@@ -205,8 +205,13 @@ def make_worker(tmp_path, request):
 
     make.cache = make_cache
     yield make
-    for w in made:
-        if w.proc and w.proc.poll() is None and w.proc.returncode is None:
+    kill_all(made)
+
+
+def kill_all(workers):
+    """SIGCONT (a test may have stopped one) then SIGKILL each running worker."""
+    for w in workers:
+        if w.proc and w.proc.poll() is None:
             try:
                 w.signal(signal.SIGCONT)
             except ProcessLookupError:

@@ -46,7 +46,7 @@ from tandem_kv.client import EngineClient, engine_identity  # noqa: E402
 from tandem_kv.vllm_pd import DecodeLoader  # noqa: E402
 
 from conftest import MODEL as BASE_MODEL  # noqa: E402
-from conftest import PAGE_TOKENS, Worker, free_ports, until, worker_config  # noqa: E402
+from conftest import PAGE_TOKENS, Worker, free_ports, kill_all, until, worker_config  # noqa: E402
 from vllm_engine import Engine, pattern  # noqa: E402
 
 NET = 153
@@ -133,12 +133,7 @@ def start_workers(tmp_path):
 def stop_all(engines, workers):
     for e in engines:
         e.stop()
-    for w in workers:
-        try:
-            w.signal(signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        w.kill()
+    kill_all(workers)
 
 
 @pytest.fixture
