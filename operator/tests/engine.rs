@@ -321,11 +321,30 @@ fn render_on(view: &PoolView<'_>, tier: &CacheTier) -> (WorkerConfig, StatefulSe
         spec: &tier.spec,
         terminating: false,
     };
+    render_with(view, lookup)
+}
+
+/// The worker config and group StatefulSet of `view` with its tier as `lookup` says.
+fn render_with(view: &PoolView<'_>, lookup: TierLookup<'_>) -> (WorkerConfig, StatefulSet) {
     let r = resolve_with(view, lookup).expect("renders");
     let mut cfg = r.config;
     cfg.revision = r.own_revision;
     let sts = workload::group_statefulset(view, &cfg, 0, &owner());
     (cfg, sts)
+}
+
+/// What every vLLM engine pod of the sample model has ([`assert_engine_pod`], `vllm serve`), and
+/// its `--kv-transfer-config` JSON.
+fn vllm_transfer_config(cfg: &WorkerConfig, sts: &StatefulSet) -> Value {
+    assert_engine_pod(
+        cfg,
+        sts,
+        SeatKind::Vllm,
+        &["meta-llama/Llama-3.1-8B-Instruct"],
+    );
+    let e = &pod(sts).containers[0];
+    assert_eq!(e.command.as_deref().unwrap(), ["vllm", "serve"]);
+    serde_json::from_str(flag(e.args.as_deref().unwrap(), "--kv-transfer-config")).unwrap()
 }
 
 /// The value after `flag` in `args`.
@@ -448,16 +467,7 @@ fn a_vllm_engine_runs_with_tandems_offloading_tier_one_chunk_per_worker_page() {
     let (tier, p, d) = engine_sample("engines/vllm.yaml");
     for view in [PoolView::prefill(&p), PoolView::decode(&d)] {
         let (cfg, sts) = render_on(&view, &tier);
-        assert_engine_pod(
-            &cfg,
-            &sts,
-            SeatKind::Vllm,
-            &["meta-llama/Llama-3.1-8B-Instruct"],
-        );
-        let e = &pod(&sts).containers[0];
-        assert_eq!(e.command.as_deref().unwrap(), ["vllm", "serve"]);
-        let t: Value =
-            serde_json::from_str(flag(e.args.as_deref().unwrap(), "--kv-transfer-config")).unwrap();
+        let t = vllm_transfer_config(&cfg, &sts);
         assert_eq!(t["kv_connector"], "OffloadingConnector");
         assert_eq!(t["kv_role"], "kv_both");
         let x = &t["kv_connector_extra_config"];
@@ -511,20 +521,9 @@ fn a_vllm_pd_stack_runs_tandems_connector_behind_the_front_door() {
         (PoolView::prefill(&p), "kv_producer"),
         (PoolView::decode(&d), "kv_consumer"),
     ] {
-        let r = resolve_with(&view, TierLookup::None).expect("renders");
-        let mut cfg = r.config;
-        cfg.revision = r.own_revision;
-        let sts = workload::group_statefulset(&view, &cfg, 0, &owner());
+        let (cfg, sts) = render_with(&view, TierLookup::None);
         assert!(vllm_pd(&cfg) && vllm_pd_pool(&view), "{role}");
-        assert_engine_pod(
-            &cfg,
-            &sts,
-            SeatKind::Vllm,
-            &["meta-llama/Llama-3.1-8B-Instruct"],
-        );
-        let e = &pod(&sts).containers[0];
-        let t: Value =
-            serde_json::from_str(flag(e.args.as_deref().unwrap(), "--kv-transfer-config")).unwrap();
+        let t = vllm_transfer_config(&cfg, &sts);
         assert_eq!(t["kv_connector"], "TandemConnector");
         assert_eq!(t["kv_connector_module_path"], "tandem_kv.vllm_pd");
         assert_eq!(t["kv_role"], role);
