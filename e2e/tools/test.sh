@@ -101,6 +101,13 @@ TANDEM_REQUIRE_VLLM=1 TANDEM_WORKER_BIN="$PWD/target/debug/tandem-worker" \
   "$py_vllm" -m pytest -q -p no:cacheprovider worker/python/tests/test_vllm_tier.py \
   worker/python/tests/test_vllm_pd.py
 
+# A thin venv over the vLLM venv (~35 s cold, 343 MB: SGLang 0.5.23 and what its host pool and
+# disaggregation modules import beyond the vLLM venv's torch), where the SGLang modules must run.
+step "tandem-kv: the SGLang L3 backend through SGLang's real factory and host pools, against a real tandem-worker"
+py_sglang=$(bash worker/tools/sglang-venv.sh)
+TANDEM_REQUIRE_SGLANG=1 TANDEM_WORKER_BIN="$PWD/target/debug/tandem-worker" \
+  "$py_sglang" -m pytest -q -p no:cacheprovider worker/python/tests/test_sglang_real.py
+
 step "CRDs in charts/tandem/crds match the types"
 cargo run --quiet -p tandem-crds --bin crdgen -- --check
 
