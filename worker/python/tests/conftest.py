@@ -158,6 +158,12 @@ class Worker:
         self.kill()
         return self.start()
 
+    def report(self) -> dict:
+        """The worker's `/report` (its health port)."""
+        url = f"http://{self.ip}:{self.config['ports']['health']}/report"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return json.loads(r.read())
+
 
 def ready(worker) -> bool:
     """Whether `worker`'s `/readyz` answers 200 (what a Service's endpoints follow)."""

@@ -15,6 +15,8 @@ Finishes. Loopback net 127.0.153.x; the vLLM venv (`worker/tools/vllm-venv.sh`).
   release is still pending — the check catches it.
 - A request whose KV never comes (the prefill never answers) fails its room at the KV deadline:
   vLLM gets the blocks as load errors, after the room's SafeToReuse, and recomputes.
+- A hand-off the prefill's engine refuses (an error status) fails at once: the Reserve is
+  refused, no room opens on the prefill, and vLLM recomputes without waiting for the KV deadline.
 
 - vLLM on both sides: the front door hands the request to the chosen prefill's engine too; its
   connector (producer) copies the prompt's blocks into the room the decode opened, and the
@@ -30,6 +32,7 @@ import signal
 import threading
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -59,9 +62,31 @@ ROW = 2 * MODEL["kv_heads"] * MODEL["head_dim"] * MODEL["dtype_bytes"]
 class PrefillDouble:
     """The prefill's engine: attaches to the prefill worker, and for each PrefillWork writes
     `pattern(request_id)` into free pages of its pool and calls PagesReady (unless the request id
-    is in `hold`); pages come back on SourceFree."""
+    is in `hold`); pages come back on SourceFree. Its HTTP API (`host:port`) takes the front
+    door's hand-off: 200 with one token, or `http_status` when set (a refusal); `posted` records
+    the bodies."""
 
-    def __init__(self, socket_dir):
+    def __init__(self, socket_dir, host, port):
+        self.http_status = 200
+        self.posted = []
+        double = self
+
+        class Api(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                double.posted.append(body)
+                out = json.dumps({"choices": [{"text": "x"}]}).encode()
+                self.send_response(double.http_status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *_):
+                pass
+
+        self.http = ThreadingHTTPServer((host, port), Api)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
         self.client = EngineClient(socket_dir)
         self.att = self.client.attach(engine_identity("vllm/0.33.0", MODEL, PAGE_TOKENS))
         self.pool = self.att.pool()
@@ -108,6 +133,8 @@ class PrefillDouble:
 
     def close(self):
         self._stop.set()
+        self.http.shutdown()
+        self.http.server_close()
         self.att.close()
         self.client.close()
 
@@ -141,7 +168,7 @@ def pd(tmp_path):
     """(prefill worker, decode worker, prefill double, engine factory); the engine factory
     `make(num_blocks, **extra)` starts the vLLM decode engine."""
     prefill, decode, http_port = start_workers(tmp_path)
-    double = PrefillDouble(prefill.socket_dir)
+    double = PrefillDouble(prefill.socket_dir, prefill.ip, http_port)
     engines = []
 
     def make(num_blocks=160, failure_policy="recompute", **extra):
@@ -287,6 +314,26 @@ def test_a_room_that_never_completes_is_a_load_error_after_its_release(pd, polic
     else:
         # vLLM's default: the request ends with an error, never with blocks it did not fill.
         assert reply["choices"][0]["finish_reason"] == "error" and reply["tandem_check"] is None, reply
+    assert engine.free_blocks() == engine.num_blocks - 1
+
+
+def test_a_hand_off_the_prefills_engine_refuses_fails_at_once_and_the_decode_recomputes(pd):
+    _, decode, double, make = pd
+    engine = make()
+    next_id = until(lambda: ready_to_serve(decode, engine), 30, "a first request served") + 1
+    assert double.posted and double.posted[-1]["max_tokens"] == 1, double.posted
+    double.http_status = 503  # e.g. still loading its weights
+    # A KV deadline far beyond the wait below: the answer must not wait for it.
+    status, reply = post(decode, {"prompt": [5] * PROMPT, "max_tokens": 1, "kv_deadline_ms": 600_000}, timeout=30)
+    assert status == 200, reply
+    assert reply["id"] == f"cmpl-{next_id}", reply
+    # No room opened: the Reserve was refused, vLLM recomputed the whole prompt.
+    assert next_id not in double.seen, double.seen
+    assert reply["tandem_check"]["computed_tokens"] == PROMPT, reply
+    loader = engine.worker._loader
+    assert loader.stats["failed"] == 1, loader.stats
+    report = decode.report()["engine"]
+    assert report["prefill_refused"] == 1, report
     assert engine.free_blocks() == engine.num_blocks - 1
 
 

@@ -265,7 +265,8 @@ impl DecodeSeat {
     /// `/report`'s `engine`: the seat's common fields (`kind`, `attached`, `attach_id`, `attaches`,
     /// `pools`) plus `work`, `rooms_reserved`, `rooms_completed`, `rooms_failed`, `releases`
     /// `{concluded, acks, transport, bypassed}`, `acks`, `quarantined`, `spec_trips`, `tokens`,
-    /// `chunks_verified`, `corrupt_chunks`, `cancelled_reports`, `requests_waiting`, `rooms_open`,
+    /// `chunks_verified`, `corrupt_chunks`, `cancelled_reports`, `prefill_refused` (hand-offs the
+    /// prefill's engine refused), `requests_waiting`, `rooms_open`,
     /// `pages` `{free, held, release_pending, quarantined, total}`, `registration` (`commits`,
     /// `rollbacks`, `fallbacks`, `quarantined`), `engine_summary` (a simulated engine's own
     /// running summary beside the socket, else null) and `tiers` (the tier calls' figures, null
@@ -336,6 +337,7 @@ pub fn report_of(
             "chunks_verified": ld(&s.chunks_verified),
             "corrupt_chunks": ld(&s.corrupt_chunks),
             "cancelled_reports": ld(&s.cancelled_reports),
+            "prefill_refused": ld(&s.prefill_refused),
             "requests_waiting": rooms.pending(),
             "rooms_open": rooms.rooms(),
             "pages": {

@@ -17,8 +17,10 @@
 //! - A client that goes away drops the hand-off: a room still waiting for its KV fails through
 //!   the gate (`ClientAbort`), and the engine sees its connection close (vLLM then aborts the
 //!   request; its connector holds the request's blocks until the room's `SafeToReuse`).
-//! - One attempt: a room that fails (peer lost, KV deadline) is the engine's to handle (vLLM
-//!   recomputes the blocks whose load failed, `get_block_ids_with_load_errors`).
+//! - One attempt: a room that fails (peer lost, KV deadline, the prefill's engine refused the
+//!   hand-off) is the engine's to handle (vLLM recomputes the blocks whose load failed,
+//!   `get_block_ids_with_load_errors`). A refused hand-off fails the room at once
+//!   ([`EngineRooms::prefill_refused`]), not at the KV deadline.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -162,10 +164,13 @@ fn prefill_engine_addr(peer: &str, port: u16) -> Option<SocketAddr> {
 
 /// Sends the request to the prefill's engine (it computes the prompt; its connector writes the KV
 /// into the room this decode's engine Reserves): bounded by the request deadline; the one-token
-/// answer is drained, a failure logged (the decode's room then fails at its KV deadline and the
-/// decode engine recomputes or fails the request, by its policy).
+/// answer is drained. A refusal (an error status, no connection, a broken answer) is logged and
+/// fails the hand-off at once ([`EngineRooms::prefill_refused`]: the decode engine recomputes
+/// now instead of waiting out the KV deadline); passing the request deadline ends the request
+/// anyway.
 fn send_to_prefill(
     client: Client<hyper_util::client::legacy::connect::HttpConnector, Body>,
+    rooms: Arc<EngineRooms>,
     addr: SocketAddr,
     body: Value,
     request_id: u64,
@@ -201,7 +206,8 @@ fn send_to_prefill(
                 tracing::debug!(request_id, %addr, "the prefill's engine computed the prompt")
             }
             Ok(Err(e)) => {
-                tracing::warn!(request_id, %addr, error = %e, "the prefill's engine did not take the request")
+                tracing::warn!(request_id, %addr, error = %e, "the prefill's engine did not take the request");
+                rooms.prefill_refused(request_id, 0, &format!("{addr}: {e}"));
             }
             Err(_) => {
                 tracing::warn!(request_id, %addr, "the prefill's engine passed the request deadline")
@@ -274,15 +280,25 @@ pub(super) async fn completion(
         prefill_body(&h),
     ) {
         (Some(addr), Ok(pbody)) => {
-            send_to_prefill(client.clone(), addr, pbody, h.request_id, deadline);
+            send_to_prefill(
+                client.clone(),
+                rooms.clone(),
+                addr,
+                pbody,
+                h.request_id,
+                deadline,
+            );
         }
-        (addr, body) => tracing::warn!(
-            request_id = h.request_id,
-            %peer,
-            ?addr,
-            error = ?body.err(),
-            "no prefill hand-off: the decode engine's room fails at its KV deadline"
-        ),
+        (addr, body) => {
+            tracing::warn!(
+                request_id = h.request_id,
+                %peer,
+                ?addr,
+                error = ?body.err(),
+                "no prefill hand-off: the decode engine recomputes"
+            );
+            rooms.prefill_refused(h.request_id, 0, "no prefill hand-off could be built");
+        }
     }
     let reply = match tokio::time::timeout_at(deadline, client.request(req)).await {
         Ok(Ok(r)) => r,

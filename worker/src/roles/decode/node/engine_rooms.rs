@@ -67,6 +67,9 @@ struct Pending {
     spec: cpb::RequestSpec,
     tx: mpsc::UnboundedSender<EngineEvent>,
     room: Option<RoomKey>,
+    /// Why the prefill will not compute the prompt (its engine refused the front door's
+    /// hand-off), once known: no room opens any more, and an open one has failed.
+    refused: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -99,6 +102,8 @@ pub struct EngineRoomStats {
     pub engine_lost: AtomicU64,
     /// EmitTokens answered `cancelled`.
     pub cancelled_reports: AtomicU64,
+    /// Hand-offs whose prefill engine refused the request ([`EngineRooms::prefill_refused`]).
+    pub prefill_refused: AtomicU64,
 }
 
 /// The engine rooms of one decode node.
@@ -273,6 +278,7 @@ impl EngineRooms {
                 spec,
                 tx,
                 room: None,
+                refused: None,
             },
         );
         if let Some(old) = old {
@@ -294,6 +300,32 @@ impl EngineRooms {
             if let Some(p) = p {
                 self.abandon(p);
             }
+        }
+    }
+
+    /// The prefill's engine refused attempt `attempt` of `request` (the front door's hand-off to
+    /// it failed: an error status, or no connection; `roles::decode::own_api`), so no KV will
+    /// come: a room already reserved fails now through the gate (cause `PrefillFailed`), and a
+    /// later Reserve under this id is refused — the decode engine recomputes at once instead of
+    /// waiting out the KV deadline. Safe whatever the prefill did: a late write of a failed room
+    /// is fenced out by the gate like any other.
+    pub fn prefill_refused(&self, request: u64, attempt: u32, why: &str) {
+        let room = {
+            let mut pending = lock(&self.pending);
+            let Some(p) = pending
+                .get_mut(&request)
+                .filter(|p| p.attempt == attempt && p.refused.is_none())
+            else {
+                return;
+            };
+            p.refused = Some(why.to_owned());
+            p.room
+        };
+        self.stats.prefill_refused.fetch_add(1, Ordering::Relaxed);
+        let Some(key) = room else { return };
+        let complete = lock(&self.rooms).get(&key).is_none_or(|r| r.complete);
+        if !complete && let Some(side) = self.side() {
+            side.fail(key, FailureCause::PrefillFailed);
         }
     }
 
@@ -449,6 +481,12 @@ impl KvSource for EngineRooms {
                 return Err(format!(
                     "attempt {} of request {} already reserved {k}",
                     p.attempt, room.request_id
+                ));
+            }
+            if let Some(why) = &p.refused {
+                return Err(format!(
+                    "request {}: the prefill's engine refused it ({why}); no KV will come",
+                    room.request_id
                 ));
             }
             p.room = Some(room.key);
