@@ -409,6 +409,7 @@ fn peer_message(rng: &mut Rng, method: &str) -> Vec<u8> {
             layout,
             deadline_ms: rng.below(2000),
             decode_incarnation: rng.below(4),
+            hand_off_token: rng.next(),
         }
         .encode_to_vec(),
         "SubmitChunk" => pb::SubmitChunkRequest {

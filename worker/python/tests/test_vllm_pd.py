@@ -21,6 +21,8 @@ Finishes. Loopback net 127.0.153.x; the vLLM venv (`worker/tools/vllm-venv.sh`).
 - vLLM on both sides: the front door hands the request to the chosen prefill's engine too; its
   connector (producer) copies the prompt's blocks into the room the decode opened, and the
   decode's blocks hold exactly what the prefill computed; both engines free every block after.
+  A request sent to the prefill's engine directly, naming a handed-over id with another token,
+  sends nothing: the room waits for the request that carries its token.
 
 The other tests' prefill engine is a test double on the engine API, which can hold a room back:
 it writes `vllm_engine.pattern` into its pool pages and calls PagesReady.
@@ -61,7 +63,7 @@ ROW = 2 * MODEL["kv_heads"] * MODEL["head_dim"] * MODEL["dtype_bytes"]
 
 class PrefillDouble:
     """The prefill's engine: attaches to the prefill worker, and for each PrefillWork writes
-    `pattern(request_id)` into free pages of its pool and calls PagesReady (unless the request id
+    `pattern(request_id, hand_off_token)` into free pages of its pool and calls PagesReady (unless the request id
     is in `hold`); pages come back on SourceFree. Its HTTP API (`host:port`) takes the front
     door's hand-off: 200 with one token, or `http_status` when set (a refusal); `posted` records
     the bodies."""
@@ -115,7 +117,7 @@ class PrefillDouble:
         n_pages = -(-w.tokens // PAGE_TOKENS)
         with self._lock:
             pages, self.free = self.free[:n_pages], self.free[n_pages:]
-        want = pattern(w.request_id, n_pages * PAGE_TOKENS, MODEL["layers"], ROW)
+        want = pattern(w.request_id, n_pages * PAGE_TOKENS, MODEL["layers"], ROW, w.hand_off_token)
         for k, page in enumerate(pages):
             rows = want[k * PAGE_TOKENS : (k + 1) * PAGE_TOKENS]  # (tokens, layers, row)
             self.pool.write_page(page, np.ascontiguousarray(rows.transpose(1, 0, 2)).tobytes())
@@ -356,6 +358,34 @@ def test_vllm_on_both_sides_the_prefills_computed_kv_lands_in_the_decodes_blocks
     assert len(p_engine.computed) == sender.stats["sent"]
     until(lambda: p_engine.free_blocks() == p_engine.num_blocks - 1, 10, "the prefill's blocks freed after the sends")
     assert d_engine.free_blocks() == d_engine.num_blocks - 1
+
+
+def test_a_request_sent_to_the_prefills_engine_directly_cannot_write_a_handed_over_room(pd_vllm):
+    _, decode, p_engine, d_engine = pd_vllm
+    handed = until(lambda: ready_to_serve(decode, d_engine), 30, "a first request served") + 1
+    # The prefill's engine sees the front door's hand-off of `handed` only once the test lets it
+    # in; the decode's engine Reserves meanwhile, so the room waits on the prefill.
+    let_in = p_engine.delay_first[handed] = threading.Event()
+    t, first = post_async(decode, {"prompt": [5] * PROMPT, "max_tokens": 1})
+    until(lambda: handed not in p_engine.delay_first, 30, "the hand-off reached the prefill's engine")
+    sender = p_engine.worker._loader
+    until(lambda: handed in sender._work, 30, "the decode's room reached the prefill's connector")
+    # Someone who reaches the prefill's API directly names that request id with another token:
+    # the prefill computes other bytes (the pattern of that token) ...
+    body = {"prompt": [9] * PROMPT, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True, "tandem": {"request_id": handed, "token": 1}}}
+    req = urllib.request.Request(p_engine.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+    # ... and sends none of them: the room stays for the request that carries its token.
+    until(lambda: sender.stats["wrong_token"] == 1, 30, "the direct request's send given up")
+    assert handed in sender._work
+    let_in.set()
+    t.join(60)
+    status, reply = first["reply"]
+    assert status == 200, reply
+    assert reply["tandem_check"] == {"tokens": PROMPT, "corrupt_rows": 0, "computed_tokens": 1}, reply
+    assert sender.stats["no_room"] == 0, sender.stats
 
 
 def test_the_connector_reattaches_after_the_decode_worker_restarts(pd):

@@ -39,9 +39,12 @@ from tandem_kv.vllm_pd import TandemConnector
 BLOCK = 16
 
 
-def pattern(request_id: int, tokens: int, layers: int, row: int) -> np.ndarray:
-    """The bytes a test prefill writes for `request_id`: (tokens, layers, row) uint8, distinct per
-    request, token, layer and byte (one wrong row anywhere is caught)."""
+def pattern(request_id: int, tokens: int, layers: int, row: int, token: int = 0) -> np.ndarray:
+    """The bytes a test prefill writes for `request_id` handed over with hand-off `token`:
+    (tokens, layers, row) uint8, distinct per request, token, layer and byte (one wrong row
+    anywhere is caught), and per hand-off token (a request that names another's id with another
+    token computes other bytes)."""
+    request_id = (request_id ^ token) % (1 << 64)
     t = np.arange(tokens, dtype=np.uint64)[:, None, None]
     layer = np.arange(layers, dtype=np.uint64)[None, :, None]
     b = np.arange(row, dtype=np.uint64)[None, None, :]
@@ -277,7 +280,8 @@ class Engine:
         blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
         n = slot["n"]
         row = 2 * self.model["kv_heads"] * self.model["head_dim"] * 2
-        return slot, n, blocks, pattern(slot["tandem"]["request_id"], n, self.model["layers"], row)
+        t = slot["tandem"]
+        return slot, n, blocks, pattern(t["request_id"], n, self.model["layers"], row, int(t.get("token") or 0))
 
     def _kv_of(self, row_bytes):
         """A worker row's K and V of each head as float16 (heads, dim) arrays: the row is K of
@@ -290,7 +294,7 @@ class Engine:
 
     def _compute(self, req_id):
         """The prefill's forward pass, as far as the KV goes: the prompt's K and V of every head
-        and layer become `pattern(front door id)` in the request's blocks."""
+        and layer become `pattern(front door id, hand-off token)` in the request's blocks."""
         got = self._rows_of(req_id)
         if got is None:
             return

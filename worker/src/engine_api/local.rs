@@ -163,6 +163,7 @@ impl KvSource for LocalLink {
             request_id: room.request_id,
             tokens: room.tokens,
             deadline_ms: room.deadline.as_millis() as u64,
+            hand_off_token: room.hand_off_token,
             ..pb::PrefillWork::default()
         };
         prefill.submit_work(work).map_err(|e| {

@@ -44,7 +44,9 @@ Decode (consumer):
 
 Prefill (producer): a request that computed its prompt (finished with its one token) keeps its
 blocks (`request_finished` answers True); the worker side waits for the room the decode opened
-under the front door's id (`Prefill.WatchWork`, within the KV deadline plus `kv_slack_s`), copies
+under the front door's id (`Prefill.WatchWork`, within the KV deadline plus `kv_slack_s`; a room
+whose `hand_off_token` is not the request's own is left alone and nothing is sent, so a client
+that reaches this engine's API directly cannot write another request's room), copies
 the blocks into free pages of the worker's pool, calls `PagesReady(last)` and reports the send
 (`finished_sending`): vLLM frees the blocks, the worker moves the pages to the decode and gives
 them back on `SourceFree`. An aborted prefill sends nothing (the decode's room fails at its KV
@@ -122,14 +124,16 @@ class LoadSpec:
 @dataclass
 class SendSpec:
     """One prefill request's send: vLLM's id, the front door's id, the prompt's tokens, the
-    request's blocks from token 0 (held by vLLM until the send is reported) and how long the
-    decode waits for the KV."""
+    request's blocks from token 0 (held by vLLM until the send is reported), how long the
+    decode waits for the KV, and the hand-off token (`kv_transfer_params.tandem.token`: the KV
+    goes only into a room Reserved with the same token)."""
 
     req_id: str
     tandem_id: int
     kv_deadline_ms: int
     prompt_tokens: int
     block_ids: list
+    token: int = 0
 
 
 @dataclass
@@ -302,6 +306,7 @@ class _SchedulerSide:
                 kv_deadline_ms=max(1, int(t.get("kv_deadline_ms") or 30_000)),
                 prompt_tokens=int(request.num_prompt_tokens),
                 block_ids=list(block_ids),
+                token=int(t.get("token") or 0),
             )
         )
         return True
@@ -758,7 +763,7 @@ class PrefillSender(_EngineSide):
         self._work = {}  # front door id -> (PrefillWork, when to forget it)
         self._free = []
         self._sent = set()
-        self.stats = {"sent": 0, "no_room": 0, "refused": 0, "failed": 0}
+        self.stats = {"sent": 0, "no_room": 0, "refused": 0, "failed": 0, "wrong_token": 0}
 
     def _on_attach(self, att) -> None:
         self._work.clear()
@@ -802,7 +807,13 @@ class PrefillSender(_EngineSide):
                     if left <= 0:
                         break
                     self._cv.wait(left)
-                work = self._work.pop(spec.tandem_id, (None, 0))[0]
+                work = self._work.get(spec.tandem_id, (None, 0))[0]
+                if work is not None and work.hand_off_token != spec.token:
+                    # Not this request's room (a request sent to this engine directly, naming
+                    # another's id): the room stays for the request that carries its token.
+                    outcome = "wrong_token"
+                    return
+                self._work.pop(spec.tandem_id, None)
                 tokens = 0 if work is None else min(int(work.tokens), spec.prompt_tokens)
                 need = -(-tokens // p_tok)
                 while work is not None and len(self._free) < need and self._att is att:
@@ -831,7 +842,9 @@ class PrefillSender(_EngineSide):
         except Exception as e:  # never let a send thread die with the request's blocks held
             logger.exception("tandem: request %s: send failed: %r", spec.req_id, e)
         finally:
-            if outcome != "sent":
+            if outcome == "wrong_token":
+                logger.warning("tandem: request %s names room of tandem request %d with another hand-off token: nothing sent", spec.req_id, spec.tandem_id)
+            elif outcome != "sent":
                 logger.info("tandem: request %s (tandem %d): %s", spec.req_id, spec.tandem_id, outcome)
             with self._lock:
                 self.stats[outcome] += 1

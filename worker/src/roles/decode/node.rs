@@ -1061,6 +1061,7 @@ impl DecodeNode {
             layout: Some(layout.into()),
             deadline_ms: deadline.as_millis() as u64,
             decode_incarnation: self.incarnation,
+            hand_off_token: 0,
         };
         let mut client = link.client.clone();
         let hits = match client.open_room(open).await {

@@ -518,6 +518,7 @@ impl KvSource for EngineRooms {
             layout: Some(self.layout.into()),
             deadline_ms: room.deadline.as_millis() as u64,
             decode_incarnation: self.node.incarnation,
+            hand_off_token: room.hand_off_token,
         };
         let mut client = link.client.clone();
         let api = self.api.get().cloned();

@@ -81,8 +81,9 @@ impl PrefillNode {
         self.engine.get()?.upgrade()?.prefill_side()
     }
 
-    /// Hands room `key` (the decode's `pages` destination pages for `request`) to the engine; the
-    /// room fails with a reason if the engine has not produced it within `deadline`.
+    /// Hands room `key` (the decode's `pages` destination pages for `request`, Reserved under
+    /// `hand_off_token` or 0) to the engine; the room fails with a reason if the engine has not
+    /// produced it within `deadline`.
     fn engine_open(
         &self,
         key: RoomKey,
@@ -90,6 +91,7 @@ impl PrefillNode {
         pages: u32,
         deadline: Duration,
         prefix_hashes: Vec<Vec<u8>>,
+        hand_off_token: u64,
     ) -> Result<(), Status> {
         let side = self
             .engine_side()
@@ -101,6 +103,7 @@ impl PrefillNode {
             tokens: pages.saturating_mul(self.cfg.layout.page_tokens),
             deadline_ms: deadline.as_millis() as u64,
             prefix_hashes,
+            hand_off_token,
         };
         side.submit_work(work)
             .map_err(|e| Status::unavailable(e.to_string()))?;
@@ -393,6 +396,7 @@ impl PrefillService {
             Duration::from_millis(r.deadline_ms)
         };
         let pages = r.dst_pages.len() as u32;
+        let hand_off_token = r.hand_off_token;
         {
             let mut plans = lock(&self.node.plans);
             if plans.contains_key(&key) {
@@ -412,7 +416,10 @@ impl PrefillService {
                 },
             );
         }
-        if let Err(status) = self.node.engine_open(key, request, pages, deadline, hashes) {
+        if let Err(status) =
+            self.node
+                .engine_open(key, request, pages, deadline, hashes, hand_off_token)
+        {
             lock(&self.node.plans).remove(&key);
             tracing::warn!(%key, %status, "room refused: no engine to compute it");
             return Err(status);
