@@ -399,17 +399,16 @@ pub(crate) const REAL_ENGINE_PREFILL_MESSAGE: &str = "layerSplit and speculative
      LayerSplit or the draft pool (run the engine's own speculative decoding through engine.args)";
 
 /// CEL (DecodePool): `speculative` (with its spec guard) takes effect only beside the Simulated
-/// engine, and `prefill.kvDeadline` beside it or on a vLLM DecodePool without a CacheTier (vLLM
-/// prefill/decode through Tandem: the front door hands the deadline to the engine's connector).
-/// An SGLang decode, or a vLLM one with a CacheTier, serves whole requests on its own API in this
-/// version: no room, KV deadline, draft pool or spec guard is on its path.
+/// engine, and `prefill.kvDeadline` beside it or on an SGLang or vLLM DecodePool without a
+/// CacheTier (prefill/decode through Tandem: the front door hands the deadline to the engine's
+/// transfer backend or connector). A DecodePool with a CacheTier serves whole requests on the
+/// engine's own API in this version: no room, KV deadline, draft pool or spec guard is on its path.
 pub(crate) const REAL_ENGINE_DECODE_RULE: &str = "!has(self.engine) || self.engine.kind == 'Simulated' \
-     || (!has(self.speculative) && (!has(self.prefill.kvDeadline) \
-     || (self.engine.kind == 'vLLM' && !has(self.cacheTierRef))))";
-pub(crate) const REAL_ENGINE_DECODE_MESSAGE: &str = "speculative, and prefill.kvDeadline unless the engine \
-     is vLLM without a CacheTier (prefill/decode through Tandem), take effect only with engine.kind \
-     Simulated in this version: an SGLang decode, or a vLLM one with a CacheTier, serves whole requests \
-     on its own API, so no draft pool, spec guard or KV deadline is on its path (run the engine's own \
+     || (!has(self.speculative) && (!has(self.prefill.kvDeadline) || !has(self.cacheTierRef)))";
+pub(crate) const REAL_ENGINE_DECODE_MESSAGE: &str = "speculative, and prefill.kvDeadline unless the \
+     DecodePool has no CacheTier (prefill/decode through Tandem), take effect only with engine.kind \
+     Simulated in this version: an SGLang or vLLM decode with a CacheTier serves whole requests on its \
+     own API, so no draft pool, spec guard or KV deadline is on its path (run the engine's own \
      speculative decoding through engine.args)";
 
 /// Message of the engine's GPU rule.

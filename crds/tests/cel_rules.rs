@@ -282,8 +282,7 @@ fn real_engines_refuse_what_only_the_simulated_engine_serves() {
     use serde_json::json;
     let parallel = "engine.kind SGLang and vLLM run one engine per pod";
     let prefill_only = "layerSplit and speculative take effect only with engine.kind Simulated";
-    let decode_only =
-        "speculative, and prefill.kvDeadline unless the engine is vLLM without a CacheTier";
+    let decode_only = "speculative, and prefill.kvDeadline unless the DecodePool has no CacheTier";
     let speculative = json!({"draftModel": {"name": "llama-3.2-1b", "layers": 16,
         "attention": "GQA", "kvHeads": 8, "headDim": 64, "dtype": "BF16"}, "draftTokens": 4});
     for file in ["prefillpool.yaml", "decodepool.yaml"] {
@@ -334,15 +333,15 @@ fn real_engines_refuse_what_only_the_simulated_engine_serves() {
             }
         }
         if decode {
-            // vLLM prefill/decode through Tandem (no CacheTier): the front door hands the KV
-            // deadline to the engine's connector, so it is admitted there.
+            // SGLang and vLLM prefill/decode through Tandem (no CacheTier): the front door hands
+            // the KV deadline to the engine's transfer backend or connector, so it is admitted.
             let mut doc = base.clone();
             doc["spec"].as_object_mut().unwrap().remove("cacheTierRef");
             doc["spec"]["prefill"]["kvDeadline"] = json!({"milliseconds": 10000});
-            doc["spec"]["engine"] = json!({"kind": "vLLM", "image": "e:1"});
-            assert_eq!(admit(&doc, None), Ok(()), "vLLM PD with a KV deadline");
-            doc["spec"]["engine"] = json!({"kind": "SGLang", "image": "e:1"});
-            assert!(admit(&doc, None).is_err(), "SGLang takes no hand-off");
+            for kind in ["SGLang", "vLLM"] {
+                doc["spec"]["engine"] = json!({"kind": kind, "image": "e:1"});
+                assert_eq!(admit(&doc, None), Ok(()), "{kind} PD with a KV deadline");
+            }
         }
         // Without an engine (the worker's built-in simulated engine) every field is admitted too.
         let mut doc = base.clone();

@@ -103,10 +103,11 @@ TANDEM_REQUIRE_VLLM=1 TANDEM_WORKER_BIN="$PWD/target/debug/tandem-worker" \
 
 # A thin venv over the vLLM venv (~35 s cold, 343 MB: SGLang 0.5.23 and what its host pool and
 # disaggregation modules import beyond the vLLM venv's torch), where the SGLang modules must run.
-step "tandem-kv: the SGLang L3 backend through SGLang's real factory and host pools, against a real tandem-worker"
+step "tandem-kv: the SGLang L3 backend through SGLang's real factory and host pools, and the SGLang PD transfer backend through SGLang's plugin loader and KV pool behind the decode front door, against real tandem-workers"
 py_sglang=$(bash worker/tools/sglang-venv.sh)
 TANDEM_REQUIRE_SGLANG=1 TANDEM_WORKER_BIN="$PWD/target/debug/tandem-worker" \
-  "$py_sglang" -m pytest -q -p no:cacheprovider worker/python/tests/test_sglang_real.py
+  "$py_sglang" -m pytest -q -p no:cacheprovider worker/python/tests/test_sglang_real.py \
+  worker/python/tests/test_sglang_pd.py
 
 step "CRDs in charts/tandem/crds match the types"
 cargo run --quiet -p tandem-crds --bin crdgen -- --check

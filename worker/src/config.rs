@@ -114,14 +114,19 @@ mod tests {
             });
             c.check().unwrap();
         }
-        // A vLLM decode without a cache hands requests over with the KV deadline; SGLang, and a
-        // vLLM decode serving the tier calls (the sample has a cache), take none.
+        // A decode without a cache hands requests over with the KV deadline; one serving the tier
+        // calls (the sample has a cache) takes none.
         let (cache, mode) = (c.cache.clone(), c.memory.client_mode);
         for (kind, cached, named) in [
             (
                 EngineKind::SgLang,
-                false,
+                true,
                 "kvDeadline, parallelism above 1 set beside engine",
+            ),
+            (
+                EngineKind::SgLang,
+                false,
+                "parallelism above 1 set beside engine",
             ),
             (
                 EngineKind::Vllm,

@@ -528,12 +528,11 @@ impl WorkerConfig {
             // report settings it does not act on.
             let unused: Vec<&str> = [
                 ("speculative", self.speculative.is_some()),
-                // A vLLM decode without a cache hands its requests over with the KV deadline
-                // (`roles::decode::own_api`); SGLang, and vLLM serving the tier calls, take none.
+                // A decode without a cache hands its requests over with the KV deadline
+                // (`roles::decode::own_api`); one serving the tier calls takes none.
                 (
                     "kvDeadline",
-                    self.kv_deadline.is_some()
-                        && (e.kind != EngineKind::Vllm || self.cache.is_some()),
+                    self.kv_deadline.is_some() && self.cache.is_some(),
                 ),
                 ("layerSplit", self.layer_split.is_some()),
                 (
@@ -547,8 +546,8 @@ impl WorkerConfig {
             if !unused.is_empty() {
                 return bad(format!(
                     "{} set beside engine {:?}: not on this engine's path in this version (one \
-                     engine per pod; no draft pool or LayerSplit; a room deadline only on a vLLM \
-                     decode's front door)",
+                     engine per pod; no draft pool or LayerSplit; a room deadline only on the front \
+                     door of a decode without a cache)",
                     unused.join(", "),
                     e.kind
                 ));

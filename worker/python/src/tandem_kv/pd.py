@@ -308,8 +308,16 @@ class DecodeLoader(EngineSide):
             self.stats["failed"] += 1
             # An aborted request is gone from the scheduler: its blocks are freed, not recomputed
             # (naming them invalid could hit the request they go to next).
-            if not ld.aborted:
-                self._errors.update(spec.block_ids[spec.first_token // self.block_size :])
+        self._report(ld, ok)
+
+    def _report(self, ld: _Load, ok: bool) -> None:
+        """Tells the engine that `ld`'s blocks are its own again (called with the lock held once,
+        after the room's SafeToReuse): here, vLLM's `get_finished` / load-error sets."""
+        spec = ld.spec
+        # An aborted request is gone from the scheduler: its blocks are freed, not recomputed
+        # (naming them invalid could hit the request they go to next).
+        if not ok and not ld.aborted:
+            self._errors.update(spec.block_ids[spec.first_token // self.block_size :])
         self._finished.add(spec.req_id)
 
     def _hold(self, att, ld: _Load, ok: bool) -> None:
@@ -542,7 +550,7 @@ class PrefillSender(EngineSide):
                     pages, self._free = self._free[:need], self._free[need:]
             if pages is not None:
                 try:
-                    self._copy_out(pool, pages, spec.block_ids, tokens)
+                    self._copy_out(pool, pages, spec, tokens)
                 except BaseException:
                     with self._lock:  # the worker never saw them: they are free again
                         self._free.extend(pages)
@@ -562,9 +570,14 @@ class PrefillSender(EngineSide):
                 logger.info("tandem: request %s (tandem %d): %s", spec.req_id, spec.tandem_id, outcome)
             with self._lock:
                 self.stats[outcome] += 1
-                self._sent.add(spec.req_id)
+                self._report_sent(spec, outcome)
 
-    def _copy_out(self, pool, pages, block_ids, tokens: int) -> None:
-        """Copies tokens [0, tokens) of the request's blocks into the pool's `pages` (the
-        engine's subclass)."""
+    def _report_sent(self, spec: SendSpec, outcome: str) -> None:
+        """Tells the engine that `spec`'s blocks are its own again (called with the lock held,
+        once per send; `outcome` is a `stats` key): here, vLLM's `get_finished` set."""
+        self._sent.add(spec.req_id)
+
+    def _copy_out(self, pool, pages, spec: SendSpec, tokens: int) -> None:
+        """Copies tokens [0, tokens) of `spec`'s blocks into the pool's `pages` (the engine's
+        subclass)."""
         raise NotImplementedError

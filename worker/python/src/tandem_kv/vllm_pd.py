@@ -348,11 +348,11 @@ class _VllmViews:
         for li, (_, kv) in enumerate(self._layers):
             kv[kb.to(kv.device), :, row.to(kv.device)] = self._from_rows(rows[page, li, prow], kv)
 
-    def _copy_out(self, pool, pages, block_ids, tokens: int) -> None:
+    def _copy_out(self, pool, pages, spec, tokens: int) -> None:
         """Copies tokens [0, tokens) of the request's blocks into `pages`: per layer one indexed
         read of vLLM's view and one scatter into the pool."""
         rows = self._rows(pool)
-        page, prow, kb, row = self._index(pages, block_ids, 0, tokens, rows.shape[2])
+        page, prow, kb, row = self._index(pages, spec.block_ids, 0, tokens, rows.shape[2])
         for li, (_, kv) in enumerate(self._layers):
             rows[page, li, prow] = self._to_rows(kv[kb.to(kv.device), :, row.to(kv.device)], rows.shape[4])
 

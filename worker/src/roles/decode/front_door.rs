@@ -495,6 +495,7 @@ async fn completions(
             hashes: req.kv_block_hashes.clone(),
             kv_deadline_ms: kv_deadline.as_millis().max(1) as u64,
             token: super::own_api::hand_off_token(request_id),
+            style: own.style,
         };
         return super::own_api::completion(engine, rooms, own, hand, admission).await;
     }

@@ -417,24 +417,25 @@ impl DecodeServer {
         let kv_deadline = opts.kv_deadline;
         let (p, n) = (peers.clone(), node.clone());
         let own_api_engine = cfg.engine.as_ref().and_then(|e| {
-            let kind = match e.kind {
+            let (kind, style) = match e.kind {
                 EngineKind::Simulated => return None,
-                EngineKind::SgLang => "SGLang",
-                EngineKind::Vllm => "vLLM",
+                EngineKind::SgLang => ("SGLang", own_api::HandOffStyle::SgLang),
+                EngineKind::Vllm => ("vLLM", own_api::HandOffStyle::Vllm),
             };
             Some(own_api::OwnApiEngine {
                 kind,
+                style,
                 addr: std::net::SocketAddr::from(([127, 0, 0, 1], e.http_port())),
-                hands_off: e.kind == EngineKind::Vllm && !serves_tiers(cfg),
+                hands_off: !serves_tiers(cfg),
             })
         });
         let ready_now: Arc<dyn Fn() -> Result<(), String> + Send + Sync> =
             if own_api_engine.is_some_and(|o| !o.hands_off) {
-                // An SGLang decode, or a vLLM one serving the tier calls, serves whole requests on
-                // its own API (the Service targets it) and takes no KV from the prefills: its
-                // readiness is the attach alone, so that a PrefillPool rollout or outage does not
-                // empty the DecodePool's endpoints. A vLLM decode the front door hands requests to
-                // needs a live prefill, as the Simulated engine's.
+                // An SGLang or vLLM decode serving the tier calls serves whole requests on its own
+                // API (the Service targets it) and takes no KV from the prefills: its readiness is
+                // the attach alone, so that a PrefillPool rollout or outage does not empty the
+                // DecodePool's endpoints. A decode the front door hands requests to needs a live
+                // prefill, as the Simulated engine's.
                 Arc::new(|| Ok(()))
             } else {
                 Arc::new(move || {

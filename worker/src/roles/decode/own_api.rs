@@ -41,16 +41,41 @@ use super::front_door::request_error_after;
 use super::node::engine_rooms::{EngineEvent, EngineRooms};
 use crate::control::pb as cpb;
 
+/// How a hand-off names the request, its room and its token to the engines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandOffStyle {
+    /// vLLM's `kv_transfer_params` (`tandem` and `do_remote_prefill` / `do_remote_decode`), read
+    /// by `tandem_kv.vllm_pd.TandemConnector`.
+    Vllm,
+    /// SGLang's PD routing fields (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`), read by
+    /// the `tandem` transfer backend (`tandem_kv.sglang_pd`): the room is the request id, the host
+    /// carries the token and the KV deadline ([`sglang_bootstrap_host`]).
+    SgLang,
+}
+
+/// SGLang's default `--disaggregation-bootstrap-port`: the port the hand-off names (the `tandem`
+/// backend runs no bootstrap server; SGLang only needs a port to build the address).
+pub const SGLANG_BOOTSTRAP_PORT: u16 = 8998;
+
+/// The `bootstrap_host` of an SGLang hand-off: `tandem-<token, 16 hex digits>-<KV deadline ms>`, a
+/// valid host name that SGLang hands, as it is, to the transfer backend's sender and receiver
+/// (`tandem_kv.sglang_pd.parse_bootstrap_host` reads it back).
+pub fn sglang_bootstrap_host(token: u64, kv_deadline_ms: u64) -> String {
+    format!("tandem-{token:016x}-{kv_deadline_ms}")
+}
+
 /// The engine beside a decode worker that serves its own API.
 #[derive(Debug, Clone, Copy)]
 pub struct OwnApiEngine {
     /// `SGLang` or `vLLM` (the config's `engine.kind`).
     pub kind: &'static str,
+    /// How the hand-off names the request to this kind of engine.
+    pub style: HandOffStyle,
     /// The engine's HTTP API on the pod's loopback (`127.0.0.1:<engine.httpPort>`).
     pub addr: SocketAddr,
-    /// Whether the front door hands requests to the engine: for vLLM (whose connector,
-    /// `tandem_kv.vllm_pd`, Reserves under the hand-off) on a decode that does not serve the tier
-    /// calls from the engine's pool (`super::serves_tiers`: the tier calls use any page of that
+    /// Whether the front door hands requests to the engine: for vLLM and SGLang (whose adapters,
+    /// `tandem_kv.vllm_pd` and `tandem_kv.sglang_pd`, Reserve under the hand-off) on a decode that
+    /// does not serve the tier calls from the engine's pool (`super::serves_tiers`: the tier calls use any page of that
     /// pool, so no room may be reserved in it). Otherwise the front door answers 421
     /// `engine_serves_its_own_api` and the DecodePool Service targets the engine directly.
     pub hands_off: bool,
@@ -75,6 +100,8 @@ pub struct HandOff {
     pub kv_deadline_ms: u64,
     /// The hand-off token (random, non-zero) the engine's Reserve must carry.
     pub token: u64,
+    /// How the bodies name the request to the engines.
+    pub style: HandOffStyle,
 }
 
 /// The id a request is handed over under: the front door's `request_id` in the low 32 bits and
@@ -85,10 +112,11 @@ pub fn hand_off_id(base: u64, request_id: u64) -> u64 {
     base | (request_id & 0xFFFF_FFFF)
 }
 
-/// This process's random high 32 bits of [`hand_off_id`] (never 0).
+/// This process's random high bits of [`hand_off_id`] (bits 32..63, never 0; bit 63 clear, so
+/// that an id fits SGLang's signed 64-bit `bootstrap_room`).
 pub fn hand_off_base() -> u64 {
     static BASE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *BASE.get_or_init(|| (hand_off_token(0) & 0xFFFF_FFFF_0000_0000).max(1 << 32))
+    *BASE.get_or_init(|| (hand_off_token(0) & 0x7FFF_FFFF_0000_0000).max(1 << 32))
 }
 
 /// A hand-off token for `request_id`: SipHash under the process's random keys (std's
@@ -100,11 +128,13 @@ pub fn hand_off_token(request_id: u64) -> u64 {
     h.finish().max(1)
 }
 
-/// The body the engine gets: the client's, with `kv_transfer_params` replaced by the front door's
-/// (`tandem`: the request id, hand-off token, attempt, KV deadline and prefix hashes;
-/// `do_remote_prefill: true`, vLLM's spelling of "the KV comes from a prefill"). A client's own
-/// `kv_transfer_params` never reach the engine: they could steer its connector (e.g.
-/// `do_remote_decode` on a decode would hold the request's blocks for a send that never comes).
+/// The body the engine gets: the client's, with the routing fields replaced by the front door's.
+/// vLLM: `kv_transfer_params` = `tandem` (the request id, hand-off token, attempt, KV deadline and
+/// prefix hashes) and `do_remote_prefill: true`, vLLM's spelling of "the KV comes from a prefill".
+/// SGLang: `bootstrap_room` = the request id, `bootstrap_host` = [`sglang_bootstrap_host`],
+/// `bootstrap_port` = [`SGLANG_BOOTSTRAP_PORT`]. A client's own routing fields never reach the
+/// engine: they could steer its connector (e.g. `do_remote_decode` on a decode would hold the
+/// request's blocks for a send that never comes; a `bootstrap_room` would name another room).
 ///
 /// # Errors
 /// The body is not a JSON object.
@@ -113,6 +143,25 @@ pub fn engine_body(h: &HandOff) -> Result<Value, String> {
     let obj = body
         .as_object_mut()
         .ok_or("the request body is not a JSON object")?;
+    for k in [
+        "kv_transfer_params",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "bootstrap_pair_key",
+        "disagg_prefill_dp_rank",
+    ] {
+        obj.remove(k);
+    }
+    if h.style == HandOffStyle::SgLang {
+        obj.insert("bootstrap_room".into(), json!(h.request_id));
+        obj.insert(
+            "bootstrap_host".into(),
+            json!(sglang_bootstrap_host(h.token, h.kv_deadline_ms)),
+        );
+        obj.insert("bootstrap_port".into(), json!(SGLANG_BOOTSTRAP_PORT));
+        return Ok(body);
+    }
     obj.insert(
         "kv_transfer_params".into(),
         json!({
@@ -130,8 +179,9 @@ pub fn engine_body(h: &HandOff) -> Result<Value, String> {
 }
 
 /// The body the chosen prefill's engine gets: the client's, generating one token and not
-/// streamed, with `kv_transfer_params.tandem` as for the decode and `do_remote_decode: true` (its
-/// KV goes to a decode: vLLM's producer spelling).
+/// streamed, with the routing fields as for the decode; for vLLM `do_remote_decode: true` instead
+/// of `do_remote_prefill` (its KV goes to a decode: vLLM's producer spelling). An SGLang prefill
+/// runs in `--disaggregation-mode prefill` and needs no more.
 ///
 /// # Errors
 /// As [`engine_body`].
@@ -438,7 +488,30 @@ mod tests {
             hashes: vec![11, 12],
             kv_deadline_ms: 5_000,
             token: 99,
+            style: HandOffStyle::Vllm,
         }
+    }
+
+    #[test]
+    fn an_sglang_hand_off_names_the_room_and_carries_the_token_in_the_bootstrap_fields() {
+        let mut h = hand_off(json!({
+            "prompt": [1, 2, 3], "max_tokens": 50, "stream": true,
+            "bootstrap_room": 5, "bootstrap_host": "10.0.0.9", "kv_transfer_params": {"x": 1}
+        }));
+        h.style = HandOffStyle::SgLang;
+        h.token = 0xab;
+        for b in [engine_body(&h).unwrap(), prefill_body(&h).unwrap()] {
+            // The client's own routing fields are gone; the front door's name the room.
+            assert_eq!(b["bootstrap_room"], 7);
+            assert_eq!(b["bootstrap_host"], "tandem-00000000000000ab-5000");
+            assert_eq!(b["bootstrap_port"], SGLANG_BOOTSTRAP_PORT);
+            assert!(b.get("kv_transfer_params").is_none());
+        }
+        assert_eq!(engine_body(&h).unwrap()["max_tokens"], 50);
+        assert_eq!(prefill_body(&h).unwrap()["max_tokens"], 1);
+        assert_eq!(prefill_body(&h).unwrap()["stream"], false);
+        // Ids fit SGLang's signed 64-bit room.
+        assert!(hand_off_id(hand_off_base(), u64::MAX) <= i64::MAX as u64);
     }
 
     #[test]
