@@ -337,7 +337,7 @@ pub struct EngineSpec {
 
 /// The SGLang flags the operator renders for Tandem's adapter (`render::engine` of the operator);
 /// `engine.args` of kind SGLang must not set them, alone or as `--flag=value`.
-pub const SGLANG_OWNED_FLAGS: [&str; 8] = [
+pub const SGLANG_OWNED_FLAGS: [&str; 10] = [
     "--host",
     "--port",
     "--page-size",
@@ -346,6 +346,8 @@ pub const SGLANG_OWNED_FLAGS: [&str; 8] = [
     "--hicache-ratio",
     "--hicache-storage-backend",
     "--hicache-storage-backend-extra-config",
+    "--disaggregation-mode",
+    "--disaggregation-transfer-backend",
 ];
 
 /// The vLLM flags the operator renders for Tandem's adapter; `engine.args` of kind vLLM must not
@@ -361,12 +363,14 @@ pub const VLLM_OWNED_FLAGS: [&str; 5] = [
 /// CEL: no SGLang arg is one of [`SGLANG_OWNED_FLAGS`] (kept in step by a test).
 const SGLANG_ARGS_RULE: &str = "self.kind != 'SGLang' || !has(self.args) || self.args.all(a, \
      !['--host', '--port', '--page-size', '--enable-hierarchical-cache', '--hicache-size', \
-     '--hicache-ratio', '--hicache-storage-backend', '--hicache-storage-backend-extra-config'] \
+     '--hicache-ratio', '--hicache-storage-backend', '--hicache-storage-backend-extra-config', \
+     '--disaggregation-mode', '--disaggregation-transfer-backend'] \
      .exists(f, a == f || a.startsWith(f + '=') || a.startsWith(f + '.')))";
 const SGLANG_ARGS_MESSAGE: &str = "engine.args of kind SGLang must not set --host, --port, --page-size, \
-     --enable-hierarchical-cache, --hicache-size, --hicache-ratio or \
-     --hicache-storage-backend[-extra-config]: the operator sets them for Tandem's HiCache backend \
-     (the page size is the tier's pageTokens, the host pool hostPool.size)";
+     --enable-hierarchical-cache, --hicache-size, --hicache-ratio, \
+     --hicache-storage-backend[-extra-config] or --disaggregation-{mode,transfer-backend}: the operator \
+     sets them for Tandem's HiCache backend (the page size is the tier's pageTokens, the host pool \
+     hostPool.size) or, without a CacheTier, for Tandem's PD transfer backend";
 
 /// CEL: no vLLM arg is one of [`VLLM_OWNED_FLAGS`] (kept in step by a test).
 const VLLM_ARGS_RULE: &str = "self.kind != 'vLLM' || !has(self.args) || self.args.all(a, \

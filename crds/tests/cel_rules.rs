@@ -81,8 +81,8 @@ fn valid_samples_pass_every_rule() {
     let engines = yaml_files(&samples_dir().join("engines"));
     assert_eq!(
         engines.len(),
-        3,
-        "the engine samples are SGLang and vLLM stacks, and vLLM prefill/decode"
+        4,
+        "the engine samples are SGLang and vLLM stacks, and their prefill/decode"
     );
     for path in files.into_iter().chain(layersplit).chain(engines) {
         for doc in documents(&path) {

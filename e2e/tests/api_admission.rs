@@ -81,7 +81,12 @@ async fn crds_samples_and_cel_rules_on_a_real_api_server() {
 
         // The engine samples (issue 14): SGLang and vLLM stacks, and vLLM prefill/decode through
         // Tandem (its DecodePool's KV deadline included), admitted as written.
-        for f in ["engines/sglang", "engines/vllm", "engines/vllm-pd"] {
+        for f in [
+            "engines/sglang",
+            "engines/sglang-pd",
+            "engines/vllm",
+            "engines/vllm-pd",
+        ] {
             let (ok, out) = run(&["apply", "-f", &format!("manifests/samples/{f}.yaml")]);
             assert!(ok, "sample {f} must be admitted:\n{out}");
         }

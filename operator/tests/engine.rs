@@ -16,7 +16,9 @@ use tandem_crds::{CacheTier, DecodePool, EngineSpec, PrefillPool};
 use tandem_interfaces::config::{EngineKind as SeatKind, EngineSeat, WorkerConfig};
 use tandem_operator::controller::revision::resolve_with;
 use tandem_operator::policy::TierLookup;
-use tandem_operator::render::engine::{ENGINE_HTTP_PORT, ENGINE_SOCKET_DIR, vllm_pd, vllm_pd_pool};
+use tandem_operator::render::engine::{
+    ENGINE_HTTP_PORT, ENGINE_SOCKET_DIR, SGLANG_PD_CONFIG_ENV, pd_pool, pd_through_tandem,
+};
 use tandem_operator::render::{PoolView, workload};
 
 mod samples;
@@ -347,6 +349,18 @@ fn vllm_transfer_config(cfg: &WorkerConfig, sts: &StatefulSet) -> Value {
     serde_json::from_str(flag(e.args.as_deref().unwrap(), "--kv-transfer-config")).unwrap()
 }
 
+/// The DecodePool `d`'s Service reaches the worker's front door.
+fn assert_service_targets_the_front_door(d: &DecodePool) {
+    let svc = workload::front_door_service(&PoolView::decode(d), 80, &owner());
+    assert_eq!(
+        svc.spec.unwrap().ports.unwrap()[0].target_port,
+        Some(IntOrString::Int(i32::from(
+            tandem_crds::ports::FRONT_DOOR_PORT
+        ))),
+        "the Service reaches the worker's front door"
+    );
+}
+
 /// The value after `flag` in `args`.
 fn flag<'a>(args: &'a [String], flag: &str) -> &'a str {
     let i = args
@@ -522,7 +536,7 @@ fn a_vllm_pd_stack_runs_tandems_connector_behind_the_front_door() {
         (PoolView::decode(&d), "kv_consumer"),
     ] {
         let (cfg, sts) = render_with(&view, TierLookup::None);
-        assert!(vllm_pd(&cfg) && vllm_pd_pool(&view), "{role}");
+        assert!(pd_through_tandem(&cfg) && pd_pool(&view), "{role}");
         let t = vllm_transfer_config(&cfg, &sts);
         assert_eq!(t["kv_connector"], "TandemConnector");
         assert_eq!(t["kv_connector_module_path"], "tandem_kv.vllm_pd");
@@ -542,17 +556,58 @@ fn a_vllm_pd_stack_runs_tandems_connector_behind_the_front_door() {
             cfg.check().expect("the rendered config loads");
         }
     }
-    let svc = workload::front_door_service(&PoolView::decode(&d), 80, &owner());
-    assert_eq!(
-        svc.spec.unwrap().ports.unwrap()[0].target_port,
-        Some(IntOrString::Int(i32::from(
-            tandem_crds::ports::FRONT_DOOR_PORT
-        ))),
-        "the Service reaches the worker's front door"
-    );
+    assert_service_targets_the_front_door(&d);
     // With a CacheTier the same engine serves whole requests (the offloading tier instead).
     let (tier, _, d) = engine_sample("engines/vllm.yaml");
     let view = PoolView::decode(&d);
     let (cfg, _) = render_on(&view, &tier);
-    assert!(!vllm_pd(&cfg) && !vllm_pd_pool(&view));
+    assert!(!pd_through_tandem(&cfg) && !pd_pool(&view));
+}
+
+/// SGLang prefill/decode through Tandem (`engines/sglang-pd.yaml`, no CacheTier): both engines
+/// run in SGLang's PD mode with the `tandem` transfer backend and its config (the socket
+/// directory and the worker's model) in the environment, without HiCache; the DecodePool Service
+/// reaches the worker's front door, and the worker accepts the pool's KV deadline.
+#[test]
+fn an_sglang_pd_stack_runs_the_tandem_transfer_backend_behind_the_front_door() {
+    let (p, d) = pools_sample("engines/sglang-pd.yaml");
+    for (view, mode) in [
+        (PoolView::prefill(&p), "prefill"),
+        (PoolView::decode(&d), "decode"),
+    ] {
+        let (cfg, sts) = render_with(&view, TierLookup::None);
+        assert!(pd_through_tandem(&cfg) && pd_pool(&view), "{mode}");
+        let engine = &pod(&sts).containers[0];
+        assert_eq!(
+            engine.command.as_deref().unwrap(),
+            ["python3", "-m", "sglang.launch_server"]
+        );
+        let args = engine.args.clone().unwrap();
+        assert_eq!(flag(&args, "--disaggregation-mode"), mode);
+        assert_eq!(flag(&args, "--disaggregation-transfer-backend"), "tandem");
+        assert!(!args.iter().any(|a| a.starts_with("--hicache")), "{args:?}");
+        let env = engine.env.clone().unwrap();
+        let pd = env
+            .iter()
+            .find(|e| e.name == SGLANG_PD_CONFIG_ENV)
+            .and_then(|e| e.value.as_deref())
+            .expect("the backend's config");
+        let pd: serde_json::Value = serde_json::from_str(pd).unwrap();
+        assert_eq!(pd["socket_dir"], ENGINE_SOCKET_DIR);
+        assert_eq!(pd["model"], serde_json::to_value(&cfg.model).unwrap());
+        if mode == "decode" {
+            assert_eq!(cfg.kv_deadline.map(|k| k.milliseconds), Some(10_000));
+            cfg.check().expect("the rendered config loads");
+        }
+    }
+    assert_service_targets_the_front_door(&d);
+    // With a CacheTier the same engine serves whole requests with HiCache (no PD mode).
+    let (tier, _, d) = engine_sample("engines/sglang.yaml");
+    let (cfg, sts) = render_on(&PoolView::decode(&d), &tier);
+    assert!(!pd_through_tandem(&cfg));
+    let args = pod(&sts).containers[0].args.clone().unwrap();
+    assert!(
+        !args.iter().any(|a| a.starts_with("--disaggregation")),
+        "{args:?}"
+    );
 }

@@ -95,7 +95,7 @@ fn prefill_pool_without_engine_matches_golden_objects() {
 /// and the adapter's flags as a user would read them in `kubectl get -o yaml`.
 fn assert_engine_golden(kind: &str) {
     let file = format!("engines/{kind}.yaml");
-    let (tier, p, d) = if kind == "vllm-pd" {
+    let (tier, p, d) = if kind.ends_with("-pd") {
         let (p, d) = pools_sample(&file);
         (None, p, d)
     } else {
@@ -147,6 +147,11 @@ fn assert_engine_golden(kind: &str) {
 #[test]
 fn sglang_engine_pools_match_golden_objects() {
     assert_engine_golden("sglang");
+}
+
+#[test]
+fn sglang_pd_engine_pools_match_golden_objects() {
+    assert_engine_golden("sglang-pd");
 }
 
 #[test]

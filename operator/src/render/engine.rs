@@ -15,22 +15,26 @@
 //!   file the worker reads and the pod's ordinal in its group (the StatefulSet pod index, which is
 //!   also the numeric suffix of `$POD_NAME` the worker reads), on both pool kinds (the decode
 //!   worker hands its front door's requests to the engine).
-//! - `SGLang` runs `python3 -m sglang.launch_server` with Tandem's HiCache L3 backend
-//!   (`tandem_kv.sglang.TandemHiCacheStorage` through `--hicache-storage-backend dynamic`), its
-//!   page size set to the worker's and the worker config's model in the backend's extra config
-//!   (so the attach identity is the worker's own model, never a guess from the host pool).
+//! - `SGLang` with a CacheTier runs `python3 -m sglang.launch_server` with Tandem's HiCache L3
+//!   backend (`tandem_kv.sglang.TandemHiCacheStorage` through `--hicache-storage-backend
+//!   dynamic`), its page size set to the worker's and the worker config's model in the backend's
+//!   extra config (so the attach identity is the worker's own model, never a guess from the host
+//!   pool). Without one ([`pd_through_tandem`]) it runs in SGLang's PD mode with Tandem's transfer
+//!   backend (`--disaggregation-mode prefill|decode --disaggregation-transfer-backend tandem`,
+//!   `tandem_kv.sglang_pd`, configured by [`SGLANG_PD_CONFIG_ENV`]).
 //! - `vLLM` with a CacheTier runs `vllm serve` with `OffloadingConnector` +
 //!   `TieringOffloadingSpec` and Tandem's secondary tier (`tandem_kv.vllm.TandemSecondaryTier`):
 //!   one offloaded chunk is one worker page (`block_size` = the page's tokens) and vLLM's own CPU
-//!   tier is `hostPool.size`. Without one ([`vllm_pd`]) it runs with Tandem's PD connector
+//!   tier is `hostPool.size`. Without one ([`pd_through_tandem`]) it runs with Tandem's PD connector
 //!   (`tandem_kv.vllm_pd.TandemConnector`, `kv_producer` / `kv_consumer`, failed loads
 //!   recomputed).
 //!
 //! SGLang and vLLM serve their OpenAI-compatible API on [`ENGINE_HTTP_PORT`] (container port
 //! `engine-http`, with a readiness probe on its `/health`). The DecodePool Service's `http` port
 //! targets it — the engines serve whole requests, and Tandem their KV tiers (L2 in the worker, L3
-//! in the CacheTier) — except for vLLM PD, where it targets the worker's front door, which hands
-//! each request to the chosen prefill's engine and to its own (README "Engines on Kubernetes").
+//! in the CacheTier) — except without a CacheTier (prefill/decode through Tandem), where it
+//! targets the worker's front door, which hands each request to the chosen prefill's engine and
+//! to its own (README "Engines on Kubernetes").
 
 use std::collections::BTreeMap;
 
@@ -102,7 +106,7 @@ pub fn shm_volume(kind: EngineKind, cfg: &WorkerConfig) -> Option<Volume> {
     let bytes = match kind {
         EngineKind::Simulated => return None,
         EngineKind::SgLang => ENGINE_SHM_BASE_BYTES,
-        EngineKind::Vllm if vllm_pd(cfg) => ENGINE_SHM_BASE_BYTES,
+        EngineKind::Vllm if pd_through_tandem(cfg) => ENGINE_SHM_BASE_BYTES,
         EngineKind::Vllm => ENGINE_SHM_BASE_BYTES + cfg.memory.target_pool_bytes,
     };
     Some(Volume {
@@ -116,20 +120,25 @@ pub fn shm_volume(kind: EngineKind, cfg: &WorkerConfig) -> Option<Volume> {
     })
 }
 
-/// Whether a vLLM pool with this worker config runs prefill/decode through Tandem (no CacheTier):
-/// its engine gets `TandemConnector` (`tandem_kv.vllm_pd`; `kv_producer` on a PrefillPool,
-/// `kv_consumer` on a DecodePool) and the DecodePool Service targets the worker's front door,
-/// which hands each request to the chosen prefill's engine and to its own. With a CacheTier the
-/// engine gets the offloading tier instead and serves whole requests on its own API: the two on
-/// one worker pool (vLLM's `MultiConnector`, with the pool's pages split between them) are not
-/// rendered yet.
-pub fn vllm_pd(cfg: &WorkerConfig) -> bool {
+/// Whether an SGLang or vLLM pool with this worker config runs prefill/decode through Tandem (no
+/// CacheTier): a vLLM engine gets `TandemConnector` (`tandem_kv.vllm_pd`; `kv_producer` on a
+/// PrefillPool, `kv_consumer` on a DecodePool), an SGLang engine SGLang's PD mode with the
+/// `tandem` transfer backend (`tandem_kv.sglang_pd`), and the DecodePool Service targets the
+/// worker's front door, which hands each request to the chosen prefill's engine and to its own.
+/// With a CacheTier the engine gets the KV tier instead (SGLang's HiCache L3 backend, vLLM's
+/// offloading tier) and serves whole requests on its own API: both on one worker pool (the pool's
+/// pages split between them) are not rendered yet.
+pub fn pd_through_tandem(cfg: &WorkerConfig) -> bool {
     cfg.cache.is_none()
         && cfg
             .engine
             .as_ref()
-            .is_some_and(|e| e.kind == SeatKind::Vllm)
+            .is_some_and(|e| matches!(e.kind, SeatKind::Vllm | SeatKind::SgLang))
 }
+
+/// The engine container's variable holding the `tandem` SGLang transfer backend's config (JSON:
+/// `socket_dir` and the worker config's `model`; `tandem_kv.sglang_pd.CONFIG_ENV`).
+pub const SGLANG_PD_CONFIG_ENV: &str = "TANDEM_SGLANG_PD";
 
 /// How a pool's engine moves prefill → decode KV: what must be equal on a DecodePool and its
 /// PrefillPool for any KV to move (the DecodePool refuses a pair that differs,
@@ -138,8 +147,10 @@ pub fn vllm_pd(cfg: &WorkerConfig) -> bool {
 pub enum KvPath {
     /// Through the engine API: the Simulated engine (or none: the worker's built-in one).
     EngineApi,
-    /// Through `tandem_kv.vllm_pd.TandemConnector` ([`vllm_pd_pool`]).
+    /// Through `tandem_kv.vllm_pd.TandemConnector` ([`pd_pool`]).
     VllmConnector,
+    /// Through SGLang's `tandem` transfer backend, `tandem_kv.sglang_pd` ([`pd_pool`]).
+    SglangBackend,
     /// Not at all: the engine serves whole requests (SGLang; vLLM with a CacheTier).
     WholeRequests,
 }
@@ -149,6 +160,9 @@ impl std::fmt::Display for KvPath {
         f.write_str(match self {
             KvPath::EngineApi => "the engine API (Simulated engine)",
             KvPath::VllmConnector => "vLLM's TandemConnector (vLLM without a CacheTier)",
+            KvPath::SglangBackend => {
+                "SGLang's tandem transfer backend (SGLang without a CacheTier)"
+            }
             KvPath::WholeRequests => "no transfer (the engine serves whole requests)",
         })
     }
@@ -158,15 +172,19 @@ impl std::fmt::Display for KvPath {
 pub fn kv_path(pool: &PoolView<'_>) -> KvPath {
     match pool.engine.map(|e| e.kind) {
         None | Some(EngineKind::Simulated) => KvPath::EngineApi,
-        Some(EngineKind::Vllm) if vllm_pd_pool(pool) => KvPath::VllmConnector,
+        Some(EngineKind::Vllm) if pd_pool(pool) => KvPath::VllmConnector,
+        Some(EngineKind::SgLang) if pd_pool(pool) => KvPath::SglangBackend,
         Some(EngineKind::Vllm | EngineKind::SgLang) => KvPath::WholeRequests,
     }
 }
 
-/// [`vllm_pd`] read from the pool (its worker config's `cache` is set exactly when the pool has a
-/// `cacheTierRef`).
-pub fn vllm_pd_pool(pool: &PoolView<'_>) -> bool {
-    pool.cache_tier_ref.is_none() && pool.engine.is_some_and(|e| e.kind == EngineKind::Vllm)
+/// [`pd_through_tandem`] read from the pool (its worker config's `cache` is set exactly when the
+/// pool has a `cacheTierRef`).
+pub fn pd_pool(pool: &PoolView<'_>) -> bool {
+    pool.cache_tier_ref.is_none()
+        && pool
+            .engine
+            .is_some_and(|e| matches!(e.kind, EngineKind::Vllm | EngineKind::SgLang))
 }
 
 /// The socket volume's mount, the same in the worker and the engine.
@@ -198,7 +216,10 @@ pub fn engine_command(kind: EngineKind) -> Option<Vec<String>> {
 ///
 /// - `Simulated`: `sim-engine --serve --socket-dir /run/tandem/engine --config <config_path>
 ///   --ordinal $(TANDEM_ORDINAL)`.
-/// - `SGLang`: `--host 0.0.0.0 --port 8100 --page-size <page tokens> --enable-hierarchical-cache
+/// - `SGLang` through Tandem ([`pd_through_tandem`]): `--host 0.0.0.0 --port 8100 --page-size
+///   <page tokens> --disaggregation-mode prefill|decode --disaggregation-transfer-backend tandem`
+///   (the backend's config is [`SGLANG_PD_CONFIG_ENV`]).
+/// - `SGLang` with a CacheTier: `--host 0.0.0.0 --port 8100 --page-size <page tokens> --enable-hierarchical-cache
 ///   --hicache-size <hostPool.size in GiB, rounded up> --hicache-storage-backend dynamic
 ///   --hicache-storage-backend-extra-config <json>`, the JSON naming
 ///   `tandem_kv.sglang.TandemHiCacheStorage`, the socket directory and the worker's model (SGLang
@@ -232,6 +253,23 @@ pub fn engine_args(engine: &EngineSpec, cfg: &WorkerConfig, config_path: &str) -
         ]
         .map(str::to_owned)
         .to_vec(),
+        EngineKind::SgLang if pd_through_tandem(cfg) => {
+            let mut a = http.to_vec();
+            a.extend([
+                ENGINE_HTTP_PORT.to_string(),
+                "--page-size".into(),
+                page_tokens.to_string(),
+                "--disaggregation-mode".into(),
+                match cfg.role {
+                    tandem_interfaces::config::WorkerRole::Prefill => "prefill",
+                    tandem_interfaces::config::WorkerRole::Decode => "decode",
+                }
+                .into(),
+                "--disaggregation-transfer-backend".into(),
+                "tandem".into(),
+            ]);
+            a
+        }
         EngineKind::SgLang => {
             let extra = json!({
                 "backend_name": "tandem",
@@ -258,7 +296,7 @@ pub fn engine_args(engine: &EngineSpec, cfg: &WorkerConfig, config_path: &str) -
             a
         }
         EngineKind::Vllm => {
-            let transfer = if vllm_pd(cfg) {
+            let transfer = if pd_through_tandem(cfg) {
                 json!({
                     "kv_connector": "TandemConnector",
                     "kv_connector_module_path": "tandem_kv.vllm_pd",
@@ -338,6 +376,14 @@ pub fn engine_container(
         value: Some(ENGINE_SOCKET_DIR.into()),
         ..EnvVar::default()
     });
+    if engine.kind == EngineKind::SgLang && pd_through_tandem(cfg) {
+        let pd = json!({"socket_dir": ENGINE_SOCKET_DIR, "model": cfg.model});
+        env.push(EnvVar {
+            name: SGLANG_PD_CONFIG_ENV.into(),
+            value: Some(pd.to_string()),
+            ..EnvVar::default()
+        });
+    }
     env.extend(engine.env.iter().cloned());
     let mut resources = engine.resources.clone();
     resources
@@ -353,7 +399,7 @@ pub fn engine_container(
         }]
     });
     // The pod is Ready only once the engine's API answers (after the model loaded), not merely
-    // once the adapter attached to the worker: the Service targets that API, or (vLLM PD) the
+    // once the adapter attached to the worker: the Service targets that API, or (PD) the
     // front door, which hands requests to it, and the prefills' API takes the front doors'.
     let readiness_probe = serves_http.then(|| Probe {
         http_get: Some(HTTPGetAction {

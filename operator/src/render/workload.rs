@@ -128,8 +128,8 @@ pub fn peers_service(pool: &PoolView<'_>, owner: &OwnerReference) -> Service {
 }
 
 /// The DecodePool's front door: ready decode pods only. Port `http` targets the worker's front
-/// door (also for vLLM PD, [`engine::vllm_pd_pool`]: the front door hands requests to the
-/// engines), or — for an SGLang engine or a vLLM engine with a CacheTier, which serve whole
+/// door (also for SGLang and vLLM without a CacheTier, [`engine::pd_pool`]: the front door hands
+/// requests to the engines), or — for an SGLang or vLLM engine with a CacheTier, which serve whole
 /// requests on their own OpenAI-compatible API — the engine's `engine-http` port
 /// ([`engine::ENGINE_HTTP_PORT`]; module docs of [`engine`]).
 pub fn front_door_service(
@@ -151,7 +151,9 @@ pub fn front_door_service(
                 port: service_port,
                 target_port: Some(IntOrString::Int(i32::from(
                     match pool.engine.map(|e| e.kind) {
-                        Some(EngineKind::Vllm) if engine::vllm_pd_pool(pool) => FRONT_DOOR_PORT,
+                        Some(EngineKind::SgLang | EngineKind::Vllm) if engine::pd_pool(pool) => {
+                            FRONT_DOOR_PORT
+                        }
                         Some(EngineKind::SgLang | EngineKind::Vllm) => engine::ENGINE_HTTP_PORT,
                         None | Some(EngineKind::Simulated) => FRONT_DOOR_PORT,
                     },

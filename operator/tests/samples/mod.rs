@@ -39,7 +39,7 @@ pub fn engine_sample(file: &str) -> (CacheTier, PrefillPool, DecodePool) {
 }
 
 /// The (PrefillPool, DecodePool) of a multi-document engine sample without a CacheTier
-/// (`engines/vllm-pd.yaml`).
+/// (`engines/vllm-pd.yaml`, `engines/sglang-pd.yaml`).
 pub fn pools_sample(file: &str) -> (PrefillPool, DecodePool) {
     (document(file, "PrefillPool"), document(file, "DecodePool"))
 }

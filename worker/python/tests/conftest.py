@@ -242,3 +242,47 @@ def corrupting_copy(monkeypatch):
         return n
 
     monkeypatch.setattr(tiers, "copy_spans", corrupt)
+
+
+def pd_workers(tmp_path, net: int, engine_kind: str, model: dict):
+    """A prefill and a decode worker beside `engine_kind` engines that serve their own HTTP API
+    (the decode's front door hands requests to both), on shared ports, each on its own loopback
+    address of `net`: (prefill, decode, the engines' HTTP port). The decode's gate frees an
+    aborted room only on the prefill's ack (`ack-only`, the RDMA rule), so a stopped prefill
+    holds the release back."""
+    ports = free_ports(5)
+    http_port = ports[4]
+    pc = worker_config(ports[:3], engine_kind=engine_kind, model=model)
+    dc = worker_config(ports[:3], engine_kind=engine_kind, model=model)
+    dc.update(role="decode", pool="d")
+    dc["ports"]["frontDoor"] = ports[3]
+    dc["engine"]["httpPort"] = http_port
+    prefill = Worker(tmp_path, net, 1, pc, role="prefill").start()
+    env = {"TANDEM_DECODE_GATE_PROOF": "ack-only"}
+    decode = Worker(tmp_path, net, 2, dc, role="decode", names=("decode.svc",), env=env).start()
+    return prefill, decode, http_port
+
+
+def serve_json(host: str, port: int, serve):
+    """An HTTP server on (host, port), serving on a thread, whose every POST is
+    `serve(json body) -> (status, json reply)`: an engine's API in tests. Stop it with
+    `shutdown()` and `server_close()`."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Api(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            status, out = serve(body)
+            data = json.dumps(out).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *_):
+            pass
+
+    server = ThreadingHTTPServer((host, port), Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server

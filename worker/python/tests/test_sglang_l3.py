@@ -9,7 +9,6 @@ Needs a worker build that serves the Tiers calls; skips on one that answers TIER
 
 import re
 import threading
-import time
 import urllib.request
 
 import pytest

@@ -31,7 +31,6 @@ import signal
 import threading
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
@@ -58,7 +57,7 @@ from sglang.srt.plugins import load_plugins  # noqa: E402
 from tandem_kv import sglang_pd  # noqa: E402
 
 from conftest import MODEL as BASE_MODEL  # noqa: E402
-from conftest import Worker, free_ports, kill_all, until, worker_config  # noqa: E402
+from conftest import kill_all, pd_workers, serve_json, until  # noqa: E402
 
 NET = 155
 PS = 16  # SGLang's page size
@@ -116,24 +115,7 @@ class SglangEngine:
         self.receivers = {}
         self.polls = {}
         self._lock = threading.Lock()
-        engine = self
-
-        class Api(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-                status, out = engine.serve(body)
-                data = json.dumps(out).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *_):
-                pass
-
-        self.http = ThreadingHTTPServer((host, port), Api)
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.http = serve_json(host, port, self.serve)
 
     def _alloc(self, n):
         with self._lock:
@@ -207,18 +189,7 @@ class SglangEngine:
 @pytest.fixture
 def pd(tmp_path):
     """(prefill worker, decode worker, prefill engine, decode engine)."""
-    ports = free_ports(5)
-    http_port = ports[4]
-    pc = worker_config(ports[:3], engine_kind="SGLang", model=MODEL)
-    dc = worker_config(ports[:3], engine_kind="SGLang", model=MODEL)
-    dc.update(role="decode", pool="d")
-    dc["ports"]["frontDoor"] = ports[3]
-    dc["engine"]["httpPort"] = http_port
-    prefill = Worker(tmp_path, NET, 1, pc, role="prefill").start()
-    # Only the prefill's ack frees an aborted room (the RDMA rule), so a stopped prefill holds
-    # the release back.
-    env = {"TANDEM_DECODE_GATE_PROOF": "ack-only"}
-    decode = Worker(tmp_path, NET, 2, dc, role="decode", names=("decode.svc",), env=env).start()
+    prefill, decode, http_port = pd_workers(tmp_path, NET, "SGLang", MODEL)
     engines = [
         SglangEngine("prefill", prefill.socket_dir, prefill.ip, http_port),
         SglangEngine("decode", decode.socket_dir, "127.0.0.1", http_port),
@@ -353,3 +324,23 @@ def test_the_manager_refuses_what_the_backend_does_not_move(monkeypatch):
     monkeypatch.delenv(sglang_pd.CONFIG_ENV)
     with pytest.raises(ValueError, match=sglang_pd.CONFIG_ENV):
         sglang_pd.TandemKVManager(args, DisaggregationMode.DECODE, SimpleNamespace(device="cpu"), False)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_operators_render_selects_this_backend_with_a_config_it_reads(role, monkeypatch):
+    from sglang.srt.server_args import prepare_server_args
+
+    from rendered import flag, rendered
+
+    cfg, engine = rendered("sglang-pd", role)
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    monkeypatch.setenv(sglang_pd.CONFIG_ENV, env[sglang_pd.CONFIG_ENV])
+    pd_cfg = sglang_pd.config_from_env()
+    assert pd_cfg["model"] == cfg["model"] and pd_cfg["socket_dir"] == cfg["engine"]["socketDir"]
+    args = engine["args"]
+    assert flag(args, "--disaggregation-mode") == role
+    # SGLang's own parser takes the rendered flags (the model path is the sample's).
+    parsed = prepare_server_args(args)
+    assert parsed.disaggregation_transfer_backend == "tandem"
+    assert parsed.disaggregation_mode == role
+    assert parsed.page_size == int(flag(args, "--page-size"))

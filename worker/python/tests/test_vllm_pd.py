@@ -34,7 +34,6 @@ import signal
 import threading
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -51,7 +50,7 @@ from tandem_kv.client import EngineClient, engine_identity  # noqa: E402
 from tandem_kv.vllm_pd import DecodeLoader  # noqa: E402
 
 from conftest import MODEL as BASE_MODEL  # noqa: E402
-from conftest import PAGE_TOKENS, Worker, free_ports, kill_all, until, worker_config  # noqa: E402
+from conftest import PAGE_TOKENS, kill_all, pd_workers, serve_json, until  # noqa: E402
 from vllm_engine import Engine, pattern  # noqa: E402
 
 NET = 153
@@ -71,24 +70,7 @@ class PrefillDouble:
     def __init__(self, socket_dir, host, port):
         self.http_status = 200
         self.posted = []
-        double = self
-
-        class Api(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-                double.posted.append(body)
-                out = json.dumps({"choices": [{"text": "x"}]}).encode()
-                self.send_response(double.http_status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *_):
-                pass
-
-        self.http = ThreadingHTTPServer((host, port), Api)
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.http = serve_json(host, port, self._hand_off)
         self.client = EngineClient(socket_dir)
         self.att = self.client.attach(engine_identity("vllm/0.33.0", MODEL, PAGE_TOKENS))
         self.pool = self.att.pool()
@@ -99,6 +81,10 @@ class PrefillDouble:
         self._stop = threading.Event()
         threading.Thread(target=self._work, daemon=True).start()
         threading.Thread(target=self._source_free, daemon=True).start()
+
+    def _hand_off(self, body):
+        self.posted.append(body)
+        return self.http_status, {"choices": [{"text": "x"}]}
 
     def _work(self):
         while not self._stop.is_set():
@@ -142,21 +128,9 @@ class PrefillDouble:
 
 
 def start_workers(tmp_path):
-    """A prefill and a decode worker beside vLLM engines, on shared ports (each on its own
-    loopback address), and the engines' HTTP port."""
-    ports = free_ports(5)
-    http_port = ports[4]
-    pc = worker_config(ports[:3], engine_kind="vLLM", model=MODEL)
-    dc = worker_config(ports[:3], engine_kind="vLLM", model=MODEL)
-    dc.update(role="decode", pool="d")
-    dc["ports"]["frontDoor"] = ports[3]
-    dc["engine"]["httpPort"] = http_port
-    prefill = Worker(tmp_path, NET, 1, pc, role="prefill").start()
-    # Only the prefill's ack frees an aborted room (the rule RDMA needs: one-sided writes leave the
-    # receiver no fence to prove with), so a stopped prefill holds the release back.
-    env = {"TANDEM_DECODE_GATE_PROOF": "ack-only"}
-    decode = Worker(tmp_path, NET, 2, dc, role="decode", names=("decode.svc",), env=env).start()
-    return prefill, decode, http_port
+    """A prefill and a decode worker beside vLLM engines (conftest `pd_workers`), and the
+    engines' HTTP port."""
+    return pd_workers(tmp_path, NET, "vLLM", MODEL)
 
 
 def stop_all(engines, workers):
