@@ -96,11 +96,11 @@ class SglangEngine:
     (prefill) holds every request before its send while cleared; `receivers` (decode) are the
     live receivers by room."""
 
-    def __init__(self, role, socket_dir, host, port, pages=160):
+    def __init__(self, role, socket_dir, host, port, pages=160, hidden_size=16):
         self.role = role
         self.kv = MHATokenToKVPool(pages * PS, PS, torch.float16, head_num=HEADS, head_dim=DIM, layer_num=LAYERS,
                                    device="cpu", enable_memory_saver=False)
-        self.meta = MetadataBuffers(8, hidden_size=16, hidden_states_dtype=torch.float16, max_sampling_mask_tokens=1)
+        self.meta = MetadataBuffers(8, hidden_size=hidden_size, hidden_states_dtype=torch.float16, max_sampling_mask_tokens=1)
         args = KVArgs()
         args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = self.kv.get_contiguous_buf_infos()
         args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = self.meta.get_buf_infos()
@@ -187,17 +187,34 @@ class SglangEngine:
 
 
 @pytest.fixture
-def pd(tmp_path):
+def make_pd(tmp_path):
+    """`make(decode_hidden_size=16)` -> (prefill worker, decode worker, prefill engine, decode
+    engine); the decode's metadata layout differs from the prefill's when its hidden size does."""
+    made = []
+
+    def make(decode_hidden_size=16):
+        prefill, decode, http_port = pd_workers(tmp_path, NET, "SGLang", MODEL)
+        made.append((prefill, decode))
+        engines = [
+            SglangEngine("prefill", prefill.socket_dir, prefill.ip, http_port),
+            SglangEngine("decode", decode.socket_dir, "127.0.0.1", http_port, hidden_size=decode_hidden_size),
+        ]
+        made.append(engines)
+        return prefill, decode, engines[0], engines[1]
+
+    yield make
+    for m in reversed(made):
+        if isinstance(m, list):
+            for e in m:
+                e.close()
+        else:
+            kill_all((m[1], m[0]))
+
+
+@pytest.fixture
+def pd(make_pd):
     """(prefill worker, decode worker, prefill engine, decode engine)."""
-    prefill, decode, http_port = pd_workers(tmp_path, NET, "SGLang", MODEL)
-    engines = [
-        SglangEngine("prefill", prefill.socket_dir, prefill.ip, http_port),
-        SglangEngine("decode", decode.socket_dir, "127.0.0.1", http_port),
-    ]
-    yield prefill, decode, engines[0], engines[1]
-    for e in engines:
-        e.close()
-    kill_all((decode, prefill))
+    return make_pd()
 
 
 def post(decode, body, timeout=90):
@@ -300,6 +317,33 @@ def test_negative_control_failing_at_the_abort_frees_pages_a_write_could_still_r
     assert stopped == KVPoll.Failed, "the check did not catch a failure reported before the room's SafeToReuse"
 
 
+def test_a_prefill_of_another_metadata_layout_fails_the_request_after_its_release(make_pd):
+    _, decode, _, d_engine = make_pd(decode_hidden_size=32)  # hidden states: another aux layout
+    body = {"prompt": list(range(PROMPT)), "max_tokens": 1}
+    # The first request the front door takes (it answers 503 until a prefill peer is live).
+    _, reply = until(lambda: (lambda r: r if r[0] == 200 else None)(post(decode, body)), 30, "a request taken")
+    assert reply["poll"] == KVPoll.Failed and reply["tandem_check"] is None, reply
+    side = d_engine.mgr.side
+    assert side.stats["failed"] == 1 and side.stats["release_timeouts"] == 0, side.stats
+
+
+def test_a_second_receiver_for_a_live_room_is_refused_without_touching_the_first(pd):
+    _, _, _, d_engine = pd
+    addr = "tandem-00000000000000ab-5000:8998"
+    first = backend(KVClassType.RECEIVER)(d_engine.mgr, addr, 4242)
+    second = backend(KVClassType.RECEIVER)(d_engine.mgr, addr, 4242)
+    assert first.req_id != second.req_id
+    for r in (first, second):
+        r.init(0)
+        r.send_metadata(np.asarray([1, 2], dtype=np.int32), 0)
+    assert second.poll() == KVPoll.Failed
+    assert "live receiver" in second.error
+    # The first one's load goes on (the worker refuses its Reserve: no hand-off names room 4242)
+    # and ends Failed on its own, after which the room takes a receiver again.
+    poll_until(first, (KVPoll.Failed,), 30)
+    assert 4242 not in d_engine.mgr.live_rooms
+
+
 def test_a_request_that_did_not_come_through_the_front_door_fails_at_once(pd):
     _, _, _, d_engine = pd
     r = backend(KVClassType.RECEIVER)(d_engine.mgr, "10.0.0.9:8998", 12345)
@@ -320,6 +364,22 @@ def test_the_manager_refuses_what_the_backend_does_not_move(monkeypatch):
     with pytest.raises(ValueError, match="MLA"):
         sglang_pd.TandemKVManager(args, DisaggregationMode.DECODE, SimpleNamespace(device="cpu"), True)
     with pytest.raises(ValueError, match="a K and a V buffer per layer"):
+        sglang_pd.TandemKVManager(args, DisaggregationMode.DECODE, SimpleNamespace(device="cpu"), False)
+    # A real pool: what SGLang accepts but this backend cannot serve is named at construction.
+    pool = MHATokenToKVPool(4 * PS, PS, torch.float16, head_num=HEADS, head_dim=DIM, layer_num=LAYERS,
+                            device="cpu", enable_memory_saver=False)
+    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = pool.get_contiguous_buf_infos()
+    for setting, named in [
+        (dict(tp_size=2), "tensor or pipeline parallelism"),
+        (dict(speculative_algorithm="EAGLE"), "speculative decoding"),
+        (dict(disaggregation_decode_enable_radix_cache=True), "radix-cache"),
+        (dict(disaggregation_decode_allocation_policy="prefill_complete"), "allocation-policy"),
+    ]:
+        with pytest.raises(ValueError, match=named):
+            sglang_pd.TandemKVManager(args, DisaggregationMode.DECODE, SimpleNamespace(device="cpu", **setting), False)
+    other = dict(MODEL, layers=LAYERS * 2)
+    monkeypatch.setenv(sglang_pd.CONFIG_ENV, json.dumps({"model": other, "socket_dir": "/nonexistent", "keepalive_s": 0}))
+    with pytest.raises(ValueError, match="KV buffers for a worker model of 16 layers"):
         sglang_pd.TandemKVManager(args, DisaggregationMode.DECODE, SimpleNamespace(device="cpu"), False)
     monkeypatch.delenv(sglang_pd.CONFIG_ENV)
     with pytest.raises(ValueError, match=sglang_pd.CONFIG_ENV):

@@ -530,9 +530,11 @@ class PrefillSender(EngineSide):
                         break
                     self._cv.wait(left)
                 work = self._work.get(spec.tandem_id, (None, 0))[0]
-                if work is not None and work.hand_off_token != spec.token:
+                if work is not None and work.hand_off_token not in (0, spec.token):
                     # Not this request's room (a request sent to this engine directly, naming
-                    # another's id): the room stays for the request that carries its token.
+                    # another's id): the room stays for the request that carries its token. A
+                    # room without a token comes from a decode worker older than the token's
+                    # travel to the prefill (a rolling upgrade): matched by id, as it was.
                     outcome = "wrong_token"
                     return
                 self._work.pop(spec.tandem_id, None)

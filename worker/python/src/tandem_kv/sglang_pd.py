@@ -55,10 +55,14 @@ paths (this backend answers `Failed` only after the release instead).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import re
+import struct
+import time
+import zlib
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -88,6 +92,9 @@ except Exception:  # pragma: no cover - no SGLang: the module imports, the class
 
 BACKEND = "tandem"
 CONFIG_ENV = "TANDEM_SGLANG_PD"
+# The metadata trailer's header: magic "TDMA", the aux layout digest (crc32), the room.
+TRAILER_HEADER = struct.Struct("<IIQ")
+TRAILER_MAGIC = 0x414D4454
 _HOST = re.compile(r"^tandem-([0-9a-f]{16})-([0-9]{1,10})$")
 
 
@@ -113,11 +120,13 @@ def register() -> None:
     from sglang.srt.disaggregation import utils
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    global _registered
     if BACKEND not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
         choices.add_disagg_transfer_backend_choices([BACKEND])
     _extend_enum(utils.TransferBackend, "TANDEM", BACKEND)
-    if not getattr(utils.get_kv_class, "_tandem_wrapped", False):
+    if not _registered:  # one wrapper per process (SGLang's load_plugins is idempotent too)
         HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", _get_kv_class, HookType.AROUND)
+        _registered = True
 
 
 def _get_kv_class(original, transfer_backend, class_type):
@@ -133,7 +142,7 @@ def _get_kv_class(original, transfer_backend, class_type):
     }[class_type]
 
 
-_get_kv_class._tandem_wrapped = True
+_registered = False
 
 
 def _extend_enum(cls, name: str, value: str):
@@ -209,6 +218,8 @@ class SglangKv:
         self.k, self.v = bufs[: self.layers], bufs[self.layers :]
         self.aux = [(_bytes(p, n, "cpu"), int(i)) for p, n, i in zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)]
         self.aux_bytes = sum(i for _, i in self.aux)
+        # The trailer's header: magic, the aux layout's digest (item sizes in order) and the room.
+        self.aux_layout = zlib.crc32(json.dumps([i for _, i in self.aux]).encode())
 
     @property
     def row_bytes(self) -> int:
@@ -216,8 +227,27 @@ class SglangKv:
         return 2 * self.half
 
     def aux_tokens(self) -> int:
-        """Token rows the metadata trailer takes in a room (each holds `layers x row_bytes`)."""
-        return -(-self.aux_bytes // (self.layers * self.row_bytes))
+        """Token rows the metadata trailer takes in a room (each holds `layers x row_bytes`):
+        `TRAILER_HEADER` bytes, then the request's metadata."""
+        return -(-(TRAILER_HEADER.size + self.aux_bytes) // (self.layers * self.row_bytes))
+
+    def trailer(self, slot: int, room: int) -> np.ndarray:
+        """The header (magic, layout digest, room) and `slot`'s metadata, as bytes."""
+        head = np.frombuffer(TRAILER_HEADER.pack(TRAILER_MAGIC, self.aux_layout, room), dtype=np.uint8)
+        return np.concatenate([head, self.read_aux(slot)])
+
+    def check_trailer(self, data: np.ndarray, room: int) -> np.ndarray:
+        """The metadata of a received trailer, after checking its header. `ValueError` when the
+        prefill's metadata layout is not this decode's or the trailer names another room (the
+        request then fails, after its room's release)."""
+        magic, layout, got_room = TRAILER_HEADER.unpack(data[: TRAILER_HEADER.size].tobytes())
+        if magic != TRAILER_MAGIC or layout != self.aux_layout or got_room != room:
+            raise ValueError(
+                f"metadata trailer (magic {magic:#x}, layout {layout:#x}, room {got_room}) is not this decode's "
+                f"(layout {self.aux_layout:#x}, room {room}): prefill and decode must run the same model and "
+                "metadata options"
+            )
+        return data[TRAILER_HEADER.size : TRAILER_HEADER.size + self.aux_bytes]
 
     def read_aux(self, slot: int) -> np.ndarray:
         """The request's metadata (`slot` of every aux buffer, in order) as bytes."""
@@ -283,16 +313,23 @@ class _SglangBuffers:
         into its metadata slot."""
         torch = _torch()
         rows = self._rows(pool)
+        tp, tr = self._trailer(rows, pages, spec)
+        # The header first: a room of another metadata layout or request writes nothing.
+        meta = self.kv.check_trailer(rows[tp, :, tr].reshape(-1), spec.tandem_id)
         page, prow, sgl, off = self._where(pages, spec.block_ids, 0, spec.kv_tokens, rows.shape[2])
         sgl_t, off_t = torch.from_numpy(sgl), torch.from_numpy(off)
         dev = self.kv.device
-        for li in range(self.kv.layers):
-            src = torch.from_numpy(np.ascontiguousarray(rows[page, li, prow])).to(dev)
-            self.kv.k[li][sgl_t, off_t] = src[:, 0]
-            self.kv.v[li][sgl_t, off_t] = src[:, 1]
-        if self.kv.aux:
-            tp, tr = self._trailer(rows, pages, spec)
-            self.kv.write_aux(spec.aux_index, rows[tp, :, tr].reshape(-1)[: self.kv.aux_bytes])
+        try:
+            for li in range(self.kv.layers):
+                src = torch.from_numpy(np.ascontiguousarray(rows[page, li, prow])).to(dev)
+                self.kv.k[li][sgl_t, off_t] = src[:, 0]
+                self.kv.v[li][sgl_t, off_t] = src[:, 1]
+        finally:
+            # The writes are kernels on this thread's stream: they must have landed before SGLang
+            # reads the pages (Success) or frees them (Failed, after a copy that raised).
+            if dev != "cpu":
+                torch.cuda.synchronize(dev)
+        self.kv.write_aux(spec.aux_index, meta)
 
     def _copy_out(self, pool, pages, spec, tokens: int) -> None:
         """The request's pages (every layer's K and V) into the room's rows, then its metadata
@@ -306,12 +343,12 @@ class _SglangBuffers:
         for li in range(self.kv.layers):
             rows[page, li, prow, 0] = self.kv.k[li][sgl_t, off_t].cpu().numpy()
             rows[page, li, prow, 1] = self.kv.v[li][sgl_t, off_t].cpu().numpy()
-        if self.kv.aux:
-            tp, tr = self._trailer(rows, pages, spec)
-            width = self.kv.layers * self.kv.row_bytes
-            data = np.zeros(len(tp) * width, dtype=np.uint8)
-            data[: self.kv.aux_bytes] = self.kv.read_aux(spec.aux_index)
-            rows[tp, :, tr] = data.reshape(len(tp), self.kv.layers, 2, self.kv.half)
+        tp, tr = self._trailer(rows, pages, spec)
+        width = self.kv.layers * self.kv.row_bytes
+        data = np.zeros(len(tp) * width, dtype=np.uint8)
+        head = self.kv.trailer(spec.aux_index, spec.tandem_id)
+        data[: len(head)] = head
+        rows[tp, :, tr] = data.reshape(len(tp), self.kv.layers, 2, self.kv.half)
 
 
 class _Outcomes:
@@ -373,27 +410,66 @@ class SglangPrefillSender(_Outcomes, _SglangBuffers, pd.PrefillSender):
             w = self._work.get(tandem_id)
         if w is None:
             return False
-        return True if w[0].hand_off_token == token else None
+        # 0: a room of a decode worker older than the token's travel (a rolling upgrade).
+        return True if w[0].hand_off_token in (0, token) else None
 
 
 # -- SGLang's classes -----------------------------------------------------------------------
 
 
+class _OnePrefill:
+    """SGLang's `prefill_info_table` for this backend: every bootstrap address is one prefill
+    rank of data parallelism 1 (the worker's room names the peer, not SGLang)."""
+
+    _INFO = SimpleNamespace(dp_size=1, follow_bootstrap_room=True)
+
+    def get(self, _addr, default=None):
+        return self._INFO
+
+    def __contains__(self, _addr) -> bool:
+        return True
+
+
+def _refuse_unserved(server_args, args, model: dict) -> None:
+    """`ValueError` naming what SGLang accepts but this backend cannot serve (rather than a
+    crash, a hang or every request failing later)."""
+    unserved = [
+        (getattr(server_args, "disaggregation_decode_allocation_policy", "early") != "early",
+         "--disaggregation-decode-allocation-policy other than early"),
+        (bool(getattr(server_args, "disaggregation_decode_enable_radix_cache", False)),
+         "--disaggregation-decode-enable-radix-cache"),
+        (int(getattr(server_args, "tp_size", 1) or 1) > 1 or int(getattr(server_args, "pp_size", 1) or 1) > 1,
+         "tensor or pipeline parallelism above 1 (one engine rank per worker)"),
+        (bool(getattr(server_args, "speculative_algorithm", None)) or int(getattr(args, "num_draft_entries", 0) or 0) > 0,
+         "speculative decoding (its draft pool's KV)"),
+        (bool(os.environ.get("SGLANG_DISAGG_STAGING_BUFFER")), "SGLANG_DISAGG_STAGING_BUFFER"),
+        (getattr(args, "pp_rank", 0) not in (0, None), "pipeline-parallel prefill ranges"),
+        (len(args.kv_data_ptrs) != 2 * int(model.get("layers", 0)),
+         f"{len(args.kv_data_ptrs)} KV buffers for a worker model of {model.get('layers')} layers (a K and a V per layer)"),
+    ]
+    named = [what for bad, what in unserved if bad]
+    if named:
+        raise ValueError("the tandem transfer backend does not serve: " + "; ".join(named))
+
+
 class TandemKVManager(BaseKVManager):
     """One per SGLang scheduler rank: its buffers and its side of the worker (a
     `SglangPrefillSender` or a `SglangDecodeLoader`, attached from construction on).
-    `ValueError` for pools or settings this backend does not serve."""
+    `ValueError` for pools or settings this backend does not serve. SGLang's scheduler reads
+    `kv_args` and `prefill_info_table` and calls `try_ensure_parallel_info` on it."""
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False):
         mode = getattr(disaggregation_mode, "value", disaggregation_mode)
         if mode not in ("prefill", "decode"):
             raise ValueError(f"the tandem transfer backend serves prefill and decode, not {mode!r}")
-        if getattr(args, "pp_rank", 0):
-            raise ValueError("the tandem transfer backend does not serve pipeline-parallel prefill ranges")
         cfg = config_from_env()
         device = str(getattr(server_args, "device", "cpu") or "cpu")
-        self.args, self.mode, self.server_args = args, mode, server_args
         self.kv = SglangKv(args, "cpu" if device == "cpu" else f"{device}:{int(getattr(args, 'gpu_id', 0))}", bool(is_mla_backend))
+        _refuse_unserved(server_args, args, cfg["model"])
+        self.kv_args, self.mode, self.server_args = args, mode, server_args
+        self.prefill_info_table = _OnePrefill()
+        self._ids = itertools.count(1)
+        self.live_rooms = set()  # decode: rooms with a live receiver (one each)
         side_cls = SglangPrefillSender if mode == "prefill" else SglangDecodeLoader
         self.side = side_cls(cfg, self.kv.page_size)
         self.side.kv = self.kv
@@ -401,6 +477,15 @@ class TandemKVManager(BaseKVManager):
 
     def register_to_bootstrap(self):
         """Nothing: the worker's rooms are the rendezvous (no bootstrap server)."""
+
+    def try_ensure_parallel_info(self, bootstrap_addr) -> bool:
+        """SGLang asks for the prefill's parallel layout: there is one rank, known already."""
+        return True
+
+    def next_id(self, room) -> str:
+        """A request key unique in this process (a room can be named again, e.g. by a client
+        that reaches the engine directly: its outcome must not be another request's)."""
+        return f"room-{room}-{next(self._ids)}"
 
     def close(self) -> None:
         self.side.close()
@@ -413,7 +498,7 @@ class _Request:
         self.kv_mgr = mgr
         self.bootstrap_addr = bootstrap_addr
         self.bootstrap_room = bootstrap_room
-        self.req_id = f"room-{bootstrap_room}"
+        self.req_id = mgr.next_id(bootstrap_room)
         parsed = parse_bootstrap_host(bootstrap_addr)
         self.token, self.kv_deadline_ms = parsed if parsed else (0, 0)
         self.error = None
@@ -441,6 +526,10 @@ class TandemKVSender(_Request, BaseKVSender):
         self.pages = []
         self.submitted = False
         self.aborted = False
+        self.final = None
+        # The decode's room must reach this worker within the KV deadline (plus slack), or the
+        # request fails instead of holding its pages while nobody will take its KV.
+        self.room_by = time.monotonic() + self.kv_deadline_ms / 1000.0 + mgr.side.kv_slack_s
 
     def init(self, num_kv_indices: int, aux_index=None):
         self.num_pages, self.aux_index = int(num_kv_indices), int(aux_index or 0)
@@ -467,6 +556,8 @@ class TandemKVSender(_Request, BaseKVSender):
         side.start(SimpleNamespace(sends=[spec]))
 
     def poll(self):
+        if self.final is not None:
+            return self.final
         if self.error:
             return KVPoll.Failed
         side = self.kv_mgr.side
@@ -477,15 +568,22 @@ class TandemKVSender(_Request, BaseKVSender):
             if known is None:
                 self.error = f"room {self.bootstrap_room} was opened with another hand-off token: not this request's"
                 return KVPoll.Failed
+            if not known and time.monotonic() > self.room_by:
+                self.error = f"the decode's room {self.bootstrap_room} did not reach this worker within its KV deadline"
+                return KVPoll.Failed
             return KVPoll.WaitingForInput if known else KVPoll.Bootstrapping
         with side._lock:
             outcome = side.outcomes.get(self.req_id)
         if outcome is None:
             return KVPoll.Transferring
+        # Final: the outcome leaves the side now (SGLang clears only successful senders).
+        side.forget(self.req_id)
         if outcome == "sent":
-            return KVPoll.Success
-        self.error = f"the KV of room {self.bootstrap_room} was not sent: {outcome}"
-        return KVPoll.Failed
+            self.final = KVPoll.Success
+        else:
+            self.error = f"the KV of room {self.bootstrap_room} was not sent: {outcome}"
+            self.final = KVPoll.Failed
+        return self.final
 
     def abort(self):
         self.aborted = True
@@ -501,6 +599,8 @@ class TandemKVReceiver(_Request, BaseKVReceiver):
         self._parse(mgr, bootstrap_addr, bootstrap_room)
         self.ready = False
         self.started = False
+        self.final = None
+        self.holds_room = False
 
     def init(self, prefill_dp_rank=0):
         self.ready = True
@@ -517,6 +617,13 @@ class TandemKVReceiver(_Request, BaseKVReceiver):
         if destination is not None and getattr(destination, "value", destination) != "device":
             self.error = "the tandem transfer backend lands KV in the device pool only"
             return
+        side = self.kv_mgr.side
+        with side._lock:  # one live receiver per room: a second one is not this request's
+            if self.bootstrap_room in self.kv_mgr.live_rooms:
+                self.error = f"room {self.bootstrap_room} already has a live receiver"
+                return
+            self.kv_mgr.live_rooms.add(self.bootstrap_room)
+            self.holds_room = True
         kv = self.kv_mgr.kv
         pages = [int(i) for i in np.asarray(kv_indices).reshape(-1)]
         kv_tokens = len(pages) * kv.page_size
@@ -531,6 +638,8 @@ class TandemKVReceiver(_Request, BaseKVReceiver):
         self.kv_mgr.side.start(SimpleNamespace(loads=[spec], aborts=[]))
 
     def poll(self):
+        if self.final is not None:
+            return self.final
         if self.error and not self.started:
             return KVPoll.Failed  # nothing of this request reached the worker
         if not self.ready:
@@ -543,9 +652,18 @@ class TandemKVReceiver(_Request, BaseKVReceiver):
             copied = self.req_id in side.copied
         if outcome is False:
             self.error = self.error or f"room {self.bootstrap_room} failed (its pages are released)"
-            return KVPoll.Failed
+            self._end(KVPoll.Failed)
+        elif outcome is True:
+            self._end(KVPoll.Success)
         # The KV is in SGLang's pages once copied; the room's release is the worker's affair.
-        return KVPoll.Success if copied or outcome else KVPoll.Transferring
+        if self.final is not None:
+            return self.final
+        return KVPoll.Success if copied else KVPoll.Transferring
+
+    def _end(self, state) -> None:
+        """The load reported (after the room's release): final; the room takes a receiver again."""
+        self.final = state
+        self.clear()
 
     def abort(self):
         """Aborts the room; `poll()` answers `Failed` once its SafeToReuse arrived."""
@@ -555,7 +673,12 @@ class TandemKVReceiver(_Request, BaseKVReceiver):
             self.error = self.error or "aborted before its pages were allocated"
 
     def clear(self):
-        self.kv_mgr.side.forget(self.req_id)
+        side = self.kv_mgr.side
+        side.forget(self.req_id)
+        with side._lock:
+            if self.holds_room:
+                self.kv_mgr.live_rooms.discard(self.bootstrap_room)
+                self.holds_room = False
 
 
 class TandemKVBootstrapServer(BaseKVBootstrapServer):

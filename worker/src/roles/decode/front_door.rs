@@ -407,8 +407,8 @@ async fn completions(
             format!(
                 "this decode's {} engine serves requests on its own OpenAI-compatible API \
                  (container port engine-http, which the DecodePool Service's http port targets); \
-                 the front door hands requests only to a vLLM engine (Tandem's KV connector) \
-                 whose pool does not serve the KV tier calls",
+                 the front door hands requests only to an engine running Tandem's PD backend, \
+                 whose pool does not serve the KV tier calls (a DecodePool without a CacheTier)",
                 own.kind
             ),
         );

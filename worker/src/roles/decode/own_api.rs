@@ -215,9 +215,9 @@ fn prefill_engine_addr(peer: &str, port: u16) -> Option<SocketAddr> {
 /// Sends the request to the prefill's engine (it computes the prompt; its connector writes the KV
 /// into the room this decode's engine Reserves): bounded by the request deadline; the one-token
 /// answer is drained. A refusal (an error status, no connection, a broken answer) is logged and
-/// fails the hand-off at once ([`EngineRooms::prefill_refused`]: the decode engine recomputes
-/// now instead of waiting out the KV deadline); passing the request deadline ends the request
-/// anyway.
+/// fails the hand-off at once ([`EngineRooms::prefill_refused`]: the decode engine learns now,
+/// not at the KV deadline — vLLM recomputes the prompt, SGLang fails the request); passing the
+/// request deadline ends the request anyway.
 fn send_to_prefill(
     client: Client<hyper_util::client::legacy::connect::HttpConnector, Body>,
     rooms: Arc<EngineRooms>,
@@ -345,7 +345,7 @@ pub(super) async fn completion(
                 %peer,
                 ?addr,
                 error = ?body.err(),
-                "no prefill hand-off: the decode engine recomputes"
+                "no prefill hand-off: the decode engine learns at once"
             );
             rooms.prefill_refused(h.request_id, 0, "no prefill hand-off could be built");
         }

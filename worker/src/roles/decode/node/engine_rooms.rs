@@ -490,17 +490,19 @@ impl KvSource for EngineRooms {
                 ));
             }
             p.room = Some(room.key);
+            // Known in `rooms` before the pending lock goes (lock order: pending, then rooms), so
+            // that `prefill_refused` or `abandon` never takes the room for a complete one.
+            lock(&self.rooms).insert(
+                room.key,
+                EngineRoom {
+                    peer: p.link.addr().to_owned(),
+                    complete: false,
+                    opened: false,
+                    complete_on_open: false,
+                },
+            );
             ((*p.link).clone(), p.spec.clone(), p.tx.clone())
         };
-        lock(&self.rooms).insert(
-            room.key,
-            EngineRoom {
-                peer: link.addr().to_owned(),
-                complete: false,
-                opened: false,
-                complete_on_open: false,
-            },
-        );
         self.node.receiver.open_room(room.key);
         self.stats.rooms_opened.fetch_add(1, Ordering::Relaxed);
         let _ = tx.send(EngineEvent::Reserved(room.key));
