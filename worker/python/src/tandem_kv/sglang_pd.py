@@ -34,11 +34,12 @@ rendezvous.
   chunk a send thread copies the request's pages into free pages of the worker's pool and calls
   `PagesReady`; `poll()` answers `Success` once the pages were handed to the worker (SGLang then
   frees its own pages).
-- The metadata (SGLang's aux buffers: the first output token, its logprobs, hidden states for
-  speculative decoding) travel as a trailer in the room: `aux_tokens` more token rows after the
-  KV pages, holding the request's slot of every aux buffer, in order. Both sides size the room
-  identically from their own buffers (SGLang requires the same model and metadata layout on both
-  sides).
+- The metadata (SGLang's aux buffers: the first output token, its logprobs, hidden states)
+  travel as a trailer in the room: `aux_tokens` more token rows after the KV pages, holding a
+  header (magic, a digest of the aux layout, the room) and the request's slot of every aux
+  buffer, in order. Both sides size the room from their own buffers; the decode checks the
+  header before it writes anything, so a prefill of another metadata layout (other SGLang
+  options) fails the request, after its room's release, instead of landing wrong metadata.
 
 A token's K (and V) of one layer is contiguous in SGLang's MHA pool (`[pages, page size, heads,
 head dim]` per layer): a worker row is that K, then that V. Buffers are addressed by the
@@ -46,11 +47,13 @@ pointers of `KVArgs` (`kv_data_ptrs`: every layer's K, then every layer's V), wr
 through `__array_interface__` (CPU) or `__cuda_array_interface__` (CUDA); the aux buffers are
 host memory.
 
-Not served (refused at construction with a clear error): MLA pools (no K/V split), hybrid pools
-with state buffers (Mamba, SWA, DSA), pipeline-parallel prefill ranges. Not tested here: a
-running SGLang server (its scheduler needs a model runner; no GPU), CUDA buffers, TP > 1, a
-decode radix cache (`decode_prefix_len` > 0 is refused), SGLang's staging and deferred-release
-paths (this backend answers `Failed` only after the release instead).
+Not served (refused at construction, naming each, rather than failing later): MLA pools (no K/V
+split), hybrid pools with state buffers (Mamba, SWA, DSA), a KV layer count that is not the
+worker model's, tensor or pipeline parallelism above 1 (one engine rank per worker), speculative
+decoding (its draft pool), a decode radix cache, `--disaggregation-decode-allocation-policy
+prefill_complete`, SGLang's staging buffer. Not tested here: a running SGLang server (its
+scheduler needs a model runner; no GPU; its PD queues are played by a test double), CUDA buffers.
+SGLang's deferred-release path is not used: this backend answers `Failed` only after the release.
 """
 
 from __future__ import annotations
