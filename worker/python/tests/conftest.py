@@ -286,3 +286,16 @@ def serve_json(host: str, port: int, serve):
     server = ThreadingHTTPServer((host, port), Api)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+def post_front_door(worker, body: dict, timeout: float = 60):
+    """(status, JSON reply) of POST /v1/completions with `body` on `worker`'s front door."""
+    import urllib.error
+
+    url = f"http://{worker.ip}:{worker.config['ports']['frontDoor']}/v1/completions"
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")

@@ -29,8 +29,6 @@ import math
 import os
 import signal
 import threading
-import urllib.error
-import urllib.request
 from types import SimpleNamespace
 
 import pytest
@@ -57,7 +55,7 @@ from sglang.srt.plugins import load_plugins  # noqa: E402
 from tandem_kv import sglang_pd  # noqa: E402
 
 from conftest import MODEL as BASE_MODEL  # noqa: E402
-from conftest import kill_all, pd_workers, serve_json, until  # noqa: E402
+from conftest import kill_all, pd_workers, post_front_door, serve_json, until  # noqa: E402
 
 NET = 155
 PS = 16  # SGLang's page size
@@ -218,13 +216,7 @@ def pd(make_pd):
 
 
 def post(decode, body, timeout=90):
-    url = f"http://{decode.ip}:{decode.config['ports']['frontDoor']}/v1/completions"
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return post_front_door(decode, body, timeout)
 
 
 def served(decode):

@@ -32,7 +32,6 @@ import json
 import os
 import signal
 import threading
-import urllib.error
 import urllib.request
 
 import pytest
@@ -50,7 +49,7 @@ from tandem_kv.client import EngineClient, engine_identity  # noqa: E402
 from tandem_kv.vllm_pd import DecodeLoader  # noqa: E402
 
 from conftest import MODEL as BASE_MODEL  # noqa: E402
-from conftest import PAGE_TOKENS, kill_all, pd_workers, serve_json, until  # noqa: E402
+from conftest import PAGE_TOKENS, kill_all, pd_workers, post_front_door, serve_json, until  # noqa: E402
 from vllm_engine import Engine, pattern  # noqa: E402
 
 NET = 153
@@ -170,13 +169,7 @@ def pd_vllm(tmp_path):
 
 
 def post(decode, body, timeout=60):
-    url = f"http://{decode.ip}:{decode.config['ports']['frontDoor']}/v1/completions"
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return post_front_door(decode, body, timeout)
 
 
 def post_async(decode, body):

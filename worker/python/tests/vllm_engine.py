@@ -15,10 +15,8 @@ back: the abort test's evidence.
 
 from __future__ import annotations
 
-import json
 import tempfile
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import torch
@@ -35,6 +33,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from tandem_kv.vllm_pd import TandemConnector
+
+from conftest import serve_json
 
 BLOCK = 16
 
@@ -148,24 +148,7 @@ class Engine:
 
     def start(self):
         self.worker.register_kv_caches(self.kv)
-        engine = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status, reply = engine._serve(body)
-                data = json.dumps(reply).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self._http = ThreadingHTTPServer((self.host, self.port), Handler)
-        threading.Thread(target=self._http.serve_forever, daemon=True).start()
+        self._http = serve_json(self.host, self.port, self._serve)
         self._loop = threading.Thread(target=self._run, daemon=True)
         self._loop.start()
         return self
