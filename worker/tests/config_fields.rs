@@ -213,8 +213,8 @@ fn rows() -> Vec<(&'static str, Row)> {
         (
             "memory.snapshotBufferBytes",
             Wired(
-                "snapshot_sync.rs",
-                "the_next_turn_hits_the_pages_the_snapshot_brought",
+                "serve_engine_decode.rs",
+                "snapshot_sync_through_the_engine_api_the_next_turn_loads_the_decode_engines_pages",
             ),
         ),
         (
@@ -544,7 +544,13 @@ fn the_probe_does_not_see_fields_the_worker_ignores() {
     c.memory.snapshot_buffer_bytes *= 2;
     c.memory.segment_bytes += base.memory.snapshot_buffer_bytes;
     assert_eq!(derived(&base), derived(&c));
-    assert!(unused_names(&c).contains("memory.snapshotBufferBytes"));
+    // Read by a prefill beside the Simulated engine (snapshot sync), not beside SGLang's.
+    assert!(!unused_names(&c).contains("memory.snapshotBufferBytes"));
+    let mut own_api = c.clone();
+    if let Some(e) = own_api.engine.as_mut() {
+        e.kind = EngineKind::SgLang;
+    }
+    assert!(unused_names(&own_api).contains("memory.snapshotBufferBytes"));
     let mut standalone = base.clone();
     standalone.memory.client_mode = Some(ClientMode::Embedded);
     assert!(standalone.check().is_ok());

@@ -404,6 +404,53 @@ async fn malformed_decode_calls_are_refused_typed() {
         pb::ErrorReason::NotAttached,
         "",
     );
+    // SyncSession: no request id or no room is malformed; a room never reserved is unknown.
+    let e = api_err(
+        c.decode
+            .sync_session(c.req(pb::SyncSessionRequest {
+                attach_id: id,
+                room: Some(pb::RoomRef {
+                    room_id: 1,
+                    generation: 1,
+                }),
+                pages: vec![0],
+                ..Default::default()
+            }))
+            .await,
+    );
+    check(
+        e,
+        Code::InvalidArgument,
+        pb::ErrorReason::Malformed,
+        "request_id",
+    );
+    let e = api_err(
+        c.decode
+            .sync_session(c.req(pb::SyncSessionRequest {
+                attach_id: id,
+                request_id: 5,
+                pages: vec![0],
+                ..Default::default()
+            }))
+            .await,
+    );
+    check(e, Code::InvalidArgument, pb::ErrorReason::Malformed, "room");
+    let e = api_err(
+        c.decode
+            .sync_session(c.req(pb::SyncSessionRequest {
+                attach_id: id,
+                request_id: 5,
+                room: Some(pb::RoomRef {
+                    room_id: 999_999,
+                    generation: 1,
+                }),
+                pages: vec![0],
+                last: true,
+                ..Default::default()
+            }))
+            .await,
+    );
+    check(e, Code::NotFound, pb::ErrorReason::UnknownRoom, "room");
     // The room is still there and the worker healthy.
     let h = c.health().await.unwrap();
     assert_eq!((h.pages_held, h.ready), (1, true));

@@ -109,10 +109,13 @@ impl tonic::codegen::Service<Uri> for Uds {
 }
 
 /// The engine API's methods, `(path, server streaming)`.
-const METHODS: [(&str, bool); 15] = [
+const METHODS: [(&str, bool); 18] = [
     ("/tandem.engine.v1.Session/Attach", false),
     ("/tandem.engine.v1.Session/Detach", false),
     ("/tandem.engine.v1.Session/Health", false),
+    ("/tandem.engine.v1.Decode/WatchWork", true),
+    ("/tandem.engine.v1.Decode/EmitTokens", false),
+    ("/tandem.engine.v1.Decode/SyncSession", false),
     ("/tandem.engine.v1.Decode/Reserve", false),
     ("/tandem.engine.v1.Decode/AwaitKv", false),
     ("/tandem.engine.v1.Decode/Finish", false),

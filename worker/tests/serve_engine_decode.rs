@@ -24,7 +24,11 @@
 //!   `/report.engine` carries the engine's own summary;
 //! - a request's own `kv_deadline_ms` (seed 004's probe) ends its engine room at that deadline.
 //!
-//! Each test has its own `127.0.<net>.x` addresses (nets 101–110).
+//! - snapshot sync through the engine API: the decode engine hands its finished turn's session KV
+//!   over (SyncSession), the prefill finalizes it into the L2 its engine reads, and the next turn
+//!   loads the pages no prefill computed.
+//!
+//! Each test has its own `127.0.<net>.x` addresses (nets 101–110, 116).
 
 mod serve_support;
 
@@ -975,6 +979,120 @@ async fn prefix_hits_reach_the_response_when_both_pools_run_the_engine() {
         "three pages per request, every one verified: {r}"
     );
     assert_eq!(es["decode"]["early_reuse"], 0, "{r}");
+}
+
+/// One turn of a session through the front door: `input` prompt tokens over `hashes`, `output`
+/// generated, `session` the session's KV after it (empty: no sync). Returns its L2 hit tokens.
+async fn session_turn(
+    front: std::net::SocketAddr,
+    input: u32,
+    output: u32,
+    hashes: &[u64],
+    session: &[u64],
+) -> u64 {
+    let body = serde_json::json!({"prompt": "x", "max_tokens": output, "input_tokens": input,
+        "kv_block_hashes": hashes, "session_kv_hashes": session});
+    let (code, frames) = http(front, "POST", "/v1/completions", Some(body)).await;
+    let v: Value = serde_json::from_str(&text(&frames)).unwrap_or(Value::Null);
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["tandem"]["corrupt_chunks"], 0, "{v}");
+    v["tandem"]["prefix_hit_tokens"]["l2"].as_u64().unwrap()
+}
+
+/// Snapshot sync through the engine API (DESIGN §3.1 and contract 4; seed 002; issue 15). Turn 1
+/// of a session: a 1400-token prompt (3 pages, the last partial) and 300 generated tokens, so its
+/// KV after the turn is 4 pages whose last two no prefill ever computed. The decode engine lays
+/// them out and hands them over with SyncSession (two calls: its room has 3 pages); the decode
+/// worker pushes them into the prefill's snapshot buffer; the prefill finalizes them into the L2
+/// its engine reads. Turn 2 extends the chain by one page: its first 4 pages hit L2 and the prefill
+/// engine loads and verifies them byte for byte. A session without sync hits only the 2 pages
+/// turn 1's prefill computed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_sync_through_the_engine_api_the_next_turn_loads_the_decode_engines_pages() {
+    let w = World::new(116);
+    w.publish(&[2]);
+    let mut pc = prefill_config(&w);
+    pc.memory.snapshot_buffer_bytes = 16 * PAGE_BYTES;
+    pc.memory.segment_bytes += pc.memory.snapshot_buffer_bytes;
+    let _p = w.spawn(2, &pc, &[]);
+    let _pe = spawn_engine(&w, 2, &[], &[]);
+    let _d = w.spawn(9, &decode_config(&w), &[]);
+    let _de = spawn_engine(&w, 9, &[], &[]);
+    let (ph, dh, front) = (
+        w.addr(2, w.ports.health),
+        w.addr(9, w.ports.health),
+        w.addr(9, w.ports.front),
+    );
+    until(Duration::from_secs(30), || async {
+        readyz(ph).await.0 == 200 && readyz(dh).await.0 == 200
+    })
+    .await;
+
+    let b = 7_000_000u64;
+    let (t1, kv, t2) = (
+        [b, b + 1, b + 2],
+        [b, b + 1, b + 3, b + 4],
+        [b, b + 1, b + 3, b + 4, b + 5],
+    );
+    assert_eq!(session_turn(front, 1400, 300, &t1, &kv).await, 0, "cold");
+    until(Duration::from_secs(15), || async {
+        report(ph).await["counters"]["snapshot_finalized"] == 1
+    })
+    .await;
+    let d = report(dh).await;
+    assert_eq!(d["counters"]["snapshot_sync_attempts"], 1, "{d}");
+    assert_eq!(d["counters"]["snapshot_sync_ok"], 1, "{d}");
+    assert_eq!(d["engine"]["sessions_synced"], 1, "{d}");
+    assert_eq!(d["engine"]["session_pages"], 4, "{d}");
+    let p = report(ph).await;
+    assert_eq!(p["snapshot"]["publish"], "host-tiers", "{p}");
+    assert_eq!(p["snapshot"]["live"], 0, "{p}");
+    assert_eq!(p["engine"]["tiers"]["snapshot_pages"], 4, "{p}");
+    assert_eq!(
+        p["engine"]["tiers"]["snapshot_pages_new"], 2,
+        "the generated tokens' pages are new to L2: {p}"
+    );
+
+    // Turn 2: the session's 4 pages hit and are loaded; only the new page is computed.
+    assert_eq!(session_turn(front, 2300, 4, &t2, &[]).await, 4 * 512);
+    let p = report(ph).await;
+    assert_eq!(
+        p["counters"]["snapshot_hit_tokens"], 1024,
+        "two of the four pages came with the snapshot: {p}"
+    );
+    assert_eq!(p["counters"]["snapshot_hit_requests"], 1, "{p}");
+    // The prefill engine publishes its summary after each room (possibly just after the reply).
+    until(Duration::from_secs(10), || async {
+        report(ph).await["engine"]["engine_summary"]["rooms"] == 2
+    })
+    .await;
+    let p = report(ph).await;
+    let es = &p["engine"]["engine_summary"];
+    assert_eq!(es["loaded_pages"], 4, "{p}");
+    assert_eq!(
+        es["loaded_chunks"], 32,
+        "the prefill engine loaded and verified the 4 pages' 8 layers: {p}"
+    );
+    assert_eq!(es["loaded_corrupt_chunks"], 0, "{p}");
+    assert_eq!(es["read_before_ready"], 0, "{p}");
+
+    // Without sync the next turn recomputes the generated tokens' pages.
+    let c = 8_000_000u64;
+    session_turn(front, 1400, 300, &[c, c + 1, c + 2], &[]).await;
+    assert_eq!(
+        session_turn(front, 2300, 4, &[c, c + 1, c + 3, c + 4, c + 5], &[]).await,
+        2 * 512
+    );
+    let d = report(dh).await;
+    assert_eq!(d["counters"]["snapshot_sync_attempts"], 1, "{d}");
+    assert_eq!(
+        d["engine"]["engine_summary"]["decode"]["sessions_synced"], 1,
+        "{d}"
+    );
+    assert_eq!(
+        d["engine"]["engine_summary"]["decode"]["session_sync_errors"], 0,
+        "{d}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -94,6 +94,38 @@ pub trait KvSource: Send + Sync + 'static {
             "this worker hands out no DecodeWork: there is nothing to emit tokens for",
         ))
     }
+    /// SyncSession of a [`pb::DecodeWork`] attempt (snapshot sync, contract 4): `pages` are the
+    /// next pages of the attempt's session KV, copied out of room `key` (each page every layer of
+    /// the target pool, in layer order: the L3 object form); `last` ends the hand-over. The
+    /// implementation pairs them with the session's hashes and starts the push. May not call back
+    /// into the decode side.
+    ///
+    /// # Errors
+    /// `FAILED_PRECONDITION` by default: this transport hands out no DecodeWork, so no attempt has
+    /// a session to sync.
+    fn sync_session(&self, _handed: SessionPages) -> Result<pb::SyncSessionReply, ApiError> {
+        Err(ApiError::new(
+            Code::FailedPrecondition,
+            pb::ErrorReason::WrongRole,
+            "this worker hands out no DecodeWork: there is no session to sync",
+        ))
+    }
+}
+
+/// Pages of a session's KV an engine handed over with SyncSession, copied out of its pool.
+#[derive(Debug)]
+pub struct SessionPages {
+    /// The attempt's request id.
+    pub request_id: u64,
+    /// The attempt.
+    pub attempt: u32,
+    /// The room the pages were copied from (the attempt's).
+    pub room: RoomKey,
+    /// One entry per page, in session order: every layer's chunk of the target pool, layer order
+    /// (`layers × chunk_bytes` bytes).
+    pub pages: Vec<std::sync::Arc<[u8]>>,
+    /// No more pages follow.
+    pub last: bool,
 }
 
 /// How a room ended, for AwaitKv.
@@ -647,6 +679,103 @@ impl DecodeSide {
         })
     }
 
+    /// SyncSession (snapshot sync, contract 4): copies `pages` of room `key` out of the target
+    /// pool — the room must be this attach's, its KV complete and not Finished, and every page one
+    /// of its own, each at most once — and hands them to the [`KvSource`] with the attempt's ids.
+    /// The copy is made outside the state lock and kept only if the room is still live afterwards
+    /// (a room released meanwhile may have had its pages reserved again, so its bytes are not
+    /// trusted).
+    ///
+    /// # Errors
+    /// `UNKNOWN_ROOM`; `ROOM_STATE` before the KV completed; `INVALID_ARGUMENT` for a page not in
+    /// the room, a repeated page, or no page without `last`; the source's errors.
+    pub fn sync_session(
+        &self,
+        attach: u64,
+        request_id: u64,
+        attempt: u32,
+        key: RoomKey,
+        pages: &[u32],
+        last: bool,
+    ) -> Result<pb::SyncSessionReply, ApiError> {
+        if request_id == 0 {
+            return Err(ApiError::malformed(
+                "request_id",
+                "SyncSession names no request",
+            ));
+        }
+        if pages.is_empty() && !last {
+            return Err(ApiError::malformed(
+                "pages",
+                "SyncSession without pages must be the last",
+            ));
+        }
+        let live = |st: &State| -> Result<(), ApiError> {
+            self.room_of(st, attach, key)?;
+            let room = &st.rooms[&key];
+            if !matches!(
+                room.room.state(),
+                ReceiverState::Success | ReceiverState::Committed
+            ) {
+                return Err(ApiError::new(
+                    Code::FailedPrecondition,
+                    pb::ErrorReason::RoomState,
+                    format!(
+                        "{key} is {:?}: SyncSession needs the room's KV complete",
+                        room.room.state()
+                    ),
+                )
+                .field("room"));
+            }
+            Ok(())
+        };
+        {
+            let st = lock(&self.state);
+            live(&st)?;
+            let owned = &st.rooms[&key].pages;
+            let mut seen = std::collections::HashSet::new();
+            for p in pages {
+                if !owned.contains(&PageId(*p)) {
+                    return Err(ApiError::malformed(
+                        "pages",
+                        format!("page {p} is not a page of {key}"),
+                    ));
+                }
+                if !seen.insert(*p) {
+                    return Err(ApiError::malformed(
+                        "pages",
+                        format!("page {p} named twice"),
+                    ));
+                }
+            }
+        }
+        let target = self.target();
+        let (layers, chunk) = {
+            let g = target.geometry();
+            (g.layers as usize, g.chunk_bytes() as usize)
+        };
+        let mut copied = Vec::with_capacity(pages.len());
+        for p in pages {
+            let mut bytes = vec![0u8; layers * chunk];
+            for (layer, dst) in bytes.chunks_exact_mut(chunk.max(1)).enumerate() {
+                target
+                    .read_chunk(PageId(*p), layer as u32, 0, dst)
+                    .map_err(|e| {
+                        ApiError::new(Code::Internal, pb::ErrorReason::Unspecified, e.to_string())
+                    })?;
+            }
+            copied.push(std::sync::Arc::<[u8]>::from(bytes));
+        }
+        live(&lock(&self.state))?;
+        self.source.sync_session(SessionPages {
+            request_id,
+            attempt,
+            room: key,
+            pages: copied,
+            last,
+        })
+    }
+
     /// Decoding ended normally: the room's pages are released (every write concluded) and a
     /// SafeToReuse event is emitted.
     ///
@@ -1086,9 +1215,13 @@ mod tests {
     }
 
     fn side(rt: &tokio::runtime::Runtime) -> Arc<DecodeSide> {
+        side_over(rt, Arc::new(NoWriters))
+    }
+
+    fn side_over(rt: &tokio::runtime::Runtime, source: Arc<dyn KvSource>) -> Arc<DecodeSide> {
         DecodeSide::new(
             vec![pool(PoolRole::Target, 2)],
-            Arc::new(NoWriters),
+            source,
             DecodeSettings {
                 gate: GateMode::Safe,
                 ack_timeout: Duration::from_secs(60),
@@ -1098,6 +1231,96 @@ mod tests {
             },
             rt.handle().clone(),
         )
+    }
+
+    /// A transport with no writer that records the session pages SyncSession hands over.
+    #[derive(Default)]
+    struct Sessions(Mutex<Vec<SessionPages>>);
+
+    impl KvSource for Sessions {
+        fn writers(&self, _request_id: u64) -> Vec<PrefillRank> {
+            Vec::new()
+        }
+        fn open(&self, _room: RoomOpen) -> Result<(), String> {
+            Ok(())
+        }
+        fn abort(&self, _key: RoomKey, _ranks: &[PrefillRank], _cause: FailureCause) {}
+        fn sync_session(&self, handed: SessionPages) -> Result<pb::SyncSessionReply, ApiError> {
+            let n = handed.pages.len() as u32;
+            lock(&self.0).push(handed);
+            Ok(pb::SyncSessionReply {
+                pages_taken: n,
+                started: true,
+            })
+        }
+    }
+
+    /// SyncSession (snapshot sync, contract 4) copies only pages the engine owns with its KV in:
+    /// before the KV completed it is refused, a page of no room or a page named twice is refused,
+    /// the copy keeps the order the engine named (each page every layer, layer order), and after
+    /// Finish the room is unknown — its pages may already hold another room's KV.
+    #[test]
+    fn sync_session_copies_only_the_rooms_own_pages_once_its_kv_is_complete() {
+        let rt = runtime();
+        let src = Arc::new(Sessions::default());
+        let side = side_over(&rt, src.clone());
+        let r = side.reserve(0, 7, 8, Duration::from_secs(600)).unwrap();
+        let (a, b) = (r.pages[0], r.pages[1]);
+        let reason = |e: ApiError| e.reason;
+        assert_eq!(
+            side.sync_session(0, 7, 0, r.key, &[a], false)
+                .map_err(reason),
+            Err(pb::ErrorReason::RoomState),
+            "the KV has not completed"
+        );
+        side.on_complete(r.key);
+        let target = side.pools()[0].clone();
+        let chunk = target.geometry().chunk_bytes() as usize;
+        for (page, fill) in [(a, 0xA0u8), (b, 0xB0)] {
+            for layer in 0..2u32 {
+                let bytes = vec![fill + layer as u8; chunk];
+                target.write_chunk(PageId(page), layer, 0, &bytes).unwrap();
+            }
+        }
+        let foreign = (0..PAGES).find(|p| !r.pages.contains(p)).unwrap();
+        assert_eq!(
+            side.sync_session(0, 7, 0, r.key, &[a, foreign], false)
+                .map_err(reason),
+            Err(pb::ErrorReason::Malformed),
+            "page {foreign} is not the room's"
+        );
+        assert_eq!(
+            side.sync_session(0, 7, 0, r.key, &[a, a], false)
+                .map_err(reason),
+            Err(pb::ErrorReason::Malformed),
+            "a page twice"
+        );
+        assert!(
+            lock(&src.0).is_empty(),
+            "nothing handed over by refused calls"
+        );
+        let reply = side.sync_session(0, 7, 0, r.key, &[b, a], true).unwrap();
+        assert_eq!(reply.pages_taken, 2);
+        let handed = lock(&src.0).pop().unwrap();
+        assert_eq!(
+            (handed.request_id, handed.attempt, handed.room),
+            (7, 0, r.key)
+        );
+        assert!(handed.last);
+        let expect = |fill: u8| -> Vec<u8> {
+            let mut v = vec![fill; chunk];
+            v.extend(vec![fill + 1; chunk]);
+            v
+        };
+        assert_eq!(&*handed.pages[0], expect(0xB0).as_slice());
+        assert_eq!(&*handed.pages[1], expect(0xA0).as_slice());
+        assert!(side.finish(0, r.key).unwrap());
+        assert_eq!(
+            side.sync_session(0, 7, 0, r.key, &[a], true)
+                .map_err(reason),
+            Err(pb::ErrorReason::UnknownRoom),
+            "a finished room's pages are the gate's"
+        );
     }
 
     /// A Reserve that hands out pages a release freed names that release's `seq`, and the

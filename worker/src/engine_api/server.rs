@@ -296,6 +296,21 @@ impl pb::decode_server::Decode for Services {
         .map(Response::new)
     }
 
+    async fn sync_session(
+        &self,
+        req: Request<pb::SyncSessionRequest>,
+    ) -> Result<Response<pb::SyncSessionReply>, Status> {
+        let b = budget(client_deadline(&req), self.max());
+        let r = req.into_inner();
+        bounded("SyncSession", b, async {
+            let d = self.0.decode(r.attach_id)?;
+            let key = room(r.room)?;
+            d.sync_session(r.attach_id, r.request_id, r.attempt, key, &r.pages, r.last)
+        })
+        .await
+        .map(Response::new)
+    }
+
     type WatchReleasesStream = EventStream<pb::SafeToReuse>;
 
     async fn watch_releases(

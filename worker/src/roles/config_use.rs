@@ -80,11 +80,16 @@ pub fn unused(cfg: &WorkerConfig) -> Vec<Unused> {
         "the snapshot receive buffer is a prefill's: a decode pushes into its prefill peers' \
          buffers",
     );
+    let own_api_engine = cfg
+        .engine
+        .as_ref()
+        .is_some_and(|e| e.kind != crate::config::EngineKind::Simulated);
     note(
-        m.snapshot_buffer_bytes > 0 && !decode && !builtin,
+        m.snapshot_buffer_bytes > 0 && !decode && own_api_engine,
         "memory.snapshotBufferBytes",
-        "snapshot sync with an engine beside the worker is not wired yet (issue 15): the engine \
-         owns the pages a snapshot would finalize into; SnapshotPrepare answers DISABLED",
+        "snapshot sync needs decode engines that hand over their finished turns' KV (SyncSession, \
+         which the Simulated engine does); SGLang and vLLM decode engines serve their own API and \
+         hand over none yet, so this prefill's buffer receives nothing",
     );
     note(
         builtin && cfg.indexer.is_some(),

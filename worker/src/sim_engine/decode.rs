@@ -75,6 +75,15 @@ pub struct DecodeStats {
     pub cancelled: u64,
     /// Attempts that ended with an engine error (a refused call).
     pub engine_errors: u64,
+    /// Finished turns whose session KV was handed over with SyncSession (snapshot sync).
+    #[serde(default)]
+    pub sessions_synced: u64,
+    /// Pages of session KV handed over.
+    #[serde(default)]
+    pub session_pages_synced: u64,
+    /// SyncSession calls the worker refused (the turn still Finished).
+    #[serde(default)]
+    pub session_sync_errors: u64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -194,6 +203,9 @@ struct Done {
     release_wait: bool,
     cancelled: bool,
     engine_error: bool,
+    session_synced: bool,
+    session_pages: u64,
+    session_error: bool,
 }
 
 struct Ctx {
@@ -339,6 +351,9 @@ fn apply(total: &mut Summary, d: Done) {
     s.release_waits += u64::from(d.release_wait);
     s.cancelled += u64::from(d.cancelled);
     s.engine_errors += u64::from(d.engine_error);
+    s.sessions_synced += u64::from(d.session_synced);
+    s.session_pages_synced += d.session_pages;
+    s.session_sync_errors += u64::from(d.session_error);
 }
 
 fn end(outcome: pb::decode_end::Outcome) -> Option<pb::DecodeEnd> {
@@ -455,6 +470,64 @@ fn fill_draft(att: &Attached, request: u64, pages: &[u32]) -> Result<(), ClientE
         }
     }
     Ok(())
+}
+
+/// Hands the turn's session KV (`w.session_kv_hashes`) to the worker for snapshot sync: the
+/// session's pages are laid out in page form ([`super::tiers::page_chunk`], the content L2 and L3
+/// hold for a page and the prefill engine verifies when it loads one) into the room's pages, as
+/// many as the room has at a time, each batch handed over with SyncSession (the worker copies it
+/// before it answers, so the next batch may reuse the pages). The room's own KV was verified for
+/// the last time before this. Returns the pages handed over.
+///
+/// # Errors
+/// A refused call or a failed write, as text.
+async fn sync_session(
+    ctx: &Ctx,
+    id: u64,
+    w: &pb::DecodeWork,
+    room: Option<pb::RoomRef>,
+    pages: &[u32],
+) -> Result<u64, String> {
+    let pool = ctx
+        .att
+        .pool(PoolRole::Target)
+        .ok_or_else(|| "no target pool".to_owned())?;
+    if pages.is_empty() {
+        return Err("the room has no pages".into());
+    }
+    let layers = pool.geometry().layers;
+    let batches: Vec<&[u64]> = w.session_kv_hashes.chunks(pages.len()).collect();
+    let mut taken = 0u64;
+    for (i, batch) in batches.iter().enumerate() {
+        for (&hash, &page) in batch.iter().zip(pages) {
+            let h =
+                crate::engine_api::tiers::hash_of_key(crate::tier::PageKey::from_trace_id(hash));
+            for layer in 0..layers {
+                let spec = super::tiers::page_chunk(pool, &h, layer);
+                let mut buf = vec![0u8; spec.bytes()];
+                fill_chunk(&mut buf, &spec);
+                pool.write(page, layer, 0, &buf)
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        let mut c = ctx.client.clone();
+        let r = ctx.client.req(pb::SyncSessionRequest {
+            attach_id: id,
+            request_id: w.request_id,
+            attempt: w.attempt,
+            room,
+            pages: pages[..batch.len()].to_vec(),
+            last: i + 1 == batches.len(),
+        });
+        let reply = c
+            .decode
+            .sync_session(r)
+            .await
+            .map_err(|st| st.to_string())?
+            .into_inner();
+        taken = u64::from(reply.pages_taken);
+    }
+    Ok(taken)
 }
 
 /// Serves one attempt; returns what it did and its last EmitTokens (the end), which the caller
@@ -653,6 +726,18 @@ async fn serve_one(ctx: &Ctx, id: u64, w: pb::DecodeWork) -> (Done, Option<pb::E
         .1
         .saturating_sub(corrupt);
     d.corrupt += tbad;
+    if !w.session_kv_hashes.is_empty() {
+        match sync_session(ctx, id, &w, room, &pages).await {
+            Ok(n) => {
+                d.session_synced = true;
+                d.session_pages = n;
+            }
+            Err(e) => {
+                d.session_error = true;
+                tracing::warn!(%key, error = %e, "SyncSession refused; the turn finishes unsynced");
+            }
+        }
+    }
     let mut c = ctx.client.clone();
     let fin = ctx.client.req(pb::FinishRequest {
         attach_id: id,

@@ -302,6 +302,9 @@ impl Summary {
             mine.release_gaps += theirs.release_gaps;
             mine.cancelled += theirs.cancelled;
             mine.engine_errors += theirs.engine_errors;
+            mine.sessions_synced += theirs.sessions_synced;
+            mine.session_pages_synced += theirs.session_pages_synced;
+            mine.session_sync_errors += theirs.session_sync_errors;
         }
     }
 }

@@ -56,6 +56,6 @@ pub use region::SnapshotRegion;
 #[cfg(feature = "negative-controls")]
 pub use shared_pool::{SharedPoolSnapshots, SharedPrepareOutcome};
 pub use store::{
-    AbortOutcome, BufFull, FinalizeOutcome, Finalized, PrepareOutcome, SnapshotGrant,
-    SnapshotRequest, SnapshotStore, StoreConfig,
+    AbortOutcome, BufFull, FinalizeOutcome, Finalized, FinalizedBytes, PrepareOutcome,
+    SnapshotGrant, SnapshotRequest, SnapshotStore, StoreConfig,
 };

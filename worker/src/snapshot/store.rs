@@ -135,6 +135,19 @@ pub struct Finalized {
     pub index_evicted: Vec<PageKey>,
 }
 
+/// A snapshot taken out of the buffer as page bytes ([`SnapshotStore::finalize_to_bytes`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FinalizedBytes {
+    /// The snapshot (gone from the store).
+    pub id: SnapshotId,
+    /// Its session.
+    pub session: u64,
+    /// Its page keys, in order.
+    pub keys: Vec<PageKey>,
+    /// One entry per key: every layer's chunk, in layer order (`layers × chunk_bytes` bytes).
+    pub pages: Vec<std::sync::Arc<[u8]>>,
+}
+
 /// Answer of [`SnapshotStore::finalize`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FinalizeOutcome {
@@ -408,6 +421,47 @@ impl SnapshotStore {
         }
         self.counters.aborted += 1;
         Ok(self.retire(id))
+    }
+
+    /// Finalize for a caller whose pages live outside a [`KvPool`] (the engine path's prefill: its
+    /// host tier holds page bytes): copies sealed snapshot `id` out of its slots as page bytes;
+    /// the snapshot leaves the store and its slots are free. No pool is asked for pages, so there
+    /// is no `alloc-failed-on-finalize` here; the caller's tier makes room (LRU).
+    ///
+    /// # Errors
+    /// [`SnapshotError::Unknown`], [`SnapshotError::WrongState`] unless SEALED, region faults (the
+    /// snapshot stays sealed).
+    pub fn finalize_to_bytes(&mut self, id: SnapshotId) -> Result<FinalizedBytes, SnapshotError> {
+        self.record_in(id, SnapshotState::Sealed, "finalize", "Sealed")?;
+        let Some(r) = self.records.get(&id) else {
+            return Err(SnapshotError::Unknown(id));
+        };
+        let g = self.region.geometry();
+        let chunk = g.chunk_bytes as usize;
+        let mut pages = Vec::with_capacity(r.slots.len());
+        for slot in &r.slots {
+            let mut bytes = vec![0u8; chunk * g.layers as usize];
+            for layer in 0..g.layers {
+                let at = g
+                    .chunk_offset(*slot, layer)
+                    .ok_or(SnapshotError::Unknown(id))?;
+                let from = layer as usize * chunk;
+                self.region.read(at, &mut bytes[from..from + chunk])?;
+            }
+            pages.push(std::sync::Arc::<[u8]>::from(bytes));
+        }
+        let Some(r) = self.records.remove(&id) else {
+            return Err(SnapshotError::Unknown(id));
+        };
+        self.live_by_session.remove(&r.session);
+        self.release_slots(&r.slots, id);
+        self.counters.finalized += 1;
+        Ok(FinalizedBytes {
+            id,
+            session: r.session,
+            keys: r.keys,
+            pages,
+        })
     }
 
     /// The writer of draining snapshot `id` is terminal (its transfer handle completed, failed or

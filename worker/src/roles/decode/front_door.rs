@@ -508,6 +508,7 @@ async fn completions(
             stream: req.stream,
             hashes: req.kv_block_hashes.clone(),
             kv_deadline: req.kv_deadline_ms.map(Duration::from_millis),
+            session_kv_hashes: req.session_kv_hashes.clone(),
         };
         return super::via_engine::completion(engine, rooms, ask, admission).await;
     }

@@ -490,6 +490,11 @@ impl DecodeServer {
                 )
             }),
         });
+        // Snapshot sync through the engine API (contract 4): an engine decoding DecodeWork hands
+        // its finished turns' session KV over with SyncSession.
+        if let (Some(push), Some(rooms)) = (&engine.snapshots, &engine.engine_rooms) {
+            rooms.set_snapshots(push.clone());
+        }
         let n = node.clone();
         state.on_refresh(move |s| {
             let c = &s.counters;

@@ -65,6 +65,17 @@ pub enum SyncOutcome {
     Other(String),
 }
 
+/// Where the bytes of a synced page come from.
+#[derive(Debug, Clone)]
+pub enum PageSource {
+    /// The built-in engine: regenerated from the page key ([`PrefixCache::object_bytes`]; its
+    /// own pages hold request-keyed bytes).
+    Regenerate,
+    /// An engine's pages, handed over with SyncSession and copied out of its pool: entry k is the
+    /// k-th page, every layer's chunk in layer order.
+    Engine(Vec<Arc<[u8]>>),
+}
+
 /// Pushes finished turns' KV to prefill peers.
 pub struct SnapshotPush {
     peers: Arc<PeerSet>,
@@ -100,23 +111,41 @@ impl SnapshotPush {
         })
     }
 
-    /// Starts the sync of a finished turn whose KV is the pages `hashes`, in the background.
+    /// Starts the sync of a finished turn of the built-in engine whose KV is the pages `hashes`,
+    /// in the background (the bytes are regenerated from the keys: [`PageSource::Regenerate`]).
     pub fn spawn(self: &Arc<Self>, hashes: Vec<u64>) {
         if hashes.is_empty() {
             return;
         }
         let me = self.clone();
         tokio::spawn(async move {
-            let outcome = me.push(hashes).await;
+            let outcome = me.push(hashes, PageSource::Regenerate).await;
             tracing::debug!(?outcome, "snapshot sync");
         });
     }
 
+    /// Starts the sync of a finished turn whose KV an engine handed over (SyncSession): `pages[k]`
+    /// holds the page `hashes[k]` (every layer, layer order), in the background. Pages beyond the
+    /// shorter of the two are ignored.
+    pub fn spawn_pages(self: &Arc<Self>, hashes: Vec<u64>, pages: Vec<Arc<[u8]>>) {
+        let n = hashes.len().min(pages.len());
+        if n == 0 {
+            return;
+        }
+        let mut hashes = hashes;
+        hashes.truncate(n);
+        let me = self.clone();
+        tokio::spawn(async move {
+            let outcome = me.push(hashes, PageSource::Engine(pages)).await;
+            tracing::debug!(?outcome, "snapshot sync of an engine's session");
+        });
+    }
+
     /// One sync, counted.
-    pub async fn push(&self, hashes: Vec<u64>) -> SyncOutcome {
+    pub async fn push(&self, hashes: Vec<u64>, source: PageSource) -> SyncOutcome {
         let c = &self.counters;
         c.snapshot_sync_attempts.inc();
-        let outcome = self.run(&hashes).await;
+        let outcome = self.run(&hashes, &source).await;
         match &outcome {
             SyncOutcome::Ok { peer, .. } => {
                 c.snapshot_sync_ok.inc();
@@ -141,7 +170,7 @@ impl SnapshotPush {
         outcome
     }
 
-    async fn run(&self, hashes: &[u64]) -> SyncOutcome {
+    async fn run(&self, hashes: &[u64], source: &PageSource) -> SyncOutcome {
         let Some(link) = self.peers.pick(&[], hashes) else {
             return SyncOutcome::Other("no prefill peer".into());
         };
@@ -172,9 +201,10 @@ impl SnapshotPush {
         let Some(snapshot) = grant.snapshot else {
             return SyncOutcome::Other("grant without a snapshot".into());
         };
-        let written = tokio::time::timeout(self.deadline, self.write(hashes, &grant, snapshot))
-            .await
-            .unwrap_or_else(|_| Err("writes timed out".into()));
+        let written =
+            tokio::time::timeout(self.deadline, self.write(hashes, source, &grant, snapshot))
+                .await
+                .unwrap_or_else(|_| Err("writes timed out".into()));
         if let Err(why) = written {
             let _ = tokio::time::timeout(self.deadline, client.snapshot_abort(snapshot)).await;
             return SyncOutcome::Transfer(why);
@@ -201,6 +231,7 @@ impl SnapshotPush {
     async fn write(
         &self,
         hashes: &[u64],
+        source: &PageSource,
         grant: &pb::SnapshotPrepareReply,
         snapshot: pb::SnapshotRef,
     ) -> Result<(), String> {
@@ -217,7 +248,15 @@ impl SnapshotPush {
         let (tx, mut rx) = mpsc::unbounded_channel::<bool>();
         let mut submitted = 0usize;
         for (page, hash) in hashes.iter().enumerate() {
-            let bytes = PrefixCache::object_bytes(PageKey::from_trace_id(*hash), self.layout);
+            let bytes: Arc<[u8]> = match source {
+                PageSource::Regenerate => {
+                    PrefixCache::object_bytes(PageKey::from_trace_id(*hash), self.layout).into()
+                }
+                PageSource::Engine(pages) => match pages.get(page) {
+                    Some(b) if b.len() == layers * chunk => b.clone(),
+                    _ => return Err(format!("the engine's page {page} is not a whole page")),
+                },
+            };
             let ops = (0..layers)
                 .map(|layer| WriteOp {
                     key,

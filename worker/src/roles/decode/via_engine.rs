@@ -60,6 +60,21 @@ pub struct Ask {
     /// The request's own KV deadline (`kv_deadline_ms`), capped at the worker's as on the built-in
     /// path.
     pub kv_deadline: Option<Duration>,
+    /// The session's KV after this turn (`session_kv_hashes`, snapshot sync); empty: no sync.
+    pub session_kv_hashes: Vec<u64>,
+}
+
+/// The session hashes a DecodeWork carries: none with sync off; else at most the pages the turn's
+/// KV can fill (`ceil((prompt + max_tokens) / page_tokens)`), so a client naming more cannot make
+/// the engine hand over more than its turn holds.
+fn session_hashes(ask: &Ask, rooms: &EngineRooms) -> Vec<u64> {
+    if !rooms.syncs_sessions() {
+        return Vec::new();
+    }
+    let tokens = u64::from(ask.prompt_tokens.max(1)) + u64::from(ask.max_tokens);
+    let pages = tokens.div_ceil(u64::from(rooms.page_tokens().max(1)));
+    let n = usize::try_from(pages).unwrap_or(usize::MAX);
+    ask.session_kv_hashes.iter().take(n).copied().collect()
 }
 
 /// Forgets an attempt when dropped (the request ended, or its future was dropped).
@@ -237,6 +252,7 @@ pub(super) async fn completion(
             kv_deadline_ms: kv_deadline.as_millis().max(1) as u64,
             prefix_hashes: ask.hashes.clone(),
             draft_tokens: engine.draft_tokens.unwrap_or(0),
+            session_kv_hashes: session_hashes(&ask, &rooms),
         };
         let rx = match rooms.submit(work, link, spec) {
             Ok(rx) => rx,

@@ -407,11 +407,14 @@ impl PrefillServer {
         if seat.is_none() {
             service.planner = Some(cache.clone());
         }
-        // Snapshot sync (DESIGN contract 4, issue 15): the built-in engine's KV pool and the
-        // snapshot buffer with its receiver on the data port. With an engine beside the worker the
-        // engine owns the pages; the engine path is not wired yet (SnapshotPrepare answers
-        // DISABLED, `config.unused` says so).
-        let snapshots = if seat.is_none() && cfg.memory.snapshot_buffer_bytes > 0 {
+        // Snapshot sync (DESIGN contract 4, issue 15): the snapshot buffer with its receiver on
+        // the data port. The built-in engine finalizes into its KV pool and prefix cache; with an
+        // engine beside the worker a snapshot is finalized into the seat's host tier, whose L2
+        // the engine's next Lookup and Load read.
+        let engine_tiers = seat.as_ref().and_then(|s| s.tiers.clone());
+        let snapshots = if cfg.memory.snapshot_buffer_bytes == 0 {
+            None
+        } else if seat.is_none() {
             let sync = snapshot_sync::start_builtin(
                 cfg,
                 &opts,
@@ -421,24 +424,30 @@ impl PrefillServer {
             )
             .map_err(ServeError::Snapshot)?;
             service.pages = sync.0;
-            service.snapshots = Some(sync.1.clone());
-            let s = sync.1;
-            state.on_refresh(move |st| {
-                mirror(&st.counters.snapshot_evicted, s.evicted());
-            });
-            service.snapshots.clone()
+            Some(sync.1)
+        } else if let Some(tiers) = engine_tiers {
+            let sync =
+                snapshot_sync::start_engine(cfg, &opts, layout, tiers, state.counters.clone())
+                    .map_err(ServeError::Snapshot)?;
+            Some(sync)
         } else {
             None
         };
+        if let Some(s) = &snapshots {
+            service.snapshots = Some(s.clone());
+            let s = s.clone();
+            // `/report.snapshot` (SnapshotSync::report), with or without an engine.
+            state.on_refresh(move |st| {
+                mirror(&st.counters.snapshot_evicted, s.evicted());
+                st.set_section("snapshot", s.report());
+            });
+        }
         let group_slot: Arc<std::sync::OnceLock<Arc<cp_group::GroupRank>>> = Arc::default();
         if seat.is_none() {
-            let (snap, group) = (snapshots.clone(), group_slot.clone());
+            let group = group_slot.clone();
             state.set_extra(move || {
                 let mut m = serde_json::Map::new();
                 m.insert("engine".into(), seat::report(None, None));
-                if let Some(s) = &snap {
-                    m.insert("snapshot".into(), s.report());
-                }
                 if let Some(g) = group.get() {
                     m.insert("cp_group".into(), g.report());
                 }

@@ -44,14 +44,16 @@ use crate::memory::pool::{KvPool, PageId, PoolLayout, PoolRole, PoolSpec};
 #[cfg(feature = "negative-controls")]
 use crate::release::RoomKey;
 use crate::snapshot::{
-    FinalizeOutcome, Finalized, PrepareOutcome, ReceiverGate, SlotGeometry, SnapshotError,
-    SnapshotGrant, SnapshotId, SnapshotRegion, SnapshotRequest, SnapshotStore, StoreConfig,
+    FinalizeOutcome, Finalized, FinalizedBytes, PrepareOutcome, ReceiverGate, SlotGeometry,
+    SnapshotError, SnapshotGrant, SnapshotId, SnapshotRegion, SnapshotRequest, SnapshotStore,
+    StoreConfig,
 };
 use crate::tier::{PageKey, Tier};
 use crate::transfer::RegionId;
 use crate::transfer::tcp::{GenerationCheck, TcpReceiver};
 
 use super::prefix_cache::PrefixCache;
+use super::tiers::HostTiers;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -196,6 +198,14 @@ fn grant_reply(g: &SnapshotGrant, data_addr: &str) -> pb::SnapshotPrepareReply {
     }
 }
 
+/// What one finalize produced.
+enum Finalize {
+    /// Pages of the KV pool (the built-in engine), or the pool had no room.
+    Pool(FinalizeOutcome),
+    /// Page bytes for the host tier (an engine beside the worker).
+    Bytes(FinalizedBytes),
+}
+
 /// Which receive space snapshots use.
 enum Backing {
     /// The dedicated snapshot buffer (the design).
@@ -221,10 +231,10 @@ pub struct SnapshotSync {
     receiver: Arc<TcpReceiver>,
     data_addr: String,
     pages: Arc<PrefillPages>,
-    cache: Arc<PrefixCache>,
     layout: KvLayout,
     counters: Counters,
     into: ReceiveInto,
+    publish: Publish,
     /// Prepares answered, and how many found the prefill KV pool with no free page (the
     /// occupancy seed 002 measured under).
     prepares: AtomicU64,
@@ -232,6 +242,18 @@ pub struct SnapshotSync {
     /// Seals, and how many found the KV pool without room for the snapshot (it waited).
     seals: AtomicU64,
     seals_pool_full: AtomicU64,
+}
+
+/// Where a finalized snapshot is published for the session's next turn.
+#[derive(Clone)]
+pub enum Publish {
+    /// The built-in engine: its KV pool and the prefix cache's index (L2 holds keys; its KV is
+    /// regenerated). Every finalized chunk is verified against the page it must hold.
+    PrefixCache(Arc<PrefixCache>),
+    /// An engine beside the worker: the host tier whose L2 the engine's Lookup and Load read
+    /// ([`HostTiers::insert_snapshot`]). The bytes are the decode engine's; the prefill engine
+    /// verifies what it loads.
+    HostTiers(Arc<HostTiers>),
 }
 
 /// How the prefill received snapshots: `TANDEM_SNAPSHOT_RECEIVE` (`buffer`, the default, or
@@ -273,11 +295,18 @@ impl SnapshotSync {
         bind: &str,
         buffer_bytes: u64,
         pages: Arc<PrefillPages>,
-        cache: Arc<PrefixCache>,
         layout: KvLayout,
         counters: Counters,
         into: ReceiveInto,
+        publish: Publish,
     ) -> Result<Arc<SnapshotSync>, String> {
+        if into != ReceiveInto::Buffer && matches!(publish, Publish::HostTiers(_)) {
+            return Err(
+                "TANDEM_SNAPSHOT_RECEIVE=kv-pool is a built-in-engine negative control: with an \
+                 engine the KV pool is the engine's, not a receive space of the worker"
+                    .into(),
+            );
+        }
         let receiver = Arc::new(
             TcpReceiver::bind(bind, GenerationCheck::Enforced)
                 .map_err(|e| format!("binding the snapshot receiver on {bind}: {e}"))?,
@@ -327,10 +356,10 @@ impl SnapshotSync {
             data_addr: receiver.addr().to_string(),
             receiver,
             pages: pages.clone(),
-            cache,
             layout,
             counters,
             into,
+            publish,
             prepares: AtomicU64::new(0),
             prepares_pool_full: AtomicU64::new(0),
             seals: AtomicU64::new(0),
@@ -355,15 +384,26 @@ impl SnapshotSync {
     /// without a free page), `seals`, `seals_pool_full` (seals whose finalize found the pool
     /// without room: `alloc-failed-on-finalize`, the snapshot waited for pages).
     pub fn report(&self) -> serde_json::Value {
+        let (pool_pages, pool_free) = match &self.publish {
+            Publish::PrefixCache(_) => (
+                self.pages.pool().geometry().pages as usize,
+                self.pages.free_pages(),
+            ),
+            Publish::HostTiers(t) => (t.l2_capacity(), t.l2_capacity().saturating_sub(t.l2_len())),
+        };
         serde_json::json!({
+            "publish": match self.publish {
+                Publish::PrefixCache(_) => "prefix-cache",
+                Publish::HostTiers(_) => "host-tiers",
+            },
             "receive": match self.into {
                 ReceiveInto::Buffer => "buffer",
                 #[cfg(feature = "negative-controls")]
                 ReceiveInto::KvPool => "kv-pool",
             },
             "data_addr": self.data_addr,
-            "pool_pages": self.pages.pool().geometry().pages,
-            "pool_free": self.pages.free_pages(),
+            "pool_pages": pool_pages,
+            "pool_free": pool_free,
             "pending": self.pending(),
             "live": self.live(),
             "prepares": self.prepares.load(Ordering::Relaxed),
@@ -538,29 +578,45 @@ impl SnapshotSync {
             let outcome = {
                 let mut backing = lock(&self.backing);
                 match &mut *backing {
-                    Backing::Dedicated(store) => self.cache.with_index(|index| {
-                        let fresh = absent(index, store.keys(id).unwrap_or_default());
-                        store
-                            .finalize(id, self.pages.pool(), index)
-                            .map(|o| (o, fresh))
-                    }),
+                    Backing::Dedicated(store) => match &self.publish {
+                        Publish::PrefixCache(cache) => cache.with_index(|index| {
+                            let fresh = absent(index, store.keys(id).unwrap_or_default());
+                            store
+                                .finalize(id, self.pages.pool(), index)
+                                .map(|o| (Finalize::Pool(o), fresh))
+                        }),
+                        Publish::HostTiers(t) => {
+                            let fresh = t.absent_from_l2(store.keys(id).unwrap_or_default());
+                            store
+                                .finalize_to_bytes(id)
+                                .map(|f| (Finalize::Bytes(f), fresh))
+                        }
+                    },
                     #[cfg(feature = "negative-controls")]
-                    Backing::SharedPool(shared) => self.cache.with_index(|index| {
-                        let before: std::collections::HashSet<PageKey> =
-                            index.present_keys(Tier::L2Host).into_iter().collect();
-                        shared.finalize(id, index).map(|f| {
-                            let fresh = absent_from(&before, &f.keys);
-                            (FinalizeOutcome::Finalized(f), fresh)
-                        })
-                    }),
+                    Backing::SharedPool(shared) => match &self.publish {
+                        Publish::PrefixCache(cache) => cache.with_index(|index| {
+                            let before: std::collections::HashSet<PageKey> =
+                                index.present_keys(Tier::L2Host).into_iter().collect();
+                            shared.finalize(id, index).map(|f| {
+                                let fresh = absent_from(&before, &f.keys);
+                                (Finalize::Pool(FinalizeOutcome::Finalized(f)), fresh)
+                            })
+                        }),
+                        // `start` refuses the KV-pool receive space with an engine.
+                        Publish::HostTiers(_) => Err(SnapshotError::Unknown(id)),
+                    },
                 }
             };
             match outcome {
-                Ok((FinalizeOutcome::Finalized(f), fresh)) => {
+                Ok((Finalize::Pool(FinalizeOutcome::Finalized(f)), fresh)) => {
                     self.unqueue(id);
                     self.finalized(f, &fresh);
                 }
-                Ok((FinalizeOutcome::AllocFailedOnFinalize { .. }, _)) => {
+                Ok((Finalize::Bytes(f), fresh)) => {
+                    self.unqueue(id);
+                    self.published(f, &fresh);
+                }
+                Ok((Finalize::Pool(FinalizeOutcome::AllocFailedOnFinalize { .. }), _)) => {
                     self.counters.snapshot_alloc_failed_on_finalize.inc();
                     return;
                 }
@@ -588,6 +644,20 @@ impl SnapshotSync {
         }
     }
 
+    /// A snapshot taken out of the buffer as bytes (the engine path): into the host tier's L2.
+    fn published(&self, f: FinalizedBytes, fresh: &[PageKey]) {
+        let Publish::HostTiers(tiers) = &self.publish else {
+            return;
+        };
+        let pages = f.keys.iter().copied().zip(f.pages).collect();
+        if let Err(e) = tiers.insert_snapshot(pages, fresh) {
+            tracing::error!(snapshot = %f.id, error = %e, "snapshot not published in L2");
+            return;
+        }
+        self.counters.snapshot_finalized.inc();
+        tracing::debug!(snapshot = %f.id, session = f.session, pages = f.keys.len(), "snapshot finalized into L2");
+    }
+
     /// A snapshot is in the pool and the index: verify every chunk against the page it must hold,
     /// remember the keys it added, and return the pages (the built-in engine's L2 holds keys).
     fn finalized(&self, f: Finalized, fresh: &[PageKey]) {
@@ -610,16 +680,18 @@ impl SnapshotSync {
                 }
             }
         }
-        if corrupt > 0 {
-            tracing::error!(snapshot = %f.id, corrupt, "snapshot chunks do not hold their pages");
-            self.counters.corrupt_pages_read.inc_by(corrupt);
-            self.cache.with_index(|index| {
-                for key in &f.keys {
-                    index.remove(Tier::L2Host, key);
-                }
-            });
-        } else {
-            self.cache.mark_from_snapshot(fresh);
+        if let Publish::PrefixCache(cache) = &self.publish {
+            if corrupt > 0 {
+                tracing::error!(snapshot = %f.id, corrupt, "snapshot chunks do not hold their pages");
+                self.counters.corrupt_pages_read.inc_by(corrupt);
+                cache.with_index(|index| {
+                    for key in &f.keys {
+                        index.remove(Tier::L2Host, key);
+                    }
+                });
+            } else {
+                cache.mark_from_snapshot(fresh);
+            }
         }
         if let Err(e) = self.pages.pool().free(&f.pages) {
             tracing::error!(error = %e, "returning finalized snapshot pages");
@@ -666,10 +738,10 @@ pub fn start_builtin(
         &bind,
         cfg.memory.snapshot_buffer_bytes,
         pool.clone(),
-        cache,
         layout,
         counters,
         into,
+        Publish::PrefixCache(cache),
     )?;
     tracing::info!(
         data_addr = %sync.data_addr(),
@@ -680,4 +752,42 @@ pub fn start_builtin(
         "snapshot sync: receiving session snapshots"
     );
     Ok((held.map(|_| pool), sync))
+}
+
+/// The snapshot sync of a prefill with an engine beside it (DESIGN §3.1 "Snapshot and
+/// LayerSplit"): the dedicated buffer and its receiver on `ports.data`, as with the built-in
+/// engine; a sealed snapshot is finalized at once into `tiers`' L2 ([`Publish::HostTiers`]), where
+/// the next turn's Lookup finds it and its Load copies it into the engine's pages (contract 5).
+/// L2 makes room by evicting its least recently used page, so no finalize waits for pages here.
+///
+/// # Errors
+/// A text reason: an unbindable port, a buffer that holds no page, or the negative control
+/// `TANDEM_SNAPSHOT_RECEIVE=kv-pool` (the engine's KV pool is the engine's to fill, not a receive
+/// space the worker may allocate from).
+pub fn start_engine(
+    cfg: &crate::config::WorkerConfig,
+    opts: &super::PrefillOptions,
+    layout: KvLayout,
+    tiers: Arc<HostTiers>,
+    counters: Counters,
+) -> Result<Arc<SnapshotSync>, String> {
+    let into = ReceiveInto::parse(std::env::var("TANDEM_SNAPSHOT_RECEIVE").ok().as_deref())?;
+    // One page: the slot geometry's template. Nothing is finalized into it (Publish::HostTiers).
+    let geometry = PrefillPages::new(layout, 1)?;
+    let bind = std::net::SocketAddr::new(opts.bind_ip, cfg.ports.data).to_string();
+    let sync = SnapshotSync::start(
+        &bind,
+        cfg.memory.snapshot_buffer_bytes,
+        geometry,
+        layout,
+        counters,
+        into,
+        Publish::HostTiers(tiers),
+    )?;
+    tracing::info!(
+        data_addr = %sync.data_addr(),
+        buffer_bytes = cfg.memory.snapshot_buffer_bytes,
+        "snapshot sync: receiving session snapshots into L2 for the engine"
+    );
+    Ok(sync)
 }

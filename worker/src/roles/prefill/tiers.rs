@@ -115,6 +115,10 @@ pub struct TierStats {
     pub l3_puts_dropped: AtomicU64,
     /// Pages loaded back from L3 into L2 at start.
     pub pages_loaded_back: AtomicU64,
+    /// Pages finalized snapshots put into L2 (snapshot sync, contract 4).
+    pub snapshot_pages: AtomicU64,
+    /// Of those, pages L2 did not hold before (what sync added).
+    pub snapshot_pages_new: AtomicU64,
 }
 
 impl TierStats {
@@ -136,6 +140,8 @@ impl TierStats {
             "pages_stored": g(&self.pages_stored),
             "l3_puts_dropped": g(&self.l3_puts_dropped),
             "pages_loaded_back": g(&self.pages_loaded_back),
+            "snapshot_pages": g(&self.snapshot_pages),
+            "snapshot_pages_new": g(&self.snapshot_pages_new),
         })
     }
 }
@@ -168,6 +174,9 @@ pub struct HostTiers {
     layout: KvLayout,
     l2: Mutex<LruCache<PageKey, L2Page>>,
     l2_capacity: usize,
+    /// L2 pages a finalized snapshot added (absent before it): a lookup hitting them counts
+    /// `snapshot_hit_tokens`. A page leaves the set when L2 evicts it, so it never outgrows L2.
+    from_snapshot: Mutex<std::collections::HashSet<PageKey>>,
     cache: Arc<PrefixCache>,
     write_policy: Option<WritePolicy>,
     counters: Counters,
@@ -264,6 +273,7 @@ impl HostTiers {
             layout,
             l2: Mutex::new(LruCache::new(cap)),
             l2_capacity: cap.get(),
+            from_snapshot: Mutex::new(std::collections::HashSet::new()),
             cache,
             write_policy,
             counters,
@@ -346,10 +356,74 @@ impl HostTiers {
             l3: tokens(l2..l2 + l3),
         };
         let c = &self.counters;
+        let from_snapshot: u64 = {
+            let set = lock(&self.from_snapshot);
+            (0..l2)
+                .filter(|p| set.contains(&keys[*p]))
+                .map(|p| page_token_len(input, page_tokens, p))
+                .sum()
+        };
+        if from_snapshot > 0 {
+            c.snapshot_hit_tokens.inc_by(from_snapshot);
+            c.snapshot_hit_requests.inc();
+        }
         c.prefix_lookup_tokens.inc_by(input);
         c.prefix_hit_tokens_l2.inc_by(hits.l2);
         c.prefix_hit_tokens_l3.inc_by(hits.l3);
         hits
+    }
+
+    /// The keys of `keys` L2 does not hold now (what a snapshot of them would add).
+    pub fn absent_from_l2(&self, keys: &[PageKey]) -> Vec<PageKey> {
+        let l2 = lock(&self.l2);
+        keys.iter().filter(|k| !l2.contains(*k)).copied().collect()
+    }
+
+    /// A finalized snapshot (DESIGN contract 4, the engine path: L2 is the host tier the engine's
+    /// next Lookup and Load read): each `(key, bytes)` page — every layer of the target pool, in
+    /// layer order, [`KvLayout::page_bytes`] long — enters L2 as a page Store would put it (its
+    /// checksum kept; L3 per the write policy: write-through puts the pages L2 did not hold,
+    /// write-back the pages L2 evicts). `fresh` are the keys the snapshot adds (absent from L2 before
+    /// it): a later lookup hitting them counts `snapshot_hit_tokens`.
+    ///
+    /// # Errors
+    /// A page of the wrong length (nothing is inserted then), or a closed backend (shutdown).
+    pub fn insert_snapshot(
+        &self,
+        pages: Vec<(PageKey, Arc<[u8]>)>,
+        fresh: &[PageKey],
+    ) -> Result<(), String> {
+        lock(&self.pool)
+            .as_ref()
+            .ok_or_else(|| "the tier backend is closed (worker shutdown)".to_owned())?;
+        if let Some((k, b)) = pages.iter().find(|(_, b)| b.len() != self.page_bytes()) {
+            return Err(format!(
+                "snapshot page {k} has {} bytes, a page has {}",
+                b.len(),
+                self.page_bytes()
+            ));
+        }
+        let fresh_set: std::collections::HashSet<PageKey> = fresh.iter().copied().collect();
+        let n = pages.len() as u64;
+        for (key, bytes) in pages {
+            let evicted = self.l2_insert(key, bytes.clone(), false);
+            if fresh_set.contains(&key) && self.write_policy == Some(WritePolicy::WriteThrough) {
+                self.queue_put(key, bytes);
+            }
+            self.write_back(evicted);
+        }
+        // Marked after the inserts: a fresh page the same snapshot evicted again is unmarked by
+        // the `l2_insert` that evicted it only if it was marked already, so check presence here.
+        {
+            let l2 = lock(&self.l2);
+            let mut set = lock(&self.from_snapshot);
+            set.extend(fresh.iter().filter(|k| l2.contains(*k)).copied());
+        }
+        self.stats.snapshot_pages.fetch_add(n, Ordering::Relaxed);
+        self.stats
+            .snapshot_pages_new
+            .fetch_add(fresh_set.len() as u64, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Leading L2 pages of `keys`, then the L3 pages after them.
@@ -383,6 +457,7 @@ impl HostTiers {
         if let Some((k, old)) = l2.push(key, page)
             && k != key
         {
+            lock(&self.from_snapshot).remove(&k);
             evicted.push((k, old.bytes));
         }
         evicted
@@ -418,6 +493,7 @@ impl HostTiers {
                 });
             }
             lock(&self.l2).pop(&key);
+            lock(&self.from_snapshot).remove(&key);
             self.stats.corrupt_objects.fetch_add(1, Ordering::Relaxed);
             return Err(format!("L2 page {key} failed its checksum; dropped"));
         }

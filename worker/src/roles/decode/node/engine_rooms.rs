@@ -30,13 +30,14 @@ use super::{DecodeNode, abort_reason, lock};
 use crate::control::pb::{self as cpb, peer_message::Body};
 use crate::control::{KvLayout, room_of};
 use crate::engine_api::ApiError;
-use crate::engine_api::decode::{DecodeSide, KvSource, RoomOpen};
+use crate::engine_api::decode::{DecodeSide, KvSource, RoomOpen, SessionPages};
 use crate::engine_api::pb as api;
 use crate::engine_api::service::EngineApi;
 use crate::memory::pool::PoolRole;
 use crate::release::receiver::FailureCause;
 use crate::release::{PrefillRank, RoomKey};
 use crate::roles::decode::peers::RoutedLink;
+use crate::roles::decode::snapshot_push::SnapshotPush;
 use crate::transfer::RegionId;
 use crate::transfer::pool_region::PoolRegion;
 
@@ -70,6 +71,19 @@ struct Pending {
     /// Why the prefill will not compute the prompt (its engine refused the front door's
     /// hand-off), once known: no room opens any more, and an open one has failed.
     refused: Option<String>,
+    /// The attempt's session KV for snapshot sync (SyncSession).
+    session: SessionKv,
+}
+
+/// A turn's session KV on its way to the prefill of the next turn (snapshot sync, contract 4).
+#[derive(Default)]
+struct SessionKv {
+    /// The session's page hashes after the turn (`DecodeWork.session_kv_hashes`); empty: no sync.
+    hashes: Vec<u64>,
+    /// Pages the engine handed over so far, in session order.
+    staged: Vec<Arc<[u8]>>,
+    /// The push started (no more pages are taken).
+    started: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -104,6 +118,10 @@ pub struct EngineRoomStats {
     pub cancelled_reports: AtomicU64,
     /// Hand-offs whose prefill engine refused the request ([`EngineRooms::prefill_refused`]).
     pub prefill_refused: AtomicU64,
+    /// Session syncs started from pages the engine handed over (SyncSession).
+    pub sessions_synced: AtomicU64,
+    /// Pages of session KV the engine handed over.
+    pub session_pages: AtomicU64,
 }
 
 /// The engine rooms of one decode node.
@@ -113,6 +131,8 @@ pub struct EngineRooms {
     api: OnceLock<Weak<EngineApi>>,
     pending: Mutex<HashMap<u64, Pending>>,
     rooms: Mutex<HashMap<RoomKey, EngineRoom>>,
+    /// Snapshot sync of finished turns (unset: sync off, SyncSession refused).
+    snapshots: OnceLock<Arc<SnapshotPush>>,
     runtime: tokio::runtime::Handle,
     /// Counters.
     pub stats: EngineRoomStats,
@@ -141,11 +161,23 @@ impl EngineRooms {
             api: OnceLock::new(),
             pending: Mutex::new(HashMap::new()),
             rooms: Mutex::new(HashMap::new()),
+            snapshots: OnceLock::new(),
             runtime,
             stats: EngineRoomStats::default(),
         });
         let _ = node.engine_rooms.set(Arc::downgrade(&me));
         Ok(me)
+    }
+
+    /// Turns snapshot sync on: the session KV an engine hands over with SyncSession is pushed by
+    /// `push` (set once; later calls are ignored).
+    pub fn set_snapshots(&self, push: Arc<SnapshotPush>) {
+        let _ = self.snapshots.set(push);
+    }
+
+    /// Whether snapshot sync is on (DecodeWork then carries the session's hashes).
+    pub fn syncs_sessions(&self) -> bool {
+        self.snapshots.get().is_some()
     }
 
     /// Binds the engine API whose decode side these rooms feed, and registers its target pool as
@@ -238,6 +270,13 @@ impl EngineRooms {
         spec: cpb::RequestSpec,
     ) -> Result<mpsc::UnboundedReceiver<EngineEvent>, String> {
         let (rx, side) = self.hand_over(work.request_id, work.attempt, 0, link, spec)?;
+        if !work.session_kv_hashes.is_empty()
+            && let Some(p) = lock(&self.pending)
+                .get_mut(&work.request_id)
+                .filter(|p| p.attempt == work.attempt)
+        {
+            p.session.hashes = work.session_kv_hashes.clone();
+        }
         side.work().emit(work);
         Ok(rx)
     }
@@ -279,6 +318,7 @@ impl EngineRooms {
                 tx,
                 room: None,
                 refused: None,
+                session: SessionKv::default(),
             },
         );
         if let Some(old) = old {
@@ -589,6 +629,91 @@ impl KvSource for EngineRooms {
         // Closing never waits here (deadline now): the gate proved no write can land.
         let _ = self.node.receiver.fence(key, Instant::now());
         self.node.receiver.forget_room(key.room);
+    }
+
+    fn sync_session(&self, handed: SessionPages) -> Result<api::SyncSessionReply, ApiError> {
+        let refuse = |msg: String| {
+            ApiError::new(Code::FailedPrecondition, api::ErrorReason::Unspecified, msg)
+        };
+        let push = self
+            .snapshots
+            .get()
+            .cloned()
+            .ok_or_else(|| refuse("snapshot sync is off on this worker".into()))?;
+        let (hashes, pages) = {
+            let mut pending = lock(&self.pending);
+            let p = pending
+                .get_mut(&handed.request_id)
+                .filter(|p| p.attempt == handed.attempt)
+                .ok_or_else(|| {
+                    refuse(format!(
+                        "nobody waits for attempt {} of request {} any more",
+                        handed.attempt, handed.request_id
+                    ))
+                })?;
+            if p.room != Some(handed.room) {
+                return Err(ApiError::new(
+                    Code::NotFound,
+                    api::ErrorReason::UnknownRoom,
+                    format!(
+                        "{} is not the room of attempt {} of request {}",
+                        handed.room, p.attempt, handed.request_id
+                    ),
+                )
+                .field("room"));
+            }
+            let s = &mut p.session;
+            if s.hashes.is_empty() {
+                return Err(refuse(format!(
+                    "attempt {} of request {} names no session KV",
+                    handed.attempt, handed.request_id
+                )));
+            }
+            if s.started {
+                return Err(refuse(format!(
+                    "the session of request {} is already syncing",
+                    handed.request_id
+                )));
+            }
+            let left = s.hashes.len() - s.staged.len();
+            if handed.pages.len() > left {
+                return Err(ApiError::malformed(
+                    "pages",
+                    format!(
+                        "{} pages handed over, {left} of the session's {} left",
+                        handed.pages.len(),
+                        s.hashes.len()
+                    ),
+                ));
+            }
+            self.stats
+                .session_pages
+                .fetch_add(handed.pages.len() as u64, Ordering::Relaxed);
+            s.staged.extend(handed.pages);
+            let taken = s.staged.len();
+            if !handed.last && taken < s.hashes.len() {
+                return Ok(api::SyncSessionReply {
+                    pages_taken: taken as u32,
+                    started: false,
+                });
+            }
+            s.started = true;
+            (s.hashes[..taken].to_vec(), std::mem::take(&mut s.staged))
+        };
+        let taken = pages.len() as u32;
+        if taken == 0 {
+            return Ok(api::SyncSessionReply {
+                pages_taken: 0,
+                started: false,
+            });
+        }
+        self.stats.sessions_synced.fetch_add(1, Ordering::Relaxed);
+        let _guard = self.runtime.enter();
+        push.spawn_pages(hashes, pages);
+        Ok(api::SyncSessionReply {
+            pages_taken: taken,
+            started: true,
+        })
     }
 
     fn emit_tokens(&self, report: &api::EmitTokensRequest) -> Result<bool, ApiError> {
