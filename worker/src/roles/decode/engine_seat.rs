@@ -266,8 +266,9 @@ impl DecodeSeat {
     /// `pools`) plus `work`, `rooms_reserved`, `rooms_completed`, `rooms_failed`, `releases`
     /// `{concluded, acks, transport, bypassed}`, `acks`, `quarantined`, `spec_trips`, `tokens`,
     /// `chunks_verified`, `corrupt_chunks`, `cancelled_reports`, `prefill_refused` (hand-offs the
-    /// prefill's engine refused), `sessions_synced` and `session_pages` (session KV the engine
-    /// handed over with SyncSession for snapshot sync), `requests_waiting`, `rooms_open`,
+    /// prefill's engine refused), `sessions_synced`, `session_pages` and `session_pages_refused`
+    /// (session KV the engine handed over with SyncSession for snapshot sync, and the pages refused
+    /// while the sync budget was full), `requests_waiting`, `rooms_open`,
     /// `pages` `{free, held, release_pending, quarantined, total}`, `registration` (`commits`,
     /// `rollbacks`, `fallbacks`, `quarantined`), `engine_summary` (a simulated engine's own
     /// running summary beside the socket, else null) and `tiers` (the tier calls' figures, null
@@ -341,6 +342,7 @@ pub fn report_of(
             "prefill_refused": ld(&s.prefill_refused),
             "sessions_synced": ld(&s.sessions_synced),
             "session_pages": ld(&s.session_pages),
+            "session_pages_refused": ld(&s.session_pages_refused),
             "requests_waiting": rooms.pending(),
             "rooms_open": rooms.rooms(),
             "pages": {

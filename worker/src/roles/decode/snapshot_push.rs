@@ -45,6 +45,13 @@ use crate::transfer::{RegionId, TransferHandle, TransferStatus, Transport, Write
 /// Longest one sync may take from prepare to seal before it is aborted.
 pub const DEFAULT_SYNC_DEADLINE: Duration = Duration::from_secs(10);
 
+/// Most bytes of engine pages (SyncSession) held at once by syncs being handed over or pushed.
+/// An engine's pages are copied out of its pool and held until written; without a bound, many
+/// long sessions finishing together would grow the decode worker past its pod limit (the L3
+/// writer queue's lesson, `roles::prefill::tiers::L3_PUT_QUEUE_BYTES`). Beyond it SyncSession is
+/// refused (`RESOURCE_EXHAUSTED`) and the turn finishes unsynced.
+pub const SYNC_BUDGET_BYTES: u64 = 256 << 20;
+
 /// How one sync ended (what the counters count).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SyncOutcome {
@@ -86,6 +93,9 @@ pub struct SnapshotPush {
     deadline: Duration,
     session_base: u64,
     next_session: AtomicU64,
+    /// Pages of engine KV that may be held at once ([`SYNC_BUDGET_BYTES`] worth).
+    budget: Arc<tokio::sync::Semaphore>,
+    budget_pages: u32,
 }
 
 impl SnapshotPush {
@@ -97,6 +107,8 @@ impl SnapshotPush {
         incarnation: u64,
         counters: Counters,
     ) -> Arc<SnapshotPush> {
+        let budget_pages = u32::try_from((SYNC_BUDGET_BYTES / layout.page_bytes().max(1)).max(1))
+            .unwrap_or(u32::MAX);
         Arc::new(SnapshotPush {
             peers,
             transport: Arc::new(TcpTransport::new(TcpConfig::default())),
@@ -108,7 +120,21 @@ impl SnapshotPush {
             // process (worker id and incarnation), like room ids (issue 18).
             session_base: super::node::incarnation_room_base(worker_id, incarnation),
             next_session: AtomicU64::new(1),
+            budget: Arc::new(tokio::sync::Semaphore::new(budget_pages as usize)),
+            budget_pages,
         })
+    }
+
+    /// Holds room for `pages` engine pages in the sync budget ([`SYNC_BUDGET_BYTES`]), released
+    /// when the permit drops (the push ended, or the hand-over was dropped); `None` when the
+    /// budget cannot take them now.
+    pub fn hold_pages(&self, pages: u32) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.budget.clone().try_acquire_many_owned(pages).ok()
+    }
+
+    /// Pages the sync budget holds in all.
+    pub fn budget_pages(&self) -> u32 {
+        self.budget_pages
     }
 
     /// Starts the sync of a finished turn of the built-in engine whose KV is the pages `hashes`,
@@ -125,9 +151,15 @@ impl SnapshotPush {
     }
 
     /// Starts the sync of a finished turn whose KV an engine handed over (SyncSession): `pages[k]`
-    /// holds the page `hashes[k]` (every layer, layer order), in the background. Pages beyond the
-    /// shorter of the two are ignored.
-    pub fn spawn_pages(self: &Arc<Self>, hashes: Vec<u64>, pages: Vec<Arc<[u8]>>) {
+    /// holds the page `hashes[k]` (every layer, layer order), in the background; `held` (from
+    /// [`SnapshotPush::hold_pages`]) is released when the push ends. Pages beyond the shorter of
+    /// the two are ignored.
+    pub fn spawn_pages(
+        self: &Arc<Self>,
+        hashes: Vec<u64>,
+        pages: Vec<Arc<[u8]>>,
+        held: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) {
         let n = hashes.len().min(pages.len());
         if n == 0 {
             return;
@@ -137,6 +169,7 @@ impl SnapshotPush {
         let me = self.clone();
         tokio::spawn(async move {
             let outcome = me.push(hashes, PageSource::Engine(pages)).await;
+            drop(held);
             tracing::debug!(?outcome, "snapshot sync of an engine's session");
         });
     }

@@ -84,6 +84,8 @@ struct SessionKv {
     staged: Vec<Arc<[u8]>>,
     /// The push started (no more pages are taken).
     started: bool,
+    /// The staged pages' room in the sync budget ([`SnapshotPush::hold_pages`]).
+    held: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 #[derive(Debug, Clone)]
@@ -122,6 +124,9 @@ pub struct EngineRoomStats {
     pub sessions_synced: AtomicU64,
     /// Pages of session KV the engine handed over.
     pub session_pages: AtomicU64,
+    /// Pages of session KV refused because the sync budget was full
+    /// ([`crate::roles::decode::snapshot_push::SYNC_BUDGET_BYTES`]).
+    pub session_pages_refused: AtomicU64,
 }
 
 /// The engine rooms of one decode node.
@@ -640,7 +645,7 @@ impl KvSource for EngineRooms {
             .get()
             .cloned()
             .ok_or_else(|| refuse("snapshot sync is off on this worker".into()))?;
-        let (hashes, pages) = {
+        let (hashes, pages, held) = {
             let mut pending = lock(&self.pending);
             let p = pending
                 .get_mut(&handed.request_id)
@@ -686,6 +691,27 @@ impl KvSource for EngineRooms {
                     ),
                 ));
             }
+            let n = u32::try_from(handed.pages.len()).unwrap_or(u32::MAX);
+            if n > 0 {
+                let Some(permit) = push.hold_pages(n) else {
+                    self.stats
+                        .session_pages_refused
+                        .fetch_add(u64::from(n), Ordering::Relaxed);
+                    return Err(ApiError::new(
+                        Code::ResourceExhausted,
+                        api::ErrorReason::Unspecified,
+                        format!(
+                            "snapshot sync holds its budget of {} pages in flight: the turn \
+                             finishes unsynced",
+                            push.budget_pages()
+                        ),
+                    ));
+                };
+                match &mut s.held {
+                    Some(h) => h.merge(permit),
+                    None => s.held = Some(permit),
+                }
+            }
             self.stats
                 .session_pages
                 .fetch_add(handed.pages.len() as u64, Ordering::Relaxed);
@@ -698,7 +724,11 @@ impl KvSource for EngineRooms {
                 });
             }
             s.started = true;
-            (s.hashes[..taken].to_vec(), std::mem::take(&mut s.staged))
+            (
+                s.hashes[..taken].to_vec(),
+                std::mem::take(&mut s.staged),
+                s.held.take(),
+            )
         };
         let taken = pages.len() as u32;
         if taken == 0 {
@@ -709,7 +739,7 @@ impl KvSource for EngineRooms {
         }
         self.stats.sessions_synced.fetch_add(1, Ordering::Relaxed);
         let _guard = self.runtime.enter();
-        push.spawn_pages(hashes, pages);
+        push.spawn_pages(hashes, pages, held);
         Ok(api::SyncSessionReply {
             pages_taken: taken,
             started: true,
