@@ -28,7 +28,7 @@
 //!   over (SyncSession), the prefill finalizes it into the L2 its engine reads, and the next turn
 //!   loads the pages no prefill computed.
 //!
-//! Each test has its own `127.0.<net>.x` addresses (nets 101–110, 116).
+//! Each test has its own `127.0.<net>.x` addresses (nets 101–110, 116, 131).
 
 mod serve_support;
 
@@ -1093,6 +1093,60 @@ async fn snapshot_sync_through_the_engine_api_the_next_turn_loads_the_decode_eng
         d["engine"]["engine_summary"]["decode"]["session_sync_errors"], 0,
         "{d}"
     );
+}
+
+/// The decode worker holds at most its budget of session pages in flight
+/// (`TANDEM_DECODE_SNAPSHOT_SYNC_BUDGET_BYTES`): a session larger than the budget is refused at its
+/// first SyncSession, before any page is copied, and the turn still answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_beyond_the_sync_budget_is_refused_and_the_turn_still_answers() {
+    let w = World::new(131);
+    w.publish(&[2]);
+    let mut pc = prefill_config(&w);
+    pc.memory.snapshot_buffer_bytes = 16 * PAGE_BYTES;
+    pc.memory.segment_bytes += pc.memory.snapshot_buffer_bytes;
+    let _p = w.spawn(2, &pc, &[]);
+    let _pe = spawn_engine(&w, 2, &[], &[]);
+    let budget = (2 * PAGE_BYTES).to_string();
+    let _d = w.spawn(
+        9,
+        &decode_config(&w),
+        &[("TANDEM_DECODE_SNAPSHOT_SYNC_BUDGET_BYTES", &budget)],
+    );
+    let _de = spawn_engine(&w, 9, &[], &[]);
+    let (ph, dh, front) = (
+        w.addr(2, w.ports.health),
+        w.addr(9, w.ports.health),
+        w.addr(9, w.ports.front),
+    );
+    until(Duration::from_secs(30), || async {
+        readyz(ph).await.0 == 200 && readyz(dh).await.0 == 200
+    })
+    .await;
+    let b = 9_000_000u64;
+    session_turn(front, 1400, 300, &[b, b + 1, b + 2], &[b, b + 1, b + 3]).await;
+    let d = report(dh).await;
+    assert_eq!(d["engine"]["session_pages_refused"], 3, "{d}");
+    assert_eq!(d["engine"]["session_pages"], 0, "{d}");
+    assert_eq!(d["engine"]["sessions_synced"], 0, "{d}");
+    assert_eq!(d["counters"]["snapshot_sync_attempts"], 0, "{d}");
+    until(Duration::from_secs(10), || async {
+        report(dh).await["engine"]["engine_summary"]["completed"] == 1
+    })
+    .await;
+    let d = report(dh).await;
+    assert_eq!(
+        d["engine"]["engine_summary"]["decode"]["session_sync_errors"], 1,
+        "{d}"
+    );
+    // A session within the budget syncs.
+    let c = 9_100_000u64;
+    session_turn(front, 600, 500, &[c, c + 1], &[c, c + 1]).await;
+    until(Duration::from_secs(15), || async {
+        report(ph).await["counters"]["snapshot_finalized"] == 1
+    })
+    .await;
+    assert_eq!(report(dh).await["counters"]["snapshot_sync_ok"], 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -94,16 +94,16 @@ pub trait KvSource: Send + Sync + 'static {
             "this worker hands out no DecodeWork: there is nothing to emit tokens for",
         ))
     }
-    /// SyncSession of a [`pb::DecodeWork`] attempt (snapshot sync, contract 4): `pages` are the
-    /// next pages of the attempt's session KV, copied out of room `key` (each page every layer of
-    /// the target pool, in layer order: the L3 object form); `last` ends the hand-over. The
-    /// implementation pairs them with the session's hashes and starts the push. May not call back
-    /// into the decode side.
+    /// SyncSession of a [`pb::DecodeWork`] attempt (snapshot sync, contract 4): the next pages of
+    /// the attempt's session KV, in room `handed.room`. The implementation checks the attempt and
+    /// holds its memory budget *before* it calls `handed.copy` (which copies the pages out of the
+    /// engine's pool), then pairs the copies with the session's hashes and starts the push. It must
+    /// not hold its own locks across `copy`, and may not call back into the decode side.
     ///
     /// # Errors
     /// `FAILED_PRECONDITION` by default: this transport hands out no DecodeWork, so no attempt has
     /// a session to sync.
-    fn sync_session(&self, _handed: SessionPages) -> Result<pb::SyncSessionReply, ApiError> {
+    fn sync_session(&self, _handed: SessionHandOver<'_>) -> Result<pb::SyncSessionReply, ApiError> {
         Err(ApiError::new(
             Code::FailedPrecondition,
             pb::ErrorReason::WrongRole,
@@ -112,20 +112,34 @@ pub trait KvSource: Send + Sync + 'static {
     }
 }
 
-/// Pages of a session's KV an engine handed over with SyncSession, copied out of its pool.
-#[derive(Debug)]
-pub struct SessionPages {
+/// Pages of a session's KV an engine hands over with SyncSession ([`KvSource::sync_session`]).
+pub struct SessionHandOver<'a> {
     /// The attempt's request id.
     pub request_id: u64,
     /// The attempt.
     pub attempt: u32,
-    /// The room the pages were copied from (the attempt's).
+    /// The room the pages are in (the attempt's).
     pub room: RoomKey,
-    /// One entry per page, in session order: every layer's chunk of the target pool, layer order
-    /// (`layers × chunk_bytes` bytes).
-    pub pages: Vec<std::sync::Arc<[u8]>>,
+    /// How many pages this call hands over.
+    pub pages: usize,
     /// No more pages follow.
     pub last: bool,
+    /// Copies the pages out of the engine's target pool, in the order named: one entry per page,
+    /// every layer's chunk in layer order (`layers × chunk_bytes` bytes). Fails (`UNKNOWN_ROOM`)
+    /// when the room was released meanwhile: its pages may hold another room's KV by then.
+    pub copy: &'a (dyn Fn() -> Result<Vec<std::sync::Arc<[u8]>>, ApiError> + Sync),
+}
+
+impl std::fmt::Debug for SessionHandOver<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionHandOver")
+            .field("request_id", &self.request_id)
+            .field("attempt", &self.attempt)
+            .field("room", &self.room)
+            .field("pages", &self.pages)
+            .field("last", &self.last)
+            .finish()
+    }
 }
 
 /// How a room ended, for AwaitKv.
@@ -679,16 +693,17 @@ impl DecodeSide {
         })
     }
 
-    /// SyncSession (snapshot sync, contract 4): copies `pages` of room `key` out of the target
-    /// pool — the room must be this attach's, its KV complete and not Finished, and every page one
-    /// of its own, each at most once — and hands them to the [`KvSource`] with the attempt's ids.
-    /// The copy is made outside the state lock and kept only if the room is still live afterwards
-    /// (a room released meanwhile may have had its pages reserved again, so its bytes are not
-    /// trusted).
+    /// SyncSession (snapshot sync, contract 4): checks that room `key` is this attach's, its KV
+    /// complete and not Finished, and that every page is one of its own, each at most once; then
+    /// hands the [`KvSource`] a copier of those pages (it holds its budget first). The copy is made
+    /// outside the state lock and kept only if the room is still live afterwards: a room released
+    /// meanwhile may have had its pages reserved again, so its bytes are not trusted. Blocking
+    /// (a memory copy of whole pages): call it off the async runtime.
     ///
     /// # Errors
-    /// `UNKNOWN_ROOM`; `ROOM_STATE` before the KV completed; `INVALID_ARGUMENT` for a page not in
-    /// the room, a repeated page, or no page without `last`; the source's errors.
+    /// `UNKNOWN_ROOM`; `ROOM_STATE` while the KV is incomplete or the room failed (not yet
+    /// released); `INVALID_ARGUMENT` for a page not in the room, a repeated page, or no page
+    /// without `last`; the source's errors.
     pub fn sync_session(
         &self,
         attach: u64,
@@ -732,10 +747,11 @@ impl DecodeSide {
         {
             let st = lock(&self.state);
             live(&st)?;
-            let owned = &st.rooms[&key].pages;
+            let owned: std::collections::HashSet<u32> =
+                st.rooms[&key].pages.iter().map(|p| p.0).collect();
             let mut seen = std::collections::HashSet::new();
             for p in pages {
-                if !owned.contains(&PageId(*p)) {
+                if !owned.contains(p) {
                     return Err(ApiError::malformed(
                         "pages",
                         format!("page {p} is not a page of {key}"),
@@ -749,30 +765,38 @@ impl DecodeSide {
                 }
             }
         }
-        let target = self.target();
-        let (layers, chunk) = {
-            let g = target.geometry();
-            (g.layers as usize, g.chunk_bytes() as usize)
-        };
-        let mut copied = Vec::with_capacity(pages.len());
-        for p in pages {
-            let mut bytes = vec![0u8; layers * chunk];
-            for (layer, dst) in bytes.chunks_exact_mut(chunk.max(1)).enumerate() {
-                target
-                    .read_chunk(PageId(*p), layer as u32, 0, dst)
-                    .map_err(|e| {
-                        ApiError::new(Code::Internal, pb::ErrorReason::Unspecified, e.to_string())
-                    })?;
+        let copy = || -> Result<Vec<Arc<[u8]>>, ApiError> {
+            let target = self.target();
+            let (layers, chunk) = {
+                let g = target.geometry();
+                (g.layers as usize, g.chunk_bytes() as usize)
+            };
+            let mut copied = Vec::with_capacity(pages.len());
+            for p in pages {
+                let mut bytes = vec![0u8; layers * chunk];
+                for (layer, dst) in bytes.chunks_exact_mut(chunk.max(1)).enumerate() {
+                    target
+                        .read_chunk(PageId(*p), layer as u32, 0, dst)
+                        .map_err(|e| {
+                            ApiError::new(
+                                Code::Internal,
+                                pb::ErrorReason::Unspecified,
+                                e.to_string(),
+                            )
+                        })?;
+                }
+                copied.push(Arc::<[u8]>::from(bytes));
             }
-            copied.push(std::sync::Arc::<[u8]>::from(bytes));
-        }
-        live(&lock(&self.state))?;
-        self.source.sync_session(SessionPages {
+            live(&lock(&self.state))?;
+            Ok(copied)
+        };
+        self.source.sync_session(SessionHandOver {
             request_id,
             attempt,
             room: key,
-            pages: copied,
+            pages: pages.len(),
             last,
+            copy: &copy,
         })
     }
 
@@ -1235,7 +1259,7 @@ mod tests {
 
     /// A transport with no writer that records the session pages SyncSession hands over.
     #[derive(Default)]
-    struct Sessions(Mutex<Vec<SessionPages>>);
+    struct Sessions(Mutex<Vec<Handed>>);
 
     impl KvSource for Sessions {
         fn writers(&self, _request_id: u64) -> Vec<PrefillRank> {
@@ -1245,14 +1269,33 @@ mod tests {
             Ok(())
         }
         fn abort(&self, _key: RoomKey, _ranks: &[PrefillRank], _cause: FailureCause) {}
-        fn sync_session(&self, handed: SessionPages) -> Result<pb::SyncSessionReply, ApiError> {
-            let n = handed.pages.len() as u32;
-            lock(&self.0).push(handed);
+        fn sync_session(
+            &self,
+            handed: SessionHandOver<'_>,
+        ) -> Result<pb::SyncSessionReply, ApiError> {
+            let pages = (handed.copy)()?;
+            let n = pages.len() as u32;
+            lock(&self.0).push(Handed {
+                request_id: handed.request_id,
+                attempt: handed.attempt,
+                room: handed.room,
+                pages,
+                last: handed.last,
+            });
             Ok(pb::SyncSessionReply {
                 pages_taken: n,
                 started: true,
             })
         }
+    }
+
+    /// What [`Sessions`] recorded of one hand-over.
+    struct Handed {
+        request_id: u64,
+        attempt: u32,
+        room: RoomKey,
+        pages: Vec<Arc<[u8]>>,
+        last: bool,
     }
 
     /// SyncSession (snapshot sync, contract 4) copies only pages the engine owns with its KV in:

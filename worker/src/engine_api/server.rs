@@ -305,7 +305,18 @@ impl pb::decode_server::Decode for Services {
         bounded("SyncSession", b, async {
             let d = self.0.decode(r.attach_id)?;
             let key = room(r.room)?;
-            d.sync_session(r.attach_id, r.request_id, r.attempt, key, &r.pages, r.last)
+            // Whole pages are copied: off the runtime that serves the other engine calls.
+            tokio::task::spawn_blocking(move || {
+                d.sync_session(r.attach_id, r.request_id, r.attempt, key, &r.pages, r.last)
+            })
+            .await
+            .map_err(|e| {
+                ApiError::new(
+                    tonic::Code::Internal,
+                    pb::ErrorReason::Unspecified,
+                    e.to_string(),
+                )
+            })?
         })
         .await
         .map(Response::new)

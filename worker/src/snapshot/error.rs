@@ -63,6 +63,15 @@ pub enum SnapshotError {
         /// The slots' chunk bytes × layers.
         slots: String,
     },
+    /// A slot a record holds has no chunk in the buffer (a bookkeeping bug; the snapshot is
+    /// aborted, not left behind).
+    #[error("slot {slot} is outside the buffer's {slots} slots")]
+    SlotOutOfRange {
+        /// The slot.
+        slot: u32,
+        /// Slots in the buffer.
+        slots: u32,
+    },
     /// The buffer's allocator domain is not one this receive path can write (DESIGN contract 1).
     #[error(transparent)]
     Domain(#[from] DomainMismatch),

@@ -444,7 +444,10 @@ impl SnapshotStore {
             for layer in 0..g.layers {
                 let at = g
                     .chunk_offset(*slot, layer)
-                    .ok_or(SnapshotError::Unknown(id))?;
+                    .ok_or(SnapshotError::SlotOutOfRange {
+                        slot: slot.0,
+                        slots: g.slots,
+                    })?;
                 let from = layer as usize * chunk;
                 self.region.read(at, &mut bytes[from..from + chunk])?;
             }

@@ -145,6 +145,10 @@ pub struct DecodeOptions {
     /// `on` (default) or `off`. On, a turn that names `session_kv_hashes` is pushed to the prefill
     /// of its next turn ([`snapshot_push`]).
     pub snapshot_sync: bool,
+    /// Most bytes of engine session pages (SyncSession) held at once:
+    /// `TANDEM_DECODE_SNAPSHOT_SYNC_BUDGET_BYTES`, default
+    /// [`snapshot_push::SYNC_BUDGET_BYTES`].
+    pub snapshot_sync_budget: u64,
     /// How rooms are spread over the prefill peers (issue 16 item 2): `TANDEM_DECODE_ROUTING`
     /// `affinity` (default: prefix affinity within [`routing::DEFAULT_MAX_SKEW`] rooms of the
     /// least-loaded peer), `affinity:SKEW` or `round-robin`; read by [`run`], which refuses a bad
@@ -253,6 +257,8 @@ impl DecodeOptions {
             ),
             snapshot_sync: std::env::var("TANDEM_DECODE_SNAPSHOT_SYNC")
                 .map_or(true, |v| v.trim() != "off"),
+            snapshot_sync_budget: num("TANDEM_DECODE_SNAPSHOT_SYNC_BUDGET_BYTES")
+                .unwrap_or(snapshot_push::SYNC_BUDGET_BYTES),
             routing: routing::Routing::default(),
         }
     }
@@ -484,6 +490,7 @@ impl DecodeServer {
                 snapshot_push::SnapshotPush::new(
                     peers.clone(),
                     layout,
+                    opts.snapshot_sync_budget,
                     &opts.worker_id,
                     node.incarnation(),
                     state.counters.clone(),

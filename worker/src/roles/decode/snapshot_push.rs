@@ -45,7 +45,8 @@ use crate::transfer::{RegionId, TransferHandle, TransferStatus, Transport, Write
 /// Longest one sync may take from prepare to seal before it is aborted.
 pub const DEFAULT_SYNC_DEADLINE: Duration = Duration::from_secs(10);
 
-/// Most bytes of engine pages (SyncSession) held at once by syncs being handed over or pushed.
+/// Default of the most bytes of engine pages (SyncSession) held at once by syncs being handed
+/// over or pushed (`TANDEM_DECODE_SNAPSHOT_SYNC_BUDGET_BYTES`).
 /// An engine's pages are copied out of its pool and held until written; without a bound, many
 /// long sessions finishing together would grow the decode worker past its pod limit (the L3
 /// writer queue's lesson, `roles::prefill::tiers::L3_PUT_QUEUE_BYTES`). Beyond it SyncSession is
@@ -99,16 +100,18 @@ pub struct SnapshotPush {
 }
 
 impl SnapshotPush {
-    /// A pusher over `peers`, writing `layout`'s pages with its own TCP sender.
+    /// A pusher over `peers`, writing `layout`'s pages with its own TCP sender; at most
+    /// `budget_bytes` of engine pages held at once (at least one page).
     pub fn new(
         peers: Arc<PeerSet>,
         layout: KvLayout,
+        budget_bytes: u64,
         worker_id: &str,
         incarnation: u64,
         counters: Counters,
     ) -> Arc<SnapshotPush> {
-        let budget_pages = u32::try_from((SYNC_BUDGET_BYTES / layout.page_bytes().max(1)).max(1))
-            .unwrap_or(u32::MAX);
+        let budget_pages =
+            u32::try_from((budget_bytes / layout.page_bytes().max(1)).max(1)).unwrap_or(u32::MAX);
         Arc::new(SnapshotPush {
             peers,
             transport: Arc::new(TcpTransport::new(TcpConfig::default())),
@@ -295,7 +298,9 @@ impl SnapshotPush {
                     key,
                     region,
                     offset: grant.chunk_offsets[page * layers + layer],
-                    data: Bytes::copy_from_slice(&bytes[layer * chunk..(layer + 1) * chunk]),
+                    // The page's own bytes, shared (no second copy of an engine's page).
+                    data: Bytes::from_owner(bytes.clone())
+                        .slice(layer * chunk..(layer + 1) * chunk),
                 })
                 .collect();
             let tx = tx.clone();

@@ -68,6 +68,10 @@ pub const KV_POOL_REGION: RegionId = RegionId(2);
 /// A reserved or sealed snapshot untouched this long may be evicted to make room (LRU).
 pub const DEFAULT_STALE_AFTER: Duration = Duration::from_secs(30);
 
+/// Most failed finalizes remembered for their seal's answer (a seal answers right after its
+/// finalize; older entries belong to snapshots finalized late, whose seal already answered).
+const LOST_KEPT: usize = 1024;
+
 /// Longest a fence waits for writes being applied when a snapshot is aborted or sealed.
 const FENCE_WAIT: Duration = Duration::from_secs(2);
 
@@ -220,6 +224,9 @@ pub struct SnapshotSync {
     backing: Mutex<Backing>,
     /// Sealed snapshots waiting for pool pages, FIFO.
     pending: Mutex<VecDeque<SnapshotId>>,
+    /// Sealed snapshots whose finalize failed (dropped), with why, until their seal answers: a
+    /// seal must not report `FINALIZED` for pages nobody will find. Bounded by [`LOST_KEPT`].
+    lost: Mutex<std::collections::HashMap<SnapshotId, String>>,
     /// Held for a whole [`SnapshotSync::finalize_pending`] pass: a seal and a page release may
     /// both start one, and two passes reading the same front would finalize it once and then
     /// drop the *next* waiting snapshot from the queue unfinalized (CI stop 26: one sync of 100
@@ -352,6 +359,7 @@ impl SnapshotSync {
         let sync = Arc::new(SnapshotSync {
             backing: Mutex::new(backing),
             pending: Mutex::new(VecDeque::new()),
+            lost: Mutex::new(std::collections::HashMap::new()),
             finalizing: Mutex::new(()),
             data_addr: receiver.addr().to_string(),
             receiver,
@@ -529,6 +537,12 @@ impl SnapshotSync {
         lock(&self.pending).push_back(id);
         self.finalize_pending();
         self.seals.fetch_add(1, Ordering::Relaxed);
+        if let Some(why) = lock(&self.lost).remove(&id) {
+            return reply(
+                pb::SnapshotOutcome::Unspecified,
+                format!("finalize failed, the snapshot was dropped: {why}"),
+            );
+        }
         if lock(&self.pending).contains(&id) {
             self.seals_pool_full.fetch_add(1, Ordering::Relaxed);
             reply(
@@ -585,12 +599,9 @@ impl SnapshotSync {
                                 .finalize(id, self.pages.pool(), index)
                                 .map(|o| (Finalize::Pool(o), fresh))
                         }),
-                        Publish::HostTiers(t) => {
-                            let fresh = t.absent_from_l2(store.keys(id).unwrap_or_default());
-                            store
-                                .finalize_to_bytes(id)
-                                .map(|f| (Finalize::Bytes(f), fresh))
-                        }
+                        Publish::HostTiers(_) => store
+                            .finalize_to_bytes(id)
+                            .map(|f| (Finalize::Bytes(f), Vec::new())),
                     },
                     #[cfg(feature = "negative-controls")]
                     Backing::SharedPool(shared) => match &self.publish {
@@ -612,9 +623,9 @@ impl SnapshotSync {
                     self.unqueue(id);
                     self.finalized(f, &fresh);
                 }
-                Ok((Finalize::Bytes(f), fresh)) => {
+                Ok((Finalize::Bytes(f), _)) => {
                     self.unqueue(id);
-                    self.published(f, &fresh);
+                    self.published(f);
                 }
                 Ok((Finalize::Pool(FinalizeOutcome::AllocFailedOnFinalize { .. }), _)) => {
                     self.counters.snapshot_alloc_failed_on_finalize.inc();
@@ -626,6 +637,7 @@ impl SnapshotSync {
                 }
                 Err(e) => {
                     tracing::error!(snapshot = %id, error = %e, "snapshot finalize failed; dropped");
+                    self.lost(id, e.to_string());
                     self.unqueue(id);
                     #[allow(irrefutable_let_patterns)]
                     if let Backing::Dedicated(store) = &mut *lock(&self.backing) {
@@ -634,6 +646,15 @@ impl SnapshotSync {
                 }
             }
         }
+    }
+
+    /// Records that sealed snapshot `id` was dropped at finalize (`why`), for its seal's answer.
+    fn lost(&self, id: SnapshotId, why: String) {
+        let mut lost = lock(&self.lost);
+        if lost.len() >= LOST_KEPT {
+            lost.clear();
+        }
+        lost.insert(id, why);
     }
 
     /// Takes `id` out of the finalize queue (wherever it stands; absent is fine).
@@ -645,13 +666,14 @@ impl SnapshotSync {
     }
 
     /// A snapshot taken out of the buffer as bytes (the engine path): into the host tier's L2.
-    fn published(&self, f: FinalizedBytes, fresh: &[PageKey]) {
+    fn published(&self, f: FinalizedBytes) {
         let Publish::HostTiers(tiers) = &self.publish else {
             return;
         };
         let pages = f.keys.iter().copied().zip(f.pages).collect();
-        if let Err(e) = tiers.insert_snapshot(pages, fresh) {
+        if let Err(e) = tiers.insert_snapshot(pages) {
             tracing::error!(snapshot = %f.id, error = %e, "snapshot not published in L2");
+            self.lost(f.id, e);
             return;
         }
         self.counters.snapshot_finalized.inc();

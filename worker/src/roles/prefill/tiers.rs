@@ -373,26 +373,18 @@ impl HostTiers {
         hits
     }
 
-    /// The keys of `keys` L2 does not hold now (what a snapshot of them would add).
-    pub fn absent_from_l2(&self, keys: &[PageKey]) -> Vec<PageKey> {
-        let l2 = lock(&self.l2);
-        keys.iter().filter(|k| !l2.contains(*k)).copied().collect()
-    }
-
     /// A finalized snapshot (DESIGN contract 4, the engine path: L2 is the host tier the engine's
     /// next Lookup and Load read): each `(key, bytes)` page — every layer of the target pool, in
-    /// layer order, [`KvLayout::page_bytes`] long — enters L2 as a page Store would put it (its
-    /// checksum kept; L3 per the write policy: write-through puts the pages L2 did not hold,
-    /// write-back the pages L2 evicts). `fresh` are the keys the snapshot adds (absent from L2 before
-    /// it): a later lookup hitting them counts `snapshot_hit_tokens`.
+    /// layer order, [`KvLayout::page_bytes`] long — that L2 does not hold enters it (checksum kept)
+    /// and is marked as brought by a snapshot, so a later lookup hitting it counts
+    /// `snapshot_hit_tokens`; L3 follows the write policy (write-through puts the new pages,
+    /// write-back the pages L2 evicts). A page L2 already holds keeps its bytes — what this prefill
+    /// computed or loaded, and what L3 holds — and only becomes the most recently used. Returns the
+    /// pages added.
     ///
     /// # Errors
     /// A page of the wrong length (nothing is inserted then), or a closed backend (shutdown).
-    pub fn insert_snapshot(
-        &self,
-        pages: Vec<(PageKey, Arc<[u8]>)>,
-        fresh: &[PageKey],
-    ) -> Result<(), String> {
+    pub fn insert_snapshot(&self, pages: Vec<(PageKey, Arc<[u8]>)>) -> Result<u64, String> {
         lock(&self.pool)
             .as_ref()
             .ok_or_else(|| "the tier backend is closed (worker shutdown)".to_owned())?;
@@ -403,27 +395,40 @@ impl HostTiers {
                 self.page_bytes()
             ));
         }
-        let fresh_set: std::collections::HashSet<PageKey> = fresh.iter().copied().collect();
         let n = pages.len() as u64;
+        let mut added = 0u64;
         for (key, bytes) in pages {
-            let evicted = self.l2_insert(key, bytes.clone(), false);
-            if fresh_set.contains(&key) && self.write_policy == Some(WritePolicy::WriteThrough) {
+            // Checked and inserted under one L2 lock: a Store of the same key in between would
+            // otherwise be overwritten by the decode's bytes.
+            let evicted = {
+                let mut l2 = lock(&self.l2);
+                if l2.get(&key).is_some() {
+                    continue;
+                }
+                let page = L2Page {
+                    checksum: checksum(&bytes),
+                    bytes: bytes.clone(),
+                    from_l3: false,
+                };
+                let mut set = lock(&self.from_snapshot);
+                let evicted = l2.push(key, page).filter(|(k, _)| *k != key);
+                if let Some((k, _)) = &evicted {
+                    set.remove(k);
+                }
+                set.insert(key);
+                evicted.map(|(k, old)| (k, old.bytes))
+            };
+            added += 1;
+            if self.write_policy == Some(WritePolicy::WriteThrough) {
                 self.queue_put(key, bytes);
             }
-            self.write_back(evicted);
-        }
-        // Marked after the inserts: a fresh page the same snapshot evicted again is unmarked by
-        // the `l2_insert` that evicted it only if it was marked already, so check presence here.
-        {
-            let l2 = lock(&self.l2);
-            let mut set = lock(&self.from_snapshot);
-            set.extend(fresh.iter().filter(|k| l2.contains(*k)).copied());
+            self.write_back(evicted.into_iter().collect());
         }
         self.stats.snapshot_pages.fetch_add(n, Ordering::Relaxed);
         self.stats
             .snapshot_pages_new
-            .fetch_add(fresh_set.len() as u64, Ordering::Relaxed);
-        Ok(())
+            .fetch_add(added, Ordering::Relaxed);
+        Ok(added)
     }
 
     /// Leading L2 pages of `keys`, then the L3 pages after them.
@@ -889,6 +894,8 @@ impl TierBackend for HostTiers {
             }
             let bytes: Arc<[u8]> = Arc::from(bytes);
             let evicted = self.l2_insert(key, bytes.clone(), false);
+            // Computed here: no longer a page only a snapshot brought.
+            lock(&self.from_snapshot).remove(&key);
             if self.write_policy == Some(WritePolicy::WriteThrough) {
                 self.queue_put(key, bytes);
             }

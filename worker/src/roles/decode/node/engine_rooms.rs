@@ -30,7 +30,7 @@ use super::{DecodeNode, abort_reason, lock};
 use crate::control::pb::{self as cpb, peer_message::Body};
 use crate::control::{KvLayout, room_of};
 use crate::engine_api::ApiError;
-use crate::engine_api::decode::{DecodeSide, KvSource, RoomOpen, SessionPages};
+use crate::engine_api::decode::{DecodeSide, KvSource, RoomOpen, SessionHandOver};
 use crate::engine_api::pb as api;
 use crate::engine_api::service::EngineApi;
 use crate::memory::pool::PoolRole;
@@ -462,6 +462,55 @@ impl EngineRooms {
 
 /// Every write of `key` concluded: the receiver closes the room (nothing lands in its pages while
 /// the engine reads them), then the KV is complete.
+fn failed_precondition(msg: String) -> ApiError {
+    ApiError::new(Code::FailedPrecondition, api::ErrorReason::Unspecified, msg)
+}
+
+/// The session of the attempt a SyncSession names, still taking pages.
+///
+/// # Errors
+/// `FAILED_PRECONDITION` when nobody waits for the attempt, it names no session KV or its sync
+/// started; `UNKNOWN_ROOM` when the room is not the attempt's.
+fn session_of<'p>(
+    pending: &'p mut HashMap<u64, Pending>,
+    handed: &SessionHandOver<'_>,
+) -> Result<&'p mut SessionKv, ApiError> {
+    let p = pending
+        .get_mut(&handed.request_id)
+        .filter(|p| p.attempt == handed.attempt)
+        .ok_or_else(|| {
+            failed_precondition(format!(
+                "nobody waits for attempt {} of request {} any more",
+                handed.attempt, handed.request_id
+            ))
+        })?;
+    if p.room != Some(handed.room) {
+        return Err(ApiError::new(
+            Code::NotFound,
+            api::ErrorReason::UnknownRoom,
+            format!(
+                "{} is not the room of attempt {} of request {}",
+                handed.room, p.attempt, handed.request_id
+            ),
+        )
+        .field("room"));
+    }
+    let s = &mut p.session;
+    if s.hashes.is_empty() {
+        return Err(failed_precondition(format!(
+            "attempt {} of request {} names no session KV",
+            handed.attempt, handed.request_id
+        )));
+    }
+    if s.started {
+        return Err(failed_precondition(format!(
+            "the session of request {} is already syncing",
+            handed.request_id
+        )));
+    }
+    Ok(s)
+}
+
 fn complete(
     node: &Arc<DecodeNode>,
     runtime: &tokio::runtime::Handle,
@@ -636,88 +685,70 @@ impl KvSource for EngineRooms {
         self.node.receiver.forget_room(key.room);
     }
 
-    fn sync_session(&self, handed: SessionPages) -> Result<api::SyncSessionReply, ApiError> {
-        let refuse = |msg: String| {
-            ApiError::new(Code::FailedPrecondition, api::ErrorReason::Unspecified, msg)
-        };
+    fn sync_session(&self, handed: SessionHandOver<'_>) -> Result<api::SyncSessionReply, ApiError> {
         let push = self
             .snapshots
             .get()
             .cloned()
-            .ok_or_else(|| refuse("snapshot sync is off on this worker".into()))?;
-        let (hashes, pages, held) = {
+            .ok_or_else(|| failed_precondition("snapshot sync is off on this worker".into()))?;
+        // 1. The attempt, its session and the budget, before any byte is copied: the whole
+        //    session's pages are held at its first call, so a session either has its room in the
+        //    budget for all its calls or is refused at once.
+        {
             let mut pending = lock(&self.pending);
-            let p = pending
-                .get_mut(&handed.request_id)
-                .filter(|p| p.attempt == handed.attempt)
-                .ok_or_else(|| {
-                    refuse(format!(
-                        "nobody waits for attempt {} of request {} any more",
-                        handed.attempt, handed.request_id
-                    ))
-                })?;
-            if p.room != Some(handed.room) {
-                return Err(ApiError::new(
-                    Code::NotFound,
-                    api::ErrorReason::UnknownRoom,
-                    format!(
-                        "{} is not the room of attempt {} of request {}",
-                        handed.room, p.attempt, handed.request_id
-                    ),
-                )
-                .field("room"));
-            }
-            let s = &mut p.session;
-            if s.hashes.is_empty() {
-                return Err(refuse(format!(
-                    "attempt {} of request {} names no session KV",
-                    handed.attempt, handed.request_id
-                )));
-            }
-            if s.started {
-                return Err(refuse(format!(
-                    "the session of request {} is already syncing",
-                    handed.request_id
-                )));
-            }
+            let s = session_of(&mut pending, &handed)?;
             let left = s.hashes.len() - s.staged.len();
-            if handed.pages.len() > left {
+            if handed.pages > left {
                 return Err(ApiError::malformed(
                     "pages",
                     format!(
                         "{} pages handed over, {left} of the session's {} left",
-                        handed.pages.len(),
+                        handed.pages,
                         s.hashes.len()
                     ),
                 ));
             }
-            let n = u32::try_from(handed.pages.len()).unwrap_or(u32::MAX);
-            if n > 0 {
-                let Some(permit) = push.hold_pages(n) else {
+            if s.held.is_none() && handed.pages > 0 {
+                let want = u32::try_from(s.hashes.len()).unwrap_or(u32::MAX);
+                let Some(permit) = push.hold_pages(want) else {
                     self.stats
                         .session_pages_refused
-                        .fetch_add(u64::from(n), Ordering::Relaxed);
+                        .fetch_add(u64::from(want), Ordering::Relaxed);
                     return Err(ApiError::new(
                         Code::ResourceExhausted,
                         api::ErrorReason::Unspecified,
                         format!(
-                            "snapshot sync holds its budget of {} pages in flight: the turn \
-                             finishes unsynced",
+                            "snapshot sync: a session of {want} pages does not fit the budget of \
+                             {} pages in flight now; the turn finishes unsynced",
                             push.budget_pages()
                         ),
                     ));
                 };
-                match &mut s.held {
-                    Some(h) => h.merge(permit),
-                    None => s.held = Some(permit),
-                }
+                s.held = Some(permit);
+            }
+        }
+        // 2. The copy, outside this module's locks.
+        let pages = if handed.pages > 0 {
+            (handed.copy)()?
+        } else {
+            Vec::new()
+        };
+        // 3. Staged; the push starts with the last page.
+        let (hashes, pages, held) = {
+            let mut pending = lock(&self.pending);
+            let s = session_of(&mut pending, &handed)?;
+            if pages.len() > s.hashes.len() - s.staged.len() {
+                return Err(ApiError::malformed(
+                    "pages",
+                    "more pages than the session's KV (concurrent SyncSession calls)",
+                ));
             }
             self.stats
                 .session_pages
-                .fetch_add(handed.pages.len() as u64, Ordering::Relaxed);
-            s.staged.extend(handed.pages);
+                .fetch_add(pages.len() as u64, Ordering::Relaxed);
+            s.staged.extend(pages);
             let taken = s.staged.len();
-            if !handed.last && taken < s.hashes.len() {
+            if taken == 0 || (!handed.last && taken < s.hashes.len()) {
                 return Ok(api::SyncSessionReply {
                     pages_taken: taken as u32,
                     started: false,
@@ -731,12 +762,6 @@ impl KvSource for EngineRooms {
             )
         };
         let taken = pages.len() as u32;
-        if taken == 0 {
-            return Ok(api::SyncSessionReply {
-                pages_taken: 0,
-                started: false,
-            });
-        }
         self.stats.sessions_synced.fetch_add(1, Ordering::Relaxed);
         let _guard = self.runtime.enter();
         push.spawn_pages(hashes, pages, held);
