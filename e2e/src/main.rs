@@ -18,6 +18,7 @@ use tandem_e2e::replay::workload::select_workload;
 use tandem_e2e::report::routing::{AB_POLICIES, ROUTING_ENV, RoutingAb};
 use tandem_e2e::report::sampler::ReportSource;
 use tandem_e2e::report::session::{Session, replay_and_report, request_bar};
+use tandem_e2e::report::snapshot_ab::{AB_SYNC, SnapshotAb};
 use tandem_e2e::runner::image::ImageTable;
 use tandem_e2e::runner::node::NodeSpecification;
 use tandem_e2e::runner::{PodDefaults, ProcessRunner, RunnerConfig};
@@ -130,8 +131,8 @@ struct WorkloadArgs {
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     abort_deadline_ms: u64,
     /// Snapshot sync (issue 15): `on` names each request's session KV (its next turn in the
-    /// trace: the first later request extending its hash chain), so the decode pushes it to the
-    /// next turn's prefill; `off` never does.
+    /// trace: the first later request that starts with its full prompt blocks and holds its
+    /// answer), so the decode pushes it to the next turn's prefill; `off` never does.
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     snapshot_sync: String,
 }
@@ -229,8 +230,14 @@ struct DemoArgs {
     /// stack, first with `TANDEM_DECODE_ROUTING=round-robin`, then `affinity`; reports in
     /// `--out`/round-robin and `--out`/affinity, the side-by-side table on stdout and in
     /// `--out`/routing-ab.md (and .json).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "snapshot_ab")]
     routing_ab: bool,
+    /// Snapshot sync A/B (issue 15): the whole demo twice on the same slice, each on a fresh
+    /// cluster and stack, first with `--snapshot-sync off`, then `on`; reports in `--out`/off and
+    /// `--out`/on, the side-by-side table (next turns' hit ratio and TTFT, syncs by outcome) on
+    /// stdout and in `--out`/snapshot-ab.md (and .json).
+    #[arg(long)]
+    snapshot_ab: bool,
 }
 
 #[derive(Args)]
@@ -511,6 +518,9 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
     if args.routing_ab {
         return routing_ab(opts).await;
     }
+    if args.snapshot_ab {
+        return snapshot_ab(opts).await;
+    }
     let summary = tandem_e2e::demo::run(&opts).await?;
     Ok(if summary.passed() {
         ExitCode::SUCCESS
@@ -520,42 +530,35 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// `demo --routing-ab`: the demo once per policy of [`AB_POLICIES`], each with its own cluster
-/// state dir and report dir, then the table. A run that fails (a phase or a check) does not stop
-/// the other; the exit code is success only when both ran and passed.
-async fn routing_ab(base: DemoOptions) -> anyhow::Result<ExitCode> {
-    if let Some(kv) = base
-        .pod_env
-        .iter()
-        .find(|kv| kv.starts_with(&format!("{ROUTING_ENV}=")))
-    {
-        anyhow::bail!("--routing-ab sets {ROUTING_ENV} itself; drop --pod-env {kv}");
-    }
-    let state_base = tandem_e2e::demo::cluster_config(&base).state_dir;
+/// Runs the demo once per `(label, options)` (each with its own cluster state dir beside the
+/// base's, named `<base>-<label>`, and its own report dir `--out`/`<label>`). A run that fails (a
+/// phase or a check) does not stop the next; returns whether every run passed.
+async fn demo_variants(tag: &str, base: &DemoOptions, variants: Vec<(&str, DemoOptions)>) -> bool {
+    let state_base = tandem_e2e::demo::cluster_config(base).state_dir;
     let mut all_ok = true;
-    for (label, value) in AB_POLICIES {
-        let mut opts = base.clone();
+    for (label, mut opts) in variants {
         opts.out = base.out.join(label);
-        opts.pod_env.push(format!("{ROUTING_ENV}={value}"));
         opts.state_dir = Some(state_base.with_file_name(format!(
             "{}-{label}",
             state_base
                 .file_name()
                 .map_or_else(|| "cluster".into(), |n| n.to_string_lossy())
         )));
-        eprintln!(
-            "[routing-ab] {label}: demo with {ROUTING_ENV}={value}, report in {}",
-            opts.out.display()
-        );
+        eprintln!("[{tag}] {label}: demo, report in {}", opts.out.display());
         match tandem_e2e::demo::run(&opts).await {
             Ok(s) => all_ok &= s.passed(),
             Err(e) => {
-                eprintln!("[routing-ab] {label}: {:#}", anyhow::Error::from(e));
+                eprintln!("[{tag}] {label}: {:#}", anyhow::Error::from(e));
                 all_ok = false;
             }
         }
     }
-    let setting = format!(
+    all_ok
+}
+
+/// What an A/B ran, one line (workload, requests, time scale, samples, pod env).
+fn ab_setting(base: &DemoOptions) -> String {
+    format!(
         "{}, {} requests, time scale {}, samples {}, pod env {:?}",
         base.trace.as_ref().map_or_else(
             || "generated workload".to_owned(),
@@ -569,8 +572,29 @@ async fn routing_ab(base: DemoOptions) -> anyhow::Result<ExitCode> {
             |d| d.display().to_string()
         ),
         tandem_e2e::demo::effective_pod_env(&base.pod_env),
-    );
-    let ab = RoutingAb::load(&base.out, &setting);
+    )
+}
+
+/// `demo --routing-ab`: the demo once per policy of [`AB_POLICIES`], then the table. The exit
+/// code is success only when both ran and passed.
+async fn routing_ab(base: DemoOptions) -> anyhow::Result<ExitCode> {
+    if let Some(kv) = base
+        .pod_env
+        .iter()
+        .find(|kv| kv.starts_with(&format!("{ROUTING_ENV}=")))
+    {
+        anyhow::bail!("--routing-ab sets {ROUTING_ENV} itself; drop --pod-env {kv}");
+    }
+    let variants = AB_POLICIES
+        .iter()
+        .map(|(label, value)| {
+            let mut opts = base.clone();
+            opts.pod_env.push(format!("{ROUTING_ENV}={value}"));
+            (*label, opts)
+        })
+        .collect();
+    let all_ok = demo_variants("routing-ab", &base, variants).await;
+    let ab = RoutingAb::load(&base.out, &ab_setting(&base));
     ab.write(&base.out)
         .with_context(|| format!("writing into {}", base.out.display()))?;
     println!("{ab}");
@@ -582,6 +606,36 @@ async fn routing_ab(base: DemoOptions) -> anyhow::Result<ExitCode> {
         ExitCode::SUCCESS
     } else {
         eprintln!("[routing-ab] a run failed or is missing: see its report");
+        ExitCode::FAILURE
+    })
+}
+
+/// `demo --snapshot-ab`: the demo with snapshot sync off, then on, on the same slice; then the
+/// table ([`SnapshotAb`]). The exit code is success only when both ran and passed.
+async fn snapshot_ab(base: DemoOptions) -> anyhow::Result<ExitCode> {
+    let (workload, _) = tandem_e2e::demo::load_workload(&base)
+        .map_err(|e| anyhow::anyhow!("loading the workload: {e}"))?;
+    let variants = AB_SYNC
+        .iter()
+        .map(|(label, on)| {
+            let mut opts = base.clone();
+            opts.replay.snapshot_sync = *on;
+            (*label, opts)
+        })
+        .collect();
+    let all_ok = demo_variants("snapshot-ab", &base, variants).await;
+    let ab = SnapshotAb::load(&base.out, &workload, &ab_setting(&base));
+    ab.write(&base.out)
+        .with_context(|| format!("writing into {}", base.out.display()))?;
+    println!("{ab}");
+    eprintln!(
+        "[snapshot-ab] table in {}",
+        base.out.join("snapshot-ab.md").display()
+    );
+    Ok(if all_ok && ab.missing.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("[snapshot-ab] a run failed or is missing: see its report");
         ExitCode::FAILURE
     })
 }

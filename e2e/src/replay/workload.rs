@@ -284,22 +284,17 @@ mod tests {
 /// typically a system prompt many unrelated requests share, so it names no session.
 pub const SESSION_MIN_FULL_BLOCKS: usize = 2;
 
-/// Each request's session KV after its turn, for snapshot sync (issue 15).
-///
-/// A request's **next turn** is the first later request (strictly later timestamp: the answer
-/// must exist before the next prompt) whose `hash_ids` start with this request's *full* prompt
-/// blocks (`floor(input / 512)`, at least [`SESSION_MIN_FULL_BLOCKS`]) and whose prompt holds this
-/// turn's prompt and answer (`input ≥ input + output` of this turn). Full blocks only: the last
-/// block of a prompt is usually partial, and its hash changes once the conversation appends to it
-/// (matching the whole chain, the rule before this one, found 8 sessions in the 12,031-request
-/// conversation trace; this one finds 3,710). The session KV is the next turn's first
-/// `floor((input + output) / 512)` hashes — the full pages of this turn's prompt and answer, the
-/// ones whose keys the next turn shares — at most the next turn's length. Empty for a request with
-/// no next turn. Pure; O(total blocks + matches tried).
-pub fn session_kv_hashes(requests: &[TraceRequest]) -> Vec<Vec<u64>> {
-    // One hash id per 512-token block (worker/interfaces/README.md §7).
+/// Each request's **next turn** in its session (issue 15): the index of the first later request
+/// (strictly later timestamp: the answer must exist before the next prompt) whose `hash_ids` start
+/// with this request's *full* prompt blocks (`floor(input / 512)`, at least
+/// [`SESSION_MIN_FULL_BLOCKS`]) and whose prompt holds this turn's prompt and answer (`input ≥ input
+/// + output` of this turn). Full blocks only: the last block of a prompt is usually partial, and its
+/// hash changes once the conversation appends to it (matching the whole chain, the rule before
+/// this one, found 8 sessions in the 12,031-request conversation trace; this one finds 3,710).
+/// `None` for a request with no next turn. Pure; O(total blocks + matches tried).
+pub fn next_turns(requests: &[TraceRequest]) -> Vec<Option<usize>> {
     let block = 512u64;
-    let mut out = vec![Vec::new(); requests.len()];
+    let mut out = vec![None; requests.len()];
     // Requests still waiting for a next turn, by (full blocks, last full block's id).
     let mut waiting: std::collections::HashMap<(usize, u64), Vec<usize>> = Default::default();
     for (j, r) in requests.iter().enumerate() {
@@ -314,8 +309,7 @@ pub fn session_kv_hashes(requests: &[TraceRequest]) -> Vec<Vec<u64>> {
                 if !holds_turn || r.timestamp <= p.timestamp {
                     return true;
                 }
-                let pages = (u64::from(p.input_length) + u64::from(p.output_length)) / block;
-                out[i] = r.hash_ids[..(pages as usize).min(r.hash_ids.len())].to_vec();
+                out[i] = Some(j);
                 false
             });
             if prev.is_empty() {
@@ -330,6 +324,26 @@ pub fn session_kv_hashes(requests: &[TraceRequest]) -> Vec<Vec<u64>> {
         }
     }
     out
+}
+
+/// Each request's session KV after its turn, for snapshot sync (issue 15): the first
+/// `floor((input + output) / 512)` hashes of its next turn ([`next_turns`]) — the full pages of
+/// this turn's prompt and answer, the ones whose keys the next turn shares — at most the next
+/// turn's length. Empty for a request with no next turn. Pure.
+pub fn session_kv_hashes(requests: &[TraceRequest]) -> Vec<Vec<u64>> {
+    // One hash id per 512-token block (worker/interfaces/README.md §7).
+    let block = 512u64;
+    next_turns(requests)
+        .into_iter()
+        .zip(requests)
+        .map(|(next, p)| {
+            next.map_or_else(Vec::new, |j| {
+                let ids = &requests[j].hash_ids;
+                let pages = (u64::from(p.input_length) + u64::from(p.output_length)) / block;
+                ids[..(pages as usize).min(ids.len())].to_vec()
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ pub mod plots;
 pub mod routing;
 pub mod sampler;
 pub mod session;
+pub mod snapshot_ab;
 pub mod summary;
 pub mod workers;
 
