@@ -999,6 +999,40 @@ async fn session_turn(
     v["tandem"]["prefix_hit_tokens"]["l2"].as_u64().unwrap()
 }
 
+/// A prefill with a 16-page snapshot buffer and a decode (with `decode_env`), each with its
+/// simulated engine, both ready: the processes, then the prefill's and the decode's health
+/// addresses and the front door.
+async fn sync_stack(
+    w: &World,
+    decode_env: &[(&str, &str)],
+) -> (
+    Vec<Proc>,
+    std::net::SocketAddr,
+    std::net::SocketAddr,
+    std::net::SocketAddr,
+) {
+    w.publish(&[2]);
+    let mut pc = prefill_config(w);
+    pc.memory.snapshot_buffer_bytes = 16 * PAGE_BYTES;
+    pc.memory.segment_bytes += pc.memory.snapshot_buffer_bytes;
+    let procs = vec![
+        w.spawn(2, &pc, &[]),
+        spawn_engine(w, 2, &[], &[]),
+        w.spawn(9, &decode_config(w), decode_env),
+        spawn_engine(w, 9, &[], &[]),
+    ];
+    let (ph, dh, front) = (
+        w.addr(2, w.ports.health),
+        w.addr(9, w.ports.health),
+        w.addr(9, w.ports.front),
+    );
+    until(Duration::from_secs(30), || async {
+        readyz(ph).await.0 == 200 && readyz(dh).await.0 == 200
+    })
+    .await;
+    (procs, ph, dh, front)
+}
+
 /// Snapshot sync through the engine API (DESIGN §3.1 and contract 4; seed 002; issue 15). Turn 1
 /// of a session: a 1400-token prompt (3 pages, the last partial) and 300 generated tokens, so its
 /// KV after the turn is 4 pages whose last two no prefill ever computed. The decode engine lays
@@ -1010,23 +1044,7 @@ async fn session_turn(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshot_sync_through_the_engine_api_the_next_turn_loads_the_decode_engines_pages() {
     let w = World::new(116);
-    w.publish(&[2]);
-    let mut pc = prefill_config(&w);
-    pc.memory.snapshot_buffer_bytes = 16 * PAGE_BYTES;
-    pc.memory.segment_bytes += pc.memory.snapshot_buffer_bytes;
-    let _p = w.spawn(2, &pc, &[]);
-    let _pe = spawn_engine(&w, 2, &[], &[]);
-    let _d = w.spawn(9, &decode_config(&w), &[]);
-    let _de = spawn_engine(&w, 9, &[], &[]);
-    let (ph, dh, front) = (
-        w.addr(2, w.ports.health),
-        w.addr(9, w.ports.health),
-        w.addr(9, w.ports.front),
-    );
-    until(Duration::from_secs(30), || async {
-        readyz(ph).await.0 == 200 && readyz(dh).await.0 == 200
-    })
-    .await;
+    let (_procs, ph, dh, front) = sync_stack(&w, &[]).await;
 
     let b = 7_000_000u64;
     let (t1, kv, t2) = (
@@ -1101,28 +1119,9 @@ async fn snapshot_sync_through_the_engine_api_the_next_turn_loads_the_decode_eng
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_beyond_the_sync_budget_is_refused_and_the_turn_still_answers() {
     let w = World::new(131);
-    w.publish(&[2]);
-    let mut pc = prefill_config(&w);
-    pc.memory.snapshot_buffer_bytes = 16 * PAGE_BYTES;
-    pc.memory.segment_bytes += pc.memory.snapshot_buffer_bytes;
-    let _p = w.spawn(2, &pc, &[]);
-    let _pe = spawn_engine(&w, 2, &[], &[]);
     let budget = (2 * PAGE_BYTES).to_string();
-    let _d = w.spawn(
-        9,
-        &decode_config(&w),
-        &[("TANDEM_DECODE_SNAPSHOT_SYNC_BUDGET_BYTES", &budget)],
-    );
-    let _de = spawn_engine(&w, 9, &[], &[]);
-    let (ph, dh, front) = (
-        w.addr(2, w.ports.health),
-        w.addr(9, w.ports.health),
-        w.addr(9, w.ports.front),
-    );
-    until(Duration::from_secs(30), || async {
-        readyz(ph).await.0 == 200 && readyz(dh).await.0 == 200
-    })
-    .await;
+    let (_procs, ph, dh, front) =
+        sync_stack(&w, &[("TANDEM_DECODE_SNAPSHOT_SYNC_BUDGET_BYTES", &budget)]).await;
     let b = 9_000_000u64;
     session_turn(front, 1400, 300, &[b, b + 1, b + 2], &[b, b + 1, b + 3]).await;
     let d = report(dh).await;

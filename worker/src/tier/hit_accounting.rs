@@ -16,6 +16,24 @@ pub fn page_token_len(input_tokens: u64, page_tokens: u64, page: usize) -> u64 {
     input_tokens.saturating_sub(start).min(page_tokens)
 }
 
+/// Tokens of the pages among the first `leading` of `keys` that `marked` selects (e.g. the pages a
+/// snapshot added: `snapshot_hit_tokens` of one lookup), for a request of `input_tokens` tokens in
+/// pages of `page_tokens`.
+pub fn marked_tokens<K>(
+    keys: &[K],
+    leading: usize,
+    input_tokens: u64,
+    page_tokens: u64,
+    marked: impl Fn(&K) -> bool,
+) -> u64 {
+    keys.iter()
+        .take(leading)
+        .enumerate()
+        .filter(|(_, k)| marked(k))
+        .map(|(p, _)| page_token_len(input_tokens, page_tokens, p))
+        .sum()
+}
+
 /// Running totals of lookups and hits.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HitAccounting {

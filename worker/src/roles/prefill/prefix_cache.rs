@@ -46,7 +46,7 @@ use crate::l3::placement;
 use crate::l3::replicas::{BookConfig, ReplicaBook};
 use crate::memory::pool::PoolRole;
 use crate::roles::resolve::Resolver;
-use crate::tier::hit_accounting::page_token_len;
+use crate::tier::hit_accounting::{marked_tokens, page_token_len};
 use crate::tier::trace::TRACE_BLOCK_TOKENS;
 use crate::tier::{PageKey, PrefixIndex, Residency, Tier};
 
@@ -621,12 +621,9 @@ impl RoomPlanner for PrefixCache {
             l3: tokens(l2..l2 + l3),
         };
         let c = &self.counters;
-        let from_snapshot: u64 = {
+        let from_snapshot = {
             let set = lock(&self.from_snapshot);
-            (0..l2)
-                .filter(|p| set.contains(&keys[*p]))
-                .map(|p| page_token_len(input, page_tokens, p))
-                .sum()
+            marked_tokens(&keys, l2, input, page_tokens, |k| set.contains(k))
         };
         if from_snapshot > 0 {
             c.snapshot_hit_tokens.inc_by(from_snapshot);

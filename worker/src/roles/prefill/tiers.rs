@@ -55,7 +55,7 @@ use crate::load::event_ledger::EventLedger;
 use crate::load::plan::{self as load_plan, FencePolicy, LoadOp, PageCopy};
 use crate::memory::pool::{KvPool, PageId, PoolRole};
 use crate::tier::PageKey;
-use crate::tier::hit_accounting::page_token_len;
+use crate::tier::hit_accounting::{marked_tokens, page_token_len};
 use crate::tier::trace::TRACE_BLOCK_TOKENS;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -356,12 +356,9 @@ impl HostTiers {
             l3: tokens(l2..l2 + l3),
         };
         let c = &self.counters;
-        let from_snapshot: u64 = {
+        let from_snapshot = {
             let set = lock(&self.from_snapshot);
-            (0..l2)
-                .filter(|p| set.contains(&keys[*p]))
-                .map(|p| page_token_len(input, page_tokens, p))
-                .sum()
+            marked_tokens(&keys, l2, input, page_tokens, |k| set.contains(k))
         };
         if from_snapshot > 0 {
             c.snapshot_hit_tokens.inc_by(from_snapshot);
