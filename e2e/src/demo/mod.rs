@@ -622,6 +622,36 @@ async fn on_cluster(
             ),
         );
     }
+    // Snapshot sync on the live stack (issue 15, seed 002): the slice's sessions were pushed to
+    // their next turn's prefill and taken. Not 99 % here: the rolling restart may take a
+    // prefill away in the middle of a sync (a counted failure, not a loss).
+    if opts.replay.snapshot_sync {
+        let sessions = workload::session_kv_hashes(&workload)
+            .iter()
+            .filter(|s| !s.is_empty())
+            .count();
+        let c = &summary.worker_counters;
+        let ok_share = if c.snapshot_sync_attempts == 0 {
+            0.0
+        } else {
+            c.snapshot_sync_ok as f64 / c.snapshot_sync_attempts as f64
+        };
+        summary.check(
+            "snapshot sync: sessions pushed to their next turn's prefill",
+            sessions == 0 || (c.snapshot_sync_attempts > 0 && ok_share >= 0.9),
+            format!(
+                "{sessions} sessions in the slice: {} syncs started, {} ok ({:.0} %), failed {}                  buffer full / {} transfer / {} other; {} finalized, {} next-turn tokens hit                  pages only a snapshot brought",
+                c.snapshot_sync_attempts,
+                c.snapshot_sync_ok,
+                100.0 * ok_share,
+                c.snapshot_sync_failed_buf_full,
+                c.snapshot_sync_failed_transfer,
+                c.snapshot_sync_failed_other,
+                c.snapshot_finalized,
+                c.snapshot_hit_tokens
+            ),
+        );
+    }
     write_report(&opts.out, &mut summary, &results, &samples).map_err(at(Phase::Report))?;
     println!("{summary}");
     say(format!("report in {}", opts.out.display()));

@@ -411,7 +411,17 @@ impl PrefillServer {
         // the data port. The built-in engine finalizes into its KV pool and prefix cache; with an
         // engine beside the worker a snapshot is finalized into the seat's host tier, whose L2
         // the engine's next Lookup and Load read.
-        let engine_tiers = seat.as_ref().and_then(|s| s.tiers.clone());
+        // Only decodes that hand their sessions over push (SyncSession: the Simulated engine's);
+        // SGLang and vLLM decodes hand over none yet, so their prefills keep no buffer
+        // (`config.unused` says so).
+        let engine_tiers = seat
+            .as_ref()
+            .filter(|_| {
+                cfg.engine
+                    .as_ref()
+                    .is_some_and(|e| e.kind == crate::config::EngineKind::Simulated)
+            })
+            .and_then(|s| s.tiers.clone());
         let snapshots = if cfg.memory.snapshot_buffer_bytes == 0 {
             None
         } else if seat.is_none() {
