@@ -544,6 +544,10 @@ async fn demo_variants(tag: &str, base: &DemoOptions, variants: Vec<(&str, DemoO
                 .file_name()
                 .map_or_else(|| "cluster".into(), |n| n.to_string_lossy())
         )));
+        // A run that fails before its report must not leave an earlier run's files to the table.
+        for f in ["results.json", "requests.jsonl"] {
+            let _ = std::fs::remove_file(opts.out.join(f));
+        }
         eprintln!("[{tag}] {label}: demo, report in {}", opts.out.display());
         match tandem_e2e::demo::run(&opts).await {
             Ok(s) => all_ok &= s.passed(),

@@ -287,34 +287,38 @@ pub const SESSION_MIN_FULL_BLOCKS: usize = 2;
 /// Each request's **next turn** in its session (issue 15): the index of the first later request
 /// (strictly later timestamp: the answer must exist before the next prompt) whose `hash_ids` start
 /// with this request's *full* prompt blocks (`floor(input / 512)`, at least
-/// [`SESSION_MIN_FULL_BLOCKS`]) and whose prompt holds this turn's prompt and answer (`input ≥ input
-/// + output` of this turn). Full blocks only: the last block of a prompt is usually partial, and its
+/// [`SESSION_MIN_FULL_BLOCKS`]) and whose prompt holds this turn's prompt and answer (its input is
+/// at least this turn's input plus output). Full blocks only: the last block of a prompt is usually partial, and its
 /// hash changes once the conversation appends to it (matching the whole chain, the rule before
-/// this one, found 8 sessions in the 12,031-request conversation trace; this one finds 3,710).
-/// `None` for a request with no next turn. Pure; O(total blocks + matches tried).
+/// this one, found 8 sessions in the 12,031-request conversation trace). One to one: a request
+/// continues at most one earlier turn — the one with the longest matching prefix, the most recent
+/// of equals (the trace has sibling requests with identical prompts; only one of them is the turn
+/// the conversation went on from). `None` for a request with no next turn. Pure; O(total blocks +
+/// candidates tried); the requests must be in timestamp order, as trace files are.
 pub fn next_turns(requests: &[TraceRequest]) -> Vec<Option<usize>> {
     let block = 512u64;
     let mut out = vec![None; requests.len()];
     // Requests still waiting for a next turn, by (full blocks, last full block's id).
     let mut waiting: std::collections::HashMap<(usize, u64), Vec<usize>> = Default::default();
     for (j, r) in requests.iter().enumerate() {
-        for (k, id) in r.hash_ids.iter().enumerate() {
+        // Longest prefix first: the first key with a turn this request continues wins.
+        for (k, id) in r.hash_ids.iter().enumerate().rev() {
             let Some(prev) = waiting.get_mut(&(k + 1, *id)) else {
                 continue;
             };
-            prev.retain(|&i| {
+            let continues = |i: usize| {
                 let p = &requests[i];
-                let holds_turn = u64::from(r.input_length)
-                    >= u64::from(p.input_length) + u64::from(p.output_length);
-                if !holds_turn || r.timestamp <= p.timestamp {
-                    return true;
-                }
-                out[i] = Some(j);
-                false
-            });
+                u64::from(r.input_length) >= u64::from(p.input_length) + u64::from(p.output_length)
+                    && r.timestamp > p.timestamp
+            };
+            let Some(pos) = prev.iter().rposition(|&i| continues(i)) else {
+                continue;
+            };
+            out[prev.remove(pos)] = Some(j);
             if prev.is_empty() {
                 waiting.remove(&(k + 1, *id));
             }
+            break;
         }
         let full = (u64::from(r.input_length) / block) as usize;
         if full >= SESSION_MIN_FULL_BLOCKS
@@ -380,6 +384,7 @@ mod session_tests {
             req(4, 3000, 5, &[1, 12, 13, 14, 15, 16]),
         ];
         let s = session_kv_hashes(&w);
+        assert_eq!(next_turns(&w)[0], Some(3));
         // 1700 tokens after turn 1: 3 full pages of turn 2's chain.
         assert_eq!(s[0], vec![1, 2, 4]);
         assert!(s[2].is_empty(), "no later request extends [1, 2, 7]");
@@ -399,6 +404,24 @@ mod session_tests {
         assert_eq!(session_kv_hashes(&w)[0], vec![1, 2, 5]);
     }
 
+    /// Siblings with the same prompt: the later request continues only the most recent of them.
+    #[test]
+    fn a_request_continues_one_turn_the_most_recent_of_siblings() {
+        let w = [
+            req(0, 1100, 100, &[1, 2, 3]),
+            req(1, 1100, 100, &[1, 2, 3]),
+            req(2, 2000, 5, &[1, 2, 4, 5]),
+            req(3, 2000, 5, &[1, 2, 4, 6]),
+        ];
+        let n = next_turns(&w);
+        assert_eq!(n[1], Some(2), "the most recent sibling");
+        assert_eq!(
+            n[0],
+            Some(3),
+            "the other sibling waits for its own next turn"
+        );
+    }
+
     /// On the conversation trace: the rule finds sessions (the old whole-chain rule found 8).
     #[test]
     fn the_conversation_trace_has_sessions() {
@@ -416,10 +439,11 @@ mod session_tests {
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
             .collect();
-        let with_next = session_kv_hashes(&w)
-            .iter()
-            .filter(|s| !s.is_empty())
-            .count();
+        let next = next_turns(&w);
+        let with_next = next.iter().flatten().count();
+        let targets: std::collections::BTreeSet<usize> = next.iter().flatten().copied().collect();
+        assert_eq!(targets.len(), with_next, "one to one");
         assert!(with_next > 3000, "{with_next} sessions with a next turn");
+        println!("{with_next} of {} requests have a next turn", w.len());
     }
 }

@@ -43,7 +43,8 @@ pub struct SyncRow {
     pub failed: usize,
     /// Next turns completed (the rows below are over them).
     pub next_turns: usize,
-    /// Next turns' prefix hit tokens (L1 + L2 + L3) / prompt tokens.
+    /// Next turns' prefix hit tokens (L1 + L2 + L3) / prompt tokens, over every completed next turn
+    /// (retried ones too, unlike the slice's `total_hit`, which counts first attempts).
     pub next_turn_hit: f64,
     /// Next turns' TTFT p50 (ms).
     pub next_turn_ttft_p50_ms: f64,

@@ -537,13 +537,16 @@ impl SnapshotSync {
         lock(&self.pending).push_back(id);
         self.finalize_pending();
         self.seals.fetch_add(1, Ordering::Relaxed);
-        if let Some(why) = lock(&self.lost).remove(&id) {
+        // Queued first, lost second: a finalize pass on another thread can only move it from the
+        // queue to `lost`, never back.
+        let queued = lock(&self.pending).contains(&id);
+        if !queued && let Some(why) = lock(&self.lost).remove(&id) {
             return reply(
                 pb::SnapshotOutcome::Unspecified,
                 format!("finalize failed, the snapshot was dropped: {why}"),
             );
         }
-        if lock(&self.pending).contains(&id) {
+        if queued {
             self.seals_pool_full.fetch_add(1, Ordering::Relaxed);
             reply(
                 pb::SnapshotOutcome::PendingFinalize,
@@ -702,6 +705,7 @@ impl SnapshotSync {
                 }
             }
         }
+        let mut published = true;
         if let Publish::PrefixCache(cache) = &self.publish {
             if corrupt > 0 {
                 tracing::error!(snapshot = %f.id, corrupt, "snapshot chunks do not hold their pages");
@@ -711,12 +715,17 @@ impl SnapshotSync {
                         index.remove(Tier::L2Host, key);
                     }
                 });
+                self.lost(f.id, format!("{corrupt} chunks do not hold their pages"));
+                published = false;
             } else {
                 cache.mark_from_snapshot(fresh);
             }
         }
         if let Err(e) = self.pages.pool().free(&f.pages) {
             tracing::error!(error = %e, "returning finalized snapshot pages");
+        }
+        if !published {
+            return;
         }
         self.counters.snapshot_finalized.inc();
         tracing::debug!(snapshot = %f.id, session = f.session, pages = f.pages.len(), "snapshot finalized");

@@ -374,10 +374,10 @@ impl HostTiers {
     /// next Lookup and Load read): each `(key, bytes)` page — every layer of the target pool, in
     /// layer order, [`KvLayout::page_bytes`] long — that L2 does not hold enters it (checksum kept)
     /// and is marked as brought by a snapshot, so a later lookup hitting it counts
-    /// `snapshot_hit_tokens`; L3 follows the write policy (write-through puts the new pages,
-    /// write-back the pages L2 evicts). A page L2 already holds keeps its bytes — what this prefill
-    /// computed or loaded, and what L3 holds — and only becomes the most recently used. Returns the
-    /// pages added.
+    /// `snapshot_hit_tokens`. A page L2 already holds keeps its bytes — what this prefill computed
+    /// or loaded — and only becomes the most recently used. Snapshot pages never go to L3 (neither
+    /// written through nor written back when evicted): L3 holds what prefills computed, and a
+    /// decode's bytes must not replace an object another prefill wrote. Returns the pages added.
     ///
     /// # Errors
     /// A page of the wrong length (nothing is inserted then), or a closed backend (shutdown).
@@ -409,16 +409,13 @@ impl HostTiers {
                 };
                 let mut set = lock(&self.from_snapshot);
                 let evicted = l2.push(key, page).filter(|(k, _)| *k != key);
-                if let Some((k, _)) = &evicted {
-                    set.remove(k);
-                }
                 set.insert(key);
-                evicted.map(|(k, old)| (k, old.bytes))
+                // An evicted snapshot page is dropped, not written back.
+                evicted
+                    .filter(|(k, _)| !set.remove(k))
+                    .map(|(k, old)| (k, old.bytes))
             };
             added += 1;
-            if self.write_policy == Some(WritePolicy::WriteThrough) {
-                self.queue_put(key, bytes);
-            }
             self.write_back(evicted.into_iter().collect());
         }
         self.stats.snapshot_pages.fetch_add(n, Ordering::Relaxed);
@@ -458,8 +455,9 @@ impl HostTiers {
         let mut evicted = Vec::new();
         if let Some((k, old)) = l2.push(key, page)
             && k != key
+            // A snapshot page leaves L2 without going to L3 (see `insert_snapshot`).
+            && !lock(&self.from_snapshot).remove(&k)
         {
-            lock(&self.from_snapshot).remove(&k);
             evicted.push((k, old.bytes));
         }
         evicted

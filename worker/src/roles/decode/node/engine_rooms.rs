@@ -86,6 +86,11 @@ struct SessionKv {
     started: bool,
     /// The staged pages' room in the sync budget ([`SnapshotPush::hold_pages`]).
     held: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// Pages of calls being copied now (counted against the session's length before the copy).
+    copying: usize,
+    /// Why the hand-over failed: a refused or failed call ends it, since the pages after it could
+    /// no longer be paired with the right hashes (pairing is by position).
+    failed: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -508,6 +513,12 @@ fn session_of<'p>(
             handed.request_id
         )));
     }
+    if let Some(why) = &s.failed {
+        return Err(failed_precondition(format!(
+            "the session hand-over of request {} failed earlier: {why}",
+            handed.request_id
+        )));
+    }
     Ok(s)
 }
 
@@ -693,20 +704,23 @@ impl KvSource for EngineRooms {
             .ok_or_else(|| failed_precondition("snapshot sync is off on this worker".into()))?;
         // 1. The attempt, its session and the budget, before any byte is copied: the whole
         //    session's pages are held at its first call, so a session either has its room in the
-        //    budget for all its calls or is refused at once.
+        //    budget for all its calls or is refused at once. Any refusal from here on ends the
+        //    hand-over (`SessionKv::failed`).
         {
             let mut pending = lock(&self.pending);
             let s = session_of(&mut pending, &handed)?;
-            let left = s.hashes.len() - s.staged.len();
+            let left = s.hashes.len() - s.staged.len() - s.copying;
             if handed.pages > left {
-                return Err(ApiError::malformed(
+                let e = ApiError::malformed(
                     "pages",
                     format!(
                         "{} pages handed over, {left} of the session's {} left",
                         handed.pages,
                         s.hashes.len()
                     ),
-                ));
+                );
+                s.failed = Some(e.message.clone());
+                return Err(e);
             }
             if s.held.is_none() && handed.pages > 0 {
                 let want = u32::try_from(s.hashes.len()).unwrap_or(u32::MAX);
@@ -714,35 +728,48 @@ impl KvSource for EngineRooms {
                     self.stats
                         .session_pages_refused
                         .fetch_add(u64::from(want), Ordering::Relaxed);
+                    let budget = push.budget_pages();
+                    let why = if want > budget {
+                        format!(
+                            "snapshot sync: a session of {want} pages exceeds the whole budget of \
+                             {budget} pages (TANDEM_DECODE_SNAPSHOT_SYNC_BUDGET_BYTES); the turn \
+                             finishes unsynced"
+                        )
+                    } else {
+                        format!(
+                            "snapshot sync: a session of {want} pages does not fit the budget of \
+                             {budget} pages with the syncs in flight now; the turn finishes unsynced"
+                        )
+                    };
+                    s.failed = Some(why.clone());
                     return Err(ApiError::new(
                         Code::ResourceExhausted,
                         api::ErrorReason::Unspecified,
-                        format!(
-                            "snapshot sync: a session of {want} pages does not fit the budget of \
-                             {} pages in flight now; the turn finishes unsynced",
-                            push.budget_pages()
-                        ),
+                        why,
                     ));
                 };
                 s.held = Some(permit);
             }
+            s.copying += handed.pages;
         }
         // 2. The copy, outside this module's locks.
-        let pages = if handed.pages > 0 {
-            (handed.copy)()?
+        let copied = if handed.pages > 0 {
+            (handed.copy)()
         } else {
-            Vec::new()
+            Ok(Vec::new())
         };
         // 3. Staged; the push starts with the last page.
         let (hashes, pages, held) = {
             let mut pending = lock(&self.pending);
             let s = session_of(&mut pending, &handed)?;
-            if pages.len() > s.hashes.len() - s.staged.len() {
-                return Err(ApiError::malformed(
-                    "pages",
-                    "more pages than the session's KV (concurrent SyncSession calls)",
-                ));
-            }
+            s.copying = s.copying.saturating_sub(handed.pages);
+            let pages = match copied {
+                Ok(p) => p,
+                Err(e) => {
+                    s.failed = Some(e.message.clone());
+                    return Err(e);
+                }
+            };
             self.stats
                 .session_pages
                 .fetch_add(pages.len() as u64, Ordering::Relaxed);
