@@ -66,8 +66,8 @@ pub fn incarnations(samples: &[Sample]) -> Vec<Incarnation> {
                 inc.last_ms = s.t_ms;
                 inc.last = r.counters;
                 inc.revision.clone_from(&r.revision);
-                if r.engine.is_some() {
-                    inc.engine.clone_from(&r.engine);
+                if let Some(e) = &r.engine {
+                    inc.engine = Some(draining_keeps_pools(r, e, inc.engine.as_ref()));
                 }
             }
             _ => {
@@ -86,6 +86,27 @@ pub fn incarnations(samples: &[Sample]) -> Vec<Incarnation> {
         }
     }
     out
+}
+
+/// The engine seat of report `r` (`e`), except that a draining worker's empty `pools` keeps the
+/// pools of its `earlier` report: teardown frees the pools (DESIGN contract 9, FreeMemory) before
+/// the health server stops, so the last samples of a deleted pod list none, though it served with
+/// them (a demo run's check read "no pools" of a prefill sampled in that window).
+fn draining_keeps_pools(
+    r: &WorkerReport,
+    e: &serde_json::Value,
+    earlier: Option<&serde_json::Value>,
+) -> serde_json::Value {
+    let mut e = e.clone();
+    let draining = r.phase == Some(tandem_interfaces::report::ReportPhase::Draining);
+    let released = e["pools"].as_array().is_some_and(Vec::is_empty);
+    if draining
+        && released
+        && let Some(pools) = earlier.and_then(|old| old.get("pools"))
+    {
+        e["pools"] = pools.clone();
+    }
+    e
 }
 
 /// Sum of every incarnation's last counters.
@@ -120,6 +141,7 @@ pub fn per_round_increase(samples: &[Sample], counter: fn(&Counters) -> u64) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tandem_interfaces::report::ReportPhase;
 
     fn sample(round: u64, t: f64, uid: &str, kv: u64, loaded: u64) -> Sample {
         Sample {
@@ -138,6 +160,35 @@ mod tests {
             }),
             error: None,
         }
+    }
+
+    #[test]
+    fn a_draining_workers_released_pools_keep_the_pools_it_served_with() {
+        let with = |phase, pools: serde_json::Value| {
+            let mut s = sample(0, 0.0, "u1", 1, 0);
+            if let Some(r) = s.report.as_mut() {
+                r.phase = Some(phase);
+                r.engine = Some(serde_json::json!({"pools": pools, "rooms": 3}));
+            }
+            s
+        };
+        let served = serde_json::json!([["target", "SharedMemory", 1024, "committed"]]);
+        let mut s = [
+            with(ReportPhase::Ready, served.clone()),
+            with(ReportPhase::Draining, serde_json::json!([])),
+        ];
+        s[1].t_ms = 1000.0;
+        let incs = incarnations(&s);
+        assert_eq!(incs.len(), 1);
+        let e = incs[0].engine.as_ref().unwrap();
+        assert_eq!(e["pools"], served, "{e}");
+        // A ready worker with no pools is reported as it is.
+        s[1].report.as_mut().unwrap().phase = Some(ReportPhase::Ready);
+        let incs = incarnations(&s);
+        assert_eq!(
+            incs[0].engine.as_ref().unwrap()["pools"],
+            serde_json::json!([])
+        );
     }
 
     #[test]
