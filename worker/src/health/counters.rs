@@ -43,6 +43,28 @@ macro_rules! counters {
 
 tandem_interfaces::with_report_counters!(counters);
 
+impl Counters {
+    /// One prefill's open-time prefix lookup of a request of `input_tokens` prompt tokens:
+    /// `hit_l2`/`hit_l3` tokens hit, of which `snapshot_tokens` in pages a snapshot added (L2;
+    /// `snapshot_hit_requests` counts the lookup when non-zero). The one rule for the built-in
+    /// prefix cache and an engine's host tiers.
+    pub fn record_prefix_lookup(
+        &self,
+        input_tokens: u64,
+        hit_l2: u64,
+        hit_l3: u64,
+        snapshot_tokens: u64,
+    ) {
+        if snapshot_tokens > 0 {
+            self.snapshot_hit_tokens.inc_by(snapshot_tokens);
+            self.snapshot_hit_requests.inc();
+        }
+        self.prefix_lookup_tokens.inc_by(input_tokens);
+        self.prefix_hit_tokens_l2.inc_by(hit_l2);
+        self.prefix_hit_tokens_l3.inc_by(hit_l3);
+    }
+}
+
 type ReasonFamily = Family<Vec<(String, String)>, Counter>;
 
 /// Counters labelled by a stable reason code; cheap to clone (clones share their values).

@@ -620,18 +620,12 @@ impl RoomPlanner for PrefixCache {
             l2: tokens(0..l2),
             l3: tokens(l2..l2 + l3),
         };
-        let c = &self.counters;
         let from_snapshot = {
             let set = lock(&self.from_snapshot);
             marked_tokens(&keys, l2, input, page_tokens, |k| set.contains(k))
         };
-        if from_snapshot > 0 {
-            c.snapshot_hit_tokens.inc_by(from_snapshot);
-            c.snapshot_hit_requests.inc();
-        }
-        c.prefix_lookup_tokens.inc_by(input);
-        c.prefix_hit_tokens_l2.inc_by(hits.l2);
-        c.prefix_hit_tokens_l3.inc_by(hits.l3);
+        self.counters
+            .record_prefix_lookup(input, hits.l2, hits.l3, from_snapshot);
         let per_page = (0..pages as usize)
             .map(|p| {
                 if p < l2 + l3 {

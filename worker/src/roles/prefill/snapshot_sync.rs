@@ -204,8 +204,9 @@ fn grant_reply(g: &SnapshotGrant, data_addr: &str) -> pb::SnapshotPrepareReply {
 
 /// What one finalize produced.
 enum Finalize {
-    /// Pages of the KV pool (the built-in engine), or the pool had no room.
-    Pool(FinalizeOutcome),
+    /// Pages of the KV pool (the built-in engine), or the pool had no room; with the keys the
+    /// snapshot adds to the prefix index.
+    Pool(FinalizeOutcome, Vec<PageKey>),
     /// Page bytes for the host tier (an engine beside the worker).
     Bytes(FinalizedBytes),
 }
@@ -600,11 +601,9 @@ impl SnapshotSync {
                             let fresh = absent(index, store.keys(id).unwrap_or_default());
                             store
                                 .finalize(id, self.pages.pool(), index)
-                                .map(|o| (Finalize::Pool(o), fresh))
+                                .map(|o| Finalize::Pool(o, fresh))
                         }),
-                        Publish::HostTiers(_) => store
-                            .finalize_to_bytes(id)
-                            .map(|f| (Finalize::Bytes(f), Vec::new())),
+                        Publish::HostTiers(_) => store.finalize_to_bytes(id).map(Finalize::Bytes),
                     },
                     #[cfg(feature = "negative-controls")]
                     Backing::SharedPool(shared) => match &self.publish {
@@ -613,7 +612,7 @@ impl SnapshotSync {
                                 index.present_keys(Tier::L2Host).into_iter().collect();
                             shared.finalize(id, index).map(|f| {
                                 let fresh = absent_from(&before, &f.keys);
-                                (Finalize::Pool(FinalizeOutcome::Finalized(f)), fresh)
+                                Finalize::Pool(FinalizeOutcome::Finalized(f), fresh)
                             })
                         }),
                         // `start` refuses the KV-pool receive space with an engine.
@@ -622,15 +621,15 @@ impl SnapshotSync {
                 }
             };
             match outcome {
-                Ok((Finalize::Pool(FinalizeOutcome::Finalized(f)), fresh)) => {
+                Ok(Finalize::Pool(FinalizeOutcome::Finalized(f), fresh)) => {
                     self.unqueue(id);
                     self.finalized(f, &fresh);
                 }
-                Ok((Finalize::Bytes(f), _)) => {
+                Ok(Finalize::Bytes(f)) => {
                     self.unqueue(id);
                     self.published(f);
                 }
-                Ok((Finalize::Pool(FinalizeOutcome::AllocFailedOnFinalize { .. }), _)) => {
+                Ok(Finalize::Pool(FinalizeOutcome::AllocFailedOnFinalize { .. }, _)) => {
                     self.counters.snapshot_alloc_failed_on_finalize.inc();
                     return;
                 }
