@@ -151,13 +151,14 @@ async fn complete(front: std::net::SocketAddr, max_tokens: u32) -> (u16, Value) 
     complete_body(front, completion(PROMPT, max_tokens, false)).await
 }
 
-/// [`complete`] of a prompt whose pages share no prefix hash with any other request's (`n`
-/// picks the hashes): a room that must compute never finds a sibling's pages in the prefill's
-/// tiers (the simulated engine stores a room's prefix pages before its compute time has passed).
+/// [`complete`] of a prompt whose pages share no prefix hash with any other request's
+/// ([`unshared_prefix`]).
 async fn complete_unshared(front: std::net::SocketAddr, max_tokens: u32, n: u64) -> (u16, Value) {
-    let mut body = completion(PROMPT, max_tokens, false);
-    body["kv_block_hashes"] = serde_json::json!([1000 * n + 1, 1000 * n + 2, 1000 * n + 3]);
-    complete_body(front, body).await
+    complete_body(
+        front,
+        unshared_prefix(completion(PROMPT, max_tokens, false), n),
+    )
+    .await
 }
 
 async fn complete_body(front: std::net::SocketAddr, body: Value) -> (u16, Value) {
