@@ -266,6 +266,43 @@ async fn the_engine_loads_prefixes_from_l2_then_from_l3_after_a_restart() {
     assert_eq!(s["read_before_ready"], 0, "{s}");
 }
 
+/// Two rooms with one prefix computed at the same time: neither loads the other's pages, which
+/// are not computed yet — the engine stores a room's pages only once its compute time has passed
+/// (before, the second room loaded the first's pages and finished at once: CI stop 32). The next
+/// turn after them loads the whole prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sibling_room_computed_at_the_same_time_loads_nothing_not_yet_computed() {
+    let w = World::new(157);
+    w.publish(&[2]);
+    let pcfg = prefill(&w, false);
+    let _p = w.spawn(2, &pcfg, &[]);
+    // 5 ms per token: 7.7 s per 1,536-token room.
+    let engine = spawn_engine(&w, 2, &["--prefill-us-per-token", "5000"]);
+    wait_ready(&w, 2).await;
+    let _d = w.spawn(9, &config(WorkerRole::Decode, "r1", w.ports), &[]);
+    wait_ready(&w, 9).await;
+    let (a, b) = tokio::join!(
+        hits(&w, &[501, 502, 503]),
+        // Sent once the first room's Lookup was answered (the engine computes both at once).
+        async {
+            report_until(&w, 2, "the first room looked up", |r| {
+                r["engine"]["tiers"]["lookups"].as_u64().unwrap_or(0) >= 1
+            })
+            .await;
+            hits(&w, &[501, 502, 503]).await
+        }
+    );
+    assert_eq!((a, b), ((0, 0), (0, 0)), "neither room loads a page");
+    let pr = report(&w, 2).await;
+    assert_eq!(pr["engine"]["tiers"]["pages_loaded"]["l2"], 0, "{pr}");
+    assert_eq!(hits(&w, &[501, 502, 503]).await, (1536, 0), "the next turn");
+    let (st, s) = stop_engine(engine);
+    assert!(st.success(), "{st:?} {s}");
+    assert_eq!(s["loaded_pages"], 3, "{s}");
+    assert_eq!(s["loaded_corrupt_chunks"], 0, "{s}");
+    assert_eq!(s["store_failures"], 0, "{s}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn negative_control_a_load_that_does_not_copy_fails_the_loaded_bytes_check() {
     let w = World::new(112);

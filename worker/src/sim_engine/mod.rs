@@ -27,8 +27,9 @@
 //!
 //! A PrefillWork with prefix hashes goes through the tier calls first ([`tiers`]): Lookup, Load of
 //! the hit pages into the room's source pages (each layer read only after its `LayerLoaded`, every
-//! loaded chunk verified against its page's content), Store of the computed pages; loaded pages
-//! cost no compute time.
+//! loaded chunk verified against its page's content), and — once the room's compute time has
+//! passed, before its last PagesReady — Store of the computed pages through staging pages; loaded
+//! pages cost no compute time.
 
 pub mod decode;
 
@@ -264,6 +265,9 @@ pub struct Summary {
     /// Prefill: computed pages stored into the tiers.
     #[serde(default)]
     pub stored_pages: u64,
+    /// Prefill: Store calls the worker refused (the room's KV is sent all the same).
+    #[serde(default)]
+    pub store_failures: u32,
     /// Prefill: most rooms computed at once (bounded by `--max-running-rooms`).
     #[serde(default)]
     pub peak_running_rooms: u32,
@@ -292,6 +296,7 @@ impl Summary {
         self.read_before_ready += d.read_before_ready;
         self.load_failures += d.load_failures;
         self.stored_pages += d.stored_pages;
+        self.store_failures += d.store_failures;
         self.peak_running_rooms = self.peak_running_rooms.max(d.peak_running_rooms);
         if let Some(theirs) = &d.decode {
             let mine = self.decode.get_or_insert_with(decode::DecodeStats::default);
@@ -855,13 +860,27 @@ async fn prefill_loop(
                     w.tokens
                 )));
             }
-            let Some(pages) = book.take(need) else { break };
+            // Staging pages for the Store after the compute ([`tiers::store`]), taken with the
+            // room's own when the pool can ever hold both (else the room stores nothing).
+            let stage = w.prefix_hashes.len().min(need);
+            let stage = if need + stage <= g.pages as usize {
+                stage
+            } else {
+                0
+            };
+            if book.free() < need + stage {
+                break;
+            }
+            let (Some(pages), Some(staging)) = (book.take(need), book.take(stage)) else {
+                break;
+            };
             let w = queue.pop_front().unwrap_or_default();
             let room = Room {
                 client: client.clone(),
                 att: att.clone(),
                 work: w,
                 pages,
+                staging,
                 corrupt: corrupt.clone(),
                 per_token,
                 hit_use: args.hit_use(),
@@ -883,6 +902,8 @@ async fn prefill_loop(
             Some(done) = running.join_next(), if !running.is_empty() => {
                 let done = done.map_err(|e| SimError::Setup(format!("a room's task failed: {e}")))?;
                 s.absorb(&done.counts);
+                // Staging pages are never the worker's: the Store copied them before its reply.
+                book.room_ended(&done.staging, true);
                 match done.result {
                     Ok(()) => book.room_ended(&done.pages, false),
                     Err(Refused {
@@ -917,6 +938,8 @@ struct Room {
     att: Arc<Attached>,
     work: pb::PrefillWork,
     pages: Vec<u32>,
+    /// Pages to write the computed prefix pages into for their Store ([`tiers::store`]).
+    staging: Vec<u32>,
     corrupt: Arc<AtomicBool>,
     per_token: Duration,
     hit_use: tiers::HitUse,
@@ -926,6 +949,7 @@ struct Room {
 struct RoomDone {
     room: Option<pb::RoomRef>,
     pages: Vec<u32>,
+    staging: Vec<u32>,
     counts: Summary,
     result: Result<(), Refused>,
 }
@@ -938,6 +962,7 @@ impl Room {
             &self.att,
             &self.work,
             &self.pages,
+            &self.staging,
             &mut counts,
             &self.corrupt,
             self.per_token,
@@ -947,6 +972,7 @@ impl Room {
         RoomDone {
             room: self.work.room,
             pages: self.pages,
+            staging: self.staging,
             counts,
             result,
         }
@@ -966,6 +992,7 @@ async fn compute_and_send(
     att: &Attached,
     w: &pb::PrefillWork,
     pages: &[u32],
+    staging: &[u32],
     s: &mut Summary,
     corrupt: &AtomicBool,
     per_token: Duration,
@@ -979,7 +1006,7 @@ async fn compute_and_send(
     };
     // The tier calls: loaded pages cost no compute ([`tiers`]).
     let bound = Duration::from_millis(w.deadline_ms.max(1_000));
-    let loaded = tiers::load_and_store(client, att, &w.prefix_hashes, pages, bound, hit_use, s)
+    let loaded = tiers::load(client, att, &w.prefix_hashes, pages, bound, hit_use, s)
         .await
         .unwrap_or_else(|e| {
             // The tiers failed this room: compute every page (the KV is the same, only slower).
@@ -1002,9 +1029,20 @@ async fn compute_and_send(
         vec![(0, layers, true)]
     };
     let cost = per_token.saturating_mul(computed_tokens) / halves.len().max(1) as u32;
+    // The computed pages with a prefix hash: stored once the compute time has passed.
+    let m = w.prefix_hashes.len().min(pages.len());
+    let to_store = &w.prefix_hashes[loaded.min(m)..m];
     for (start, end, last) in halves {
         if !cost.is_zero() {
             tokio::time::sleep(cost).await;
+        }
+        if last
+            && !to_store.is_empty()
+            && let Err(e) = tiers::store(client, att, to_store, staging, s).await
+        {
+            // The KV still goes to the decode; only the tiers miss these pages.
+            s.store_failures += 1;
+            tracing::warn!(room = ?w.room, error = %e, "Store refused; the pages are not cached");
         }
         for pool in &att.pools {
             let top = pool.geometry().layers;

@@ -7,8 +7,9 @@
 //!    for byte against the page's deterministic content ([`page_chunk`], the L3 object form of
 //!    [`crate::roles::prefill::prefix_cache::PrefixCache::object_bytes`]): a mismatch is a corrupt
 //!    loaded chunk. A `LoadFailed` keeps the pages it says loaded; the rest are computed.
-//! 3. The pages after the loaded ones are computed: their page content is written and **Store**d
-//!    (the worker copies them into L2 and, per the write policy, L3) — only then are they reused.
+//! 3. The pages after the loaded ones are computed; once the room's compute time has passed, their
+//!    page content is written into staging pages and **Store**d (the worker copies them into L2
+//!    and, per the write policy, L3) — a sibling room never loads KV that is not computed yet.
 //!
 //! The decode side verifies rows keyed by the request ([`super::chunk_spec`]), so after this the
 //! engine writes the room's rows into every page as before; a loaded page costs no compute time.
@@ -153,13 +154,14 @@ impl HitUse {
     }
 }
 
-/// Lookup, Load (waiting per layer, verifying) and Store for one room whose source pages are
-/// `pages` (in token order); returns the leading pages that were loaded (their compute is saved).
+/// Lookup and Load (waiting per layer, verifying) for one room whose source pages are `pages` (in
+/// token order); returns the leading pages that were loaded (their compute is saved). The pages
+/// after them are computed and then [`store`]d.
 ///
 /// # Errors
 /// A refused tier call; a Load stream that ends without its `LoadDone`/`LoadFailed` or outlives
 /// `bound`.
-pub async fn load_and_store(
+pub async fn load(
     client: &mut EngineClient,
     att: &Attached,
     hashes: &[Vec<u8>],
@@ -272,23 +274,51 @@ pub async fn load_and_store(
         }
         s.loaded_pages += loaded as u64;
     }
-    if loaded < m {
-        let g = *target.geometry();
-        for (h, &page) in hashes[loaded..].iter().zip(&pages[loaded..]) {
-            for layer in 0..g.layers {
-                let spec = page_chunk(target, h, layer);
-                let mut buf = vec![0u8; spec.bytes()];
-                fill_chunk(&mut buf, &spec);
-                target.write(page, layer, 0, &buf)?;
-            }
-        }
-        let r = client.req(pb::StoreRequest {
-            attach_id: id,
-            prefix_hashes: hashes[loaded..].to_vec(),
-            pages: pages[loaded..].to_vec(),
-        });
-        let stored = client.tiers.store(r).await?.into_inner().pages;
-        s.stored_pages += u64::from(stored);
-    }
     Ok(loaded)
+}
+
+/// Stores the pages named by `hashes` — computed by now: call it only once the room's compute time
+/// has passed — through `staging`, pages of the target pool no room holds: each page's content
+/// ([`page_chunk`]) is written into a staging page and the worker copies it into L2 (and, per the
+/// write policy, L3) before the reply, so the staging pages are free again once this returns.
+/// Stores `min(hashes, staging)` pages; none without staging pages.
+///
+/// The room's own pages cannot be used: they hold the decode's request-keyed rows
+/// ([`super::chunk_spec`]) and may still be read by the transport. Storing before the compute time
+/// has passed would let a sibling room with the same prefix load KV not computed yet and finish at
+/// once (a flaky test showed it, CI stop 32).
+///
+/// # Errors
+/// A refused Store; a page that cannot be written.
+pub async fn store(
+    client: &mut EngineClient,
+    att: &Attached,
+    hashes: &[Vec<u8>],
+    staging: &[u32],
+    s: &mut Summary,
+) -> Result<(), ClientError> {
+    let Some(target) = att.pool(PoolRole::Target) else {
+        return Ok(());
+    };
+    let n = hashes.len().min(staging.len());
+    if n == 0 {
+        return Ok(());
+    }
+    let g = *target.geometry();
+    for (h, &page) in hashes[..n].iter().zip(&staging[..n]) {
+        for layer in 0..g.layers {
+            let spec = page_chunk(target, h, layer);
+            let mut buf = vec![0u8; spec.bytes()];
+            fill_chunk(&mut buf, &spec);
+            target.write(page, layer, 0, &buf)?;
+        }
+    }
+    let r = client.req(pb::StoreRequest {
+        attach_id: att.id(),
+        prefix_hashes: hashes[..n].to_vec(),
+        pages: staging[..n].to_vec(),
+    });
+    let stored = client.tiers.store(r).await?.into_inner().pages;
+    s.stored_pages += u64::from(stored);
+    Ok(())
 }

@@ -481,12 +481,3 @@ pub fn completion(input_tokens: u32, max_tokens: u32, stream: bool) -> Value {
     serde_json::json!({"model": "llama-3-8b", "prompt": "hello", "max_tokens": max_tokens,
         "stream": stream, "input_tokens": input_tokens, "kv_block_hashes": [11, 12, 13]})
 }
-
-/// `body` (a [`completion`]) with three prefix hashes no other request shares (`n` picks them):
-/// for tests whose concurrent rooms must all compute. The simulated engine stores a room's prefix
-/// pages in the prefill's tiers before its compute time has passed, so a sibling with the same
-/// hashes would load them and finish at once.
-pub fn unshared_prefix(mut body: Value, n: u64) -> Value {
-    body["kv_block_hashes"] = serde_json::json!([1000 * n + 1, 1000 * n + 2, 1000 * n + 3]);
-    body
-}
