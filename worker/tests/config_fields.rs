@@ -110,11 +110,12 @@ enum Row {
     Refused(Mutate),
     /// Listed as unused in the builtin mode (`engine` unset) when set.
     UnusedBuiltin,
-    /// Listed as unused behind the engine API and by a decode; acted on by a built-in-engine
-    /// prefill, in the named process test (file under worker/tests, test fn).
-    UnusedEngine(&'static str, &'static str),
-    /// Listed as unused by a decode worker when set.
+    /// Listed as unused by a decode worker when set (and, for `cache.*`, by a LayerSplit rank
+    /// with its engine, which serves no tier calls yet); acted on by a prefill without LayerSplit.
     UnusedDecode,
+    /// A prefill group's layout: acted on by a prefill with the built-in or the Simulated engine
+    /// (the named process test), listed unused by a decode and beside SGLang or vLLM.
+    PrefillGroup(&'static str, &'static str),
     /// The process test that shows it: (file under worker/tests, test fn).
     Wired(&'static str, &'static str),
     /// A decode setting: derived by a decode (as `Derived`), refused in a prefill's config.
@@ -193,9 +194,9 @@ fn rows() -> Vec<(&'static str, Row)> {
         ),
         (
             "layerSplit.owners",
-            UnusedEngine(
-                "serve_layer_split.rs",
-                "a_layer_split_group_serves_each_layer_range_from_its_owner",
+            PrefillGroup(
+                "serve_engine_layer_split.rs",
+                "a_layer_split_group_of_engines_serves_each_layer_range_from_its_owner",
             ),
         ),
         ("memory.allocator", UnusedBuiltin),
@@ -491,25 +492,41 @@ fn every_field_is_acted_on_refused_or_named_unused() {
                         "{path}: listed unused behind the engine API too"
                     );
                 }
-                UnusedEngine(file, test) => {
-                    let p = path.split('.').next().unwrap();
-                    assert!(unused_names(&base).contains(p), "{path} not listed");
-                    assert_eq!(
-                        unused_names(&builtin).contains(p),
-                        role == WorkerRole::Decode,
-                        "{path} ({role:?}) in builtin mode"
-                    );
-                    let src = std::fs::read_to_string(tests_dir.join(file))
-                        .unwrap_or_else(|e| panic!("{path}: {file}: {e}"));
-                    assert!(src.contains(test), "{path}: {file} lacks {test}");
-                }
                 UnusedDecode => {
                     let names = unused_names(&base);
+                    // The base prefill is a LayerSplit rank with the Simulated engine.
+                    let split_engine = role == WorkerRole::Prefill && path.starts_with("cache.");
+                    assert_eq!(
+                        names.contains(path),
+                        role == WorkerRole::Decode || split_engine,
+                        "{path} ({role:?}): [{names}]"
+                    );
+                    let mut plain = base.clone();
+                    plain.layer_split = None;
+                    let names = unused_names(&plain);
                     assert_eq!(
                         names.contains(path),
                         role == WorkerRole::Decode,
-                        "{path} ({role:?}): [{names}]"
+                        "{path} ({role:?}, no LayerSplit): [{names}]"
                     );
+                }
+                PrefillGroup(file, test) => {
+                    let p = path.split('.').next().unwrap();
+                    let decode = role == WorkerRole::Decode;
+                    assert_eq!(unused_names(&base).contains(p), decode, "{path} ({role:?})");
+                    assert_eq!(
+                        unused_names(&builtin).contains(p),
+                        decode,
+                        "{path} ({role:?}) in builtin mode"
+                    );
+                    let mut sglang = base.clone();
+                    if let Some(e) = sglang.engine.as_mut() {
+                        e.kind = EngineKind::SgLang;
+                    }
+                    assert!(unused_names(&sglang).contains(p), "{path} beside SGLang");
+                    let src = std::fs::read_to_string(tests_dir.join(file))
+                        .unwrap_or_else(|e| panic!("{path}: {file}: {e}"));
+                    assert!(src.contains(test), "{path}: {file} lacks {test}");
                 }
                 DecodeOnly(m) => {
                     let mut c = base.clone();
@@ -544,7 +561,10 @@ fn the_probe_does_not_see_fields_the_worker_ignores() {
     c.memory.snapshot_buffer_bytes *= 2;
     c.memory.segment_bytes += base.memory.snapshot_buffer_bytes;
     assert_eq!(derived(&base), derived(&c));
-    // Read by a prefill beside the Simulated engine (snapshot sync), not beside SGLang's.
+    // Read by a prefill beside the Simulated engine (snapshot sync), not beside SGLang's, nor by
+    // a LayerSplit rank with its engine (no tier to finalize into yet).
+    assert!(unused_names(&c).contains("memory.snapshotBufferBytes"));
+    c.layer_split = None;
     assert!(!unused_names(&c).contains("memory.snapshotBufferBytes"));
     let mut own_api = c.clone();
     if let Some(e) = own_api.engine.as_mut() {

@@ -576,6 +576,29 @@ async fn malformed_prefill_calls_and_out_of_range_pages_are_refused_typed() {
             .await,
     );
     check(e, Code::NotFound, pb::ErrorReason::UnknownRoom, "room");
+    // A last PagesReady without pages ends a room's input: it too names an open room.
+    let e = api_err(
+        c.prefill
+            .pages_ready(c.req(pb::PagesReadyRequest {
+                room: other,
+                last: true,
+                ..ready(vec![], None)
+            }))
+            .await,
+    );
+    check(e, Code::NotFound, pb::ErrorReason::UnknownRoom, "room");
+    // AwaitLayer is a LayerSplit rank's call.
+    let e = api_err(
+        c.prefill
+            .await_layer(c.req(pb::AwaitLayerRequest {
+                attach_id: id,
+                room,
+                layer: 1,
+                pages: vec![0],
+            }))
+            .await,
+    );
+    check(e, Code::FailedPrecondition, pb::ErrorReason::WrongRole, "");
     let e = api_err(
         c.decode
             .reserve(c.req(pb::ReserveRequest {

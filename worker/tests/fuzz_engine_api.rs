@@ -109,7 +109,7 @@ impl tonic::codegen::Service<Uri> for Uds {
 }
 
 /// The engine API's methods, `(path, server streaming)`.
-const METHODS: [(&str, bool); 18] = [
+const METHODS: [(&str, bool); 19] = [
     ("/tandem.engine.v1.Session/Attach", false),
     ("/tandem.engine.v1.Session/Detach", false),
     ("/tandem.engine.v1.Session/Health", false),
@@ -124,6 +124,7 @@ const METHODS: [(&str, bool); 18] = [
     ("/tandem.engine.v1.Prefill/WatchWork", true),
     ("/tandem.engine.v1.Prefill/PagesReady", false),
     ("/tandem.engine.v1.Prefill/WatchSourceFree", true),
+    ("/tandem.engine.v1.Prefill/AwaitLayer", false),
     ("/tandem.engine.v1.Tiers/Lookup", false),
     ("/tandem.engine.v1.Tiers/Load", true),
     ("/tandem.engine.v1.Tiers/Store", false),

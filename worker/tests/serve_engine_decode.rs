@@ -992,11 +992,12 @@ async fn session_turn(
 }
 
 /// A prefill with a 16-page snapshot buffer and a decode (with `decode_env`), each with its
-/// simulated engine, both ready: the processes, then the prefill's and the decode's health
-/// addresses and the front door.
+/// simulated engine (the decode's with `decode_engine` arguments), both ready: the processes, then
+/// the prefill's and the decode's health addresses and the front door.
 async fn sync_stack(
     w: &World,
     decode_env: &[(&str, &str)],
+    decode_engine: &[&str],
 ) -> (
     Vec<Proc>,
     std::net::SocketAddr,
@@ -1011,7 +1012,7 @@ async fn sync_stack(
         w.spawn(2, &pc, &[]),
         spawn_engine(w, 2, &[], &[]),
         w.spawn(9, &decode_config(w), decode_env),
-        spawn_engine(w, 9, &[], &[]),
+        spawn_engine(w, 9, decode_engine, &[]),
     ];
     let (ph, dh, front) = (
         w.addr(2, w.ports.health),
@@ -1036,7 +1037,7 @@ async fn sync_stack(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshot_sync_through_the_engine_api_the_next_turn_loads_the_decode_engines_pages() {
     let w = World::new(116);
-    let (_procs, ph, dh, front) = sync_stack(&w, &[]).await;
+    let (_procs, ph, dh, front) = sync_stack(&w, &[], &[]).await;
 
     let b = 7_000_000u64;
     let (t1, kv, t2) = (
@@ -1112,8 +1113,12 @@ async fn snapshot_sync_through_the_engine_api_the_next_turn_loads_the_decode_eng
 async fn a_session_beyond_the_sync_budget_is_refused_and_the_turn_still_answers() {
     let w = World::new(131);
     let budget = (2 * PAGE_BYTES).to_string();
-    let (_procs, ph, dh, front) =
-        sync_stack(&w, &[("TANDEM_DECODE_SNAPSHOT_SYNC_BUDGET_BYTES", &budget)]).await;
+    let (_procs, ph, dh, front) = sync_stack(
+        &w,
+        &[("TANDEM_DECODE_SNAPSHOT_SYNC_BUDGET_BYTES", &budget)],
+        &[],
+    )
+    .await;
     let b = 9_000_000u64;
     session_turn(front, 1400, 300, &[b, b + 1, b + 2], &[b, b + 1, b + 3]).await;
     let d = report(dh).await;
@@ -1138,6 +1143,42 @@ async fn a_session_beyond_the_sync_budget_is_refused_and_the_turn_still_answers(
     })
     .await;
     assert_eq!(report(dh).await["counters"]["snapshot_sync_ok"], 1);
+}
+
+/// Pages pair with the session's hashes by position, so a refused SyncSession ends the attempt's
+/// hand-over — also one the decode side refuses before any hand-over (a page named twice). The
+/// engine here ignores that refusal and hands the session over as if it had not happened: every
+/// later call is refused, nothing is pushed, and the turn still answers. (Had the worker taken
+/// them, an engine that skipped a refused batch would have had its next pages filed under the
+/// skipped batch's hashes.)
+#[cfg(feature = "negative-controls")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_sync_session_ends_the_hand_over_and_later_calls_are_refused() {
+    let w = World::new(158);
+    let (_procs, ph, dh, front) = sync_stack(&w, &[], &["--sync-page-twice-first"]).await;
+    let b = 9_200_000u64;
+    session_turn(
+        front,
+        1400,
+        300,
+        &[b, b + 1, b + 2],
+        &[b, b + 1, b + 3, b + 4],
+    )
+    .await;
+    until(Duration::from_secs(10), || async {
+        report(dh).await["engine"]["engine_summary"]["completed"] == 1
+    })
+    .await;
+    let d = report(dh).await;
+    assert_eq!(d["engine"]["sessions_synced"], 0, "{d}");
+    assert_eq!(d["engine"]["session_pages"], 0, "{d}");
+    assert_eq!(d["counters"]["snapshot_sync_attempts"], 0, "{d}");
+    assert_eq!(
+        d["engine"]["engine_summary"]["decode"]["session_sync_errors"], 1,
+        "the engine's hand-over after the refusal was refused: {d}"
+    );
+    let p = report(ph).await;
+    assert_eq!(p["counters"]["snapshot_finalized"], 0, "{p}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

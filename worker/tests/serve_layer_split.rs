@@ -51,27 +51,6 @@ fn rank_cfg(w: &World, rank_link: u16, map: Map) -> WorkerConfig {
     c
 }
 
-/// A free port for the rank link (each process listens on its own IP).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// The decode's Service names both ranks (a headless Service selects every pod of the pool);
-/// each rank's pod DNS name resolves to its own address.
-fn publish(w: &World) {
-    let leader = format!("p-g0-0.{GROUP_SERVICE}");
-    let member = format!("p-g0-1.{GROUP_SERVICE}");
-    w.publish_names(&[
-        (SERVICE, &[LEADER, MEMBER]),
-        (&leader, &[LEADER]),
-        (&member, &[MEMBER]),
-    ]);
-}
-
 /// Starts both ranks at once (each start returns once its group has connected).
 fn start_group(
     w: &World,
@@ -131,7 +110,7 @@ struct Served {
 
 async fn serve(net: u8, map: Map, env: &[(&str, &str)], requests: u64) -> Served {
     let w = World::new(net);
-    publish(&w);
+    w.publish_group(GROUP_SERVICE, LEADER, MEMBER);
     let cfg = rank_cfg(&w, free_port(), map);
     let [leader, member] = start_group(&w, [&cfg, &cfg], env, Duration::from_secs(90));
     let (_leader, _member) = (leader.unwrap(), member.unwrap());
@@ -243,7 +222,7 @@ async fn a_replicated_group_computes_together_and_its_leader_writes_whole_pages(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ranks_on_different_owner_maps_refuse_each_other_before_any_store() {
     let w = World::new(175);
-    publish(&w);
+    w.publish_group(GROUP_SERVICE, LEADER, MEMBER);
     let port = free_port();
     let contiguous = rank_cfg(&w, port, Map::Contiguous);
     let shifted = rank_cfg(&w, port, Map::Owners(vec![0, 0, 0, 1, 1, 1, 1, 1]));
@@ -267,7 +246,7 @@ async fn ranks_on_different_owner_maps_refuse_each_other_before_any_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_that_goes_away_breaks_the_group_and_the_leader_stops() {
     let w = World::new(178);
-    publish(&w);
+    w.publish_group(GROUP_SERVICE, LEADER, MEMBER);
     let cfg = rank_cfg(&w, free_port(), Map::Contiguous);
     let [leader, member] = start_group(&w, [&cfg, &cfg], &[], Duration::from_secs(90));
     let (mut leader, member) = (leader.unwrap(), member.unwrap());

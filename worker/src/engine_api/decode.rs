@@ -110,6 +110,13 @@ pub trait KvSource: Send + Sync + 'static {
             "this worker hands out no DecodeWork: there is no session to sync",
         ))
     }
+    /// The decode side refused a SyncSession of attempt `attempt` of `request_id` before handing
+    /// it over (`why`: a malformed page list, a page not of the room, a room whose KV is not
+    /// complete): the attempt's hand-over ends as if [`KvSource::sync_session`] had refused it —
+    /// pages pair with hashes by position, so an engine that went on after a refused call would
+    /// pair its next pages with the wrong hashes (engine.proto `SyncSessionRequest`). Must not
+    /// call back into the decode side. Nothing to end by default.
+    fn sync_refused(&self, _request_id: u64, _attempt: u32, _why: &str) {}
 }
 
 /// Pages of a session's KV an engine hands over with SyncSession ([`KvSource::sync_session`]).
@@ -697,8 +704,9 @@ impl DecodeSide {
     /// complete and not Finished, and that every page is one of its own, each at most once; then
     /// hands the [`KvSource`] a copier of those pages (it holds its budget first). The copy is made
     /// outside the state lock and kept only if the room is still live afterwards: a room released
-    /// meanwhile may have had its pages reserved again, so its bytes are not trusted. Blocking
-    /// (a memory copy of whole pages): call it off the async runtime.
+    /// meanwhile may have had its pages reserved again, so its bytes are not trusted. A call
+    /// refused here ends the attempt's hand-over too ([`KvSource::sync_refused`]). Blocking (a
+    /// memory copy of whole pages): call it off the async runtime.
     ///
     /// # Errors
     /// `UNKNOWN_ROOM`; `ROOM_STATE` while the KV is incomplete or the room failed (not yet
@@ -717,12 +725,6 @@ impl DecodeSide {
             return Err(ApiError::malformed(
                 "request_id",
                 "SyncSession names no request",
-            ));
-        }
-        if pages.is_empty() && !last {
-            return Err(ApiError::malformed(
-                "pages",
-                "SyncSession without pages must be the last",
             ));
         }
         let live = |st: &State| -> Result<(), ApiError> {
@@ -744,7 +746,13 @@ impl DecodeSide {
             }
             Ok(())
         };
-        {
+        let checked = (|| {
+            if pages.is_empty() && !last {
+                return Err(ApiError::malformed(
+                    "pages",
+                    "SyncSession without pages must be the last",
+                ));
+            }
             let st = lock(&self.state);
             live(&st)?;
             let owned: std::collections::HashSet<u32> =
@@ -764,6 +772,12 @@ impl DecodeSide {
                     ));
                 }
             }
+            Ok(())
+        })();
+        if let Err(e) = checked {
+            // Outside the lock: the source ends the attempt's hand-over.
+            self.source.sync_refused(request_id, attempt, &e.message);
+            return Err(e);
         }
         let copy = || -> Result<Vec<Arc<[u8]>>, ApiError> {
             let target = self.target();
@@ -1259,7 +1273,7 @@ mod tests {
 
     /// A transport with no writer that records the session pages SyncSession hands over.
     #[derive(Default)]
-    struct Sessions(Mutex<Vec<Handed>>);
+    struct Sessions(Mutex<Vec<Handed>>, Mutex<Vec<(u64, u32)>>);
 
     impl KvSource for Sessions {
         fn writers(&self, _request_id: u64) -> Vec<PrefillRank> {
@@ -1286,6 +1300,9 @@ mod tests {
                 pages_taken: n,
                 started: true,
             })
+        }
+        fn sync_refused(&self, request_id: u64, attempt: u32, _why: &str) {
+            lock(&self.1).push((request_id, attempt));
         }
     }
 
@@ -1341,6 +1358,11 @@ mod tests {
         assert!(
             lock(&src.0).is_empty(),
             "nothing handed over by refused calls"
+        );
+        assert_eq!(
+            *lock(&src.1),
+            vec![(7, 0); 3],
+            "each refusal ends the attempt's hand-over at the source"
         );
         let reply = side.sync_session(0, 7, 0, r.key, &[b, a], true).unwrap();
         assert_eq!(reply.pages_taken, 2);

@@ -10,6 +10,27 @@ use super::pb;
 /// Trailing-metadata key that repeats the reason's name for clients that do not decode details.
 pub const REASON_METADATA: &str = "tandem-error-reason";
 
+/// Checks a page list against a pool of `count` pages: every page in range, none twice.
+///
+/// # Errors
+/// `PAGE_OUT_OF_RANGE` for the first page `>= count`; `MALFORMED` (field `pages`) for the first
+/// page listed twice.
+pub fn check_pages(pages: &[u32], count: u32) -> Result<(), ApiError> {
+    let mut seen = std::collections::BTreeSet::new();
+    for &p in pages {
+        if p >= count {
+            return Err(ApiError::page_out_of_range(p, count));
+        }
+        if !seen.insert(p) {
+            return Err(ApiError::malformed(
+                "pages",
+                format!("page {p} is listed twice"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A typed refusal: what the server answers instead of panicking, and what the client decodes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{reason:?} ({code:?}): {message}")]

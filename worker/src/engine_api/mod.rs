@@ -94,6 +94,10 @@ pub struct EngineApiConfig {
     /// First room id this worker hands out (distinct per decode worker so that prefill tables of
     /// shared peers never see two decode workers' rooms collide).
     pub room_base: u64,
+    /// This worker's rank of a LayerSplit CP group with its engine (DESIGN contract 6): the target
+    /// pool then holds only the owned layers and a receive slot, and Attach tells the engine so
+    /// (engine.proto `LayerSplitSeat`). `None`: every pool holds every layer.
+    pub layer_split: Option<LayerSplitSeat>,
     /// Negative control: free a failed room's pages at once instead of waiting for the gate's
     /// proof, as the decode did before seed 004's fix — its prefill writers are not told (no
     /// ABORT) and the transport keeps the room open, so their late writes land in the reused pages.
@@ -128,6 +132,7 @@ impl EngineApiConfig {
             ) & 0x7FFF_FFFF)
                 << 32
                 | 1,
+            layer_split: None,
             #[cfg(feature = "negative-controls")]
             unsafe_release_on_abort: false,
         }
@@ -141,6 +146,53 @@ impl EngineApiConfig {
     /// Path of the pools socket.
     pub fn pools_socket(&self) -> PathBuf {
         self.socket_dir.join(POOLS_SOCKET)
+    }
+}
+
+/// A LayerSplit rank's place and the layout of its target pool (engine.proto `LayerSplitSeat`;
+/// DESIGN contract 6; seed 004).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerSplitSeat {
+    /// This rank.
+    pub cp_rank: u32,
+    /// Ranks of the group.
+    pub cp_size: u32,
+    /// Layers of the model.
+    pub model_layers: u32,
+    /// The model layers this rank owns (contiguous).
+    pub owned: std::ops::Range<u32>,
+}
+
+impl LayerSplitSeat {
+    /// Layers of the target pool: the owned ones and the receive slot.
+    pub fn pool_layers(&self) -> u32 {
+        self.owned.len() as u32 + 1
+    }
+
+    /// Pool layer index of the receive slot (after the owned layers).
+    pub fn receive_slot(&self) -> u32 {
+        self.owned.len() as u32
+    }
+
+    /// The pool layer index of model layer `layer`, when this rank owns it.
+    pub fn pool_layer(&self, layer: u32) -> Option<u32> {
+        self.owned
+            .contains(&layer)
+            .then(|| layer - self.owned.start)
+    }
+
+    /// The wire form.
+    pub fn to_proto(&self) -> pb::LayerSplitSeat {
+        pb::LayerSplitSeat {
+            cp_rank: self.cp_rank,
+            cp_size: self.cp_size,
+            model_layers: self.model_layers,
+            owned: Some(pb::LayerRange {
+                start: self.owned.start,
+                end: self.owned.end,
+            }),
+            receive_slot: self.receive_slot(),
+        }
     }
 }
 

@@ -145,6 +145,7 @@ impl AttachedPool {
 pub struct PoolSet {
     cfg: WorkerConfig,
     target_token_bytes: Option<u64>,
+    layer_split: Option<super::LayerSplitSeat>,
     page_tokens: u32,
     layout: crate::memory::pool::PoolLayout,
     pages: u32,
@@ -173,11 +174,13 @@ pub fn roles_configured(cfg: &WorkerConfig) -> Vec<PoolRole> {
 /// [`crate::engine::content::TAG_BYTES`], a multiple of 8): the draft pool's configured bytes are
 /// sized for the target's real token capacity, so unscaled draft rows would cap the shared page
 /// count at that capacity (6 pages for the demo's llama-3-70b + llama-3-8b decode pool) while the
-/// scaled target holds hundreds.
+/// scaled target holds hundreds. A LayerSplit rank's target model has its owned layers and the
+/// receive slot ([`super::LayerSplitSeat::pool_layers`]): the same bytes hold more pages.
 fn sized_model(
     cfg: &WorkerConfig,
     role: PoolRole,
     target_token_bytes: Option<u64>,
+    layer_split: Option<&super::LayerSplitSeat>,
 ) -> Option<crate::model::ModelIdentity> {
     let model = pool_model(cfg, role)?;
     let mla = |bytes: u64, model: crate::model::ModelIdentity| crate::model::ModelIdentity {
@@ -188,6 +191,14 @@ fn sized_model(
         dtype_bytes: 1,
         row_extra_bytes: 0,
         ..model
+    };
+    let model = match (role, layer_split) {
+        // A LayerSplit rank's target pool: its owned layers and the receive slot (seed 004).
+        (PoolRole::Target, Some(seat)) => crate::model::ModelIdentity {
+            layers: seat.pool_layers(),
+            ..model
+        },
+        _ => model,
     };
     match (role, target_token_bytes) {
         (PoolRole::Target, Some(bytes)) => Some(mla(bytes, model)),
@@ -208,8 +219,8 @@ fn page_bytes(
     api: &EngineApiConfig,
     role: PoolRole,
 ) -> Result<u64, PoolSetError> {
-    let model =
-        sized_model(cfg, role, api.target_token_bytes).ok_or(PoolSetError::NoModel(role))?;
+    let model = sized_model(cfg, role, api.target_token_bytes, api.layer_split.as_ref())
+        .ok_or(PoolSetError::NoModel(role))?;
     Ok(KvGeometry::new(&model, api.page_tokens, 1, api.layout).page_bytes())
 }
 
@@ -279,6 +290,7 @@ impl PoolSet {
         Ok(Self {
             cfg: cfg.clone(),
             target_token_bytes: api.target_token_bytes,
+            layer_split: api.layer_split.clone(),
             page_tokens: api.page_tokens,
             layout: api.layout,
             pages,
@@ -516,8 +528,13 @@ impl PoolSet {
     }
 
     fn spec(&self, role: PoolRole) -> Result<PoolSpec, ApiError> {
-        let model = sized_model(&self.cfg, role, self.target_token_bytes)
-            .ok_or_else(|| ApiError::internal(format!("no model for the {role} pool")))?;
+        let model = sized_model(
+            &self.cfg,
+            role,
+            self.target_token_bytes,
+            self.layer_split.as_ref(),
+        )
+        .ok_or_else(|| ApiError::internal(format!("no model for the {role} pool")))?;
         Ok(PoolSpec {
             role,
             model,

@@ -93,9 +93,33 @@ pub struct PrefillStats {
     pub pages_freed: AtomicU64,
 }
 
+/// The CP group a LayerSplit rank's rooms are computed with (DESIGN contract 6; seed 004): the
+/// worker's rank link, which answers AwaitLayer (`roles::prefill::cp_engine`).
+pub trait LayerGroup: Send + Sync + 'static {
+    /// Blocks (bounded by the group's wait deadline) until the owner's broadcast of model layer
+    /// `layer` for room `key` has landed, then writes room page k's chunk into the receive slot of
+    /// `pages[k]` of `target` (validated: in the pool, none twice). Returns the room pages written
+    /// and whether the broadcast had landed before the call.
+    ///
+    /// # Errors
+    /// `UNKNOWN_ROOM` (not the group's current room), `LAYER_OUT_OF_RANGE` (an owned or unknown
+    /// layer), `MALFORMED` (fewer pages than the owner's), `DEADLINE_EXCEEDED`, `GROUP_BROKEN`.
+    fn await_layer(
+        &self,
+        key: RoomKey,
+        layer: u32,
+        pages: &[u32],
+        target: &KvPool,
+    ) -> Result<(u32, bool), ApiError>;
+}
+
 /// The prefill side of one worker's engine API.
 pub struct PrefillSide {
     pools: Vec<Arc<KvPool>>,
+    /// The LayerSplit seat of a rank of a LayerSplit group (PagesReady names owned layers only).
+    layer_split: Option<super::LayerSplitSeat>,
+    /// The group that answers AwaitLayer (set with `layer_split`).
+    group: std::sync::OnceLock<Arc<dyn LayerGroup>>,
     sink: Arc<dyn KvSink>,
     state: Mutex<State>,
     work: EventHub<pb::PrefillWork>,
@@ -114,8 +138,21 @@ impl std::fmt::Debug for PrefillSide {
 impl PrefillSide {
     /// A prefill side of rank `rank` over `pools` (target first), moving pages through `sink`.
     pub fn new(pools: Vec<Arc<KvPool>>, sink: Arc<dyn KvSink>, rank: PrefillRank) -> Arc<Self> {
+        Self::with_layer_split(pools, sink, rank, None)
+    }
+
+    /// [`PrefillSide::new`] for a rank of a LayerSplit group (`layer_split`): PagesReady names
+    /// owned layers only, and AwaitLayer is answered once [`PrefillSide::set_group`] was called.
+    pub fn with_layer_split(
+        pools: Vec<Arc<KvPool>>,
+        sink: Arc<dyn KvSink>,
+        rank: PrefillRank,
+        layer_split: Option<super::LayerSplitSeat>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             pools,
+            layer_split,
+            group: std::sync::OnceLock::new(),
             sink,
             state: Mutex::new(State {
                 table: SenderRooms::new(rank),
@@ -133,6 +170,68 @@ impl PrefillSide {
     /// The pools (target first).
     pub fn pools(&self) -> &[Arc<KvPool>] {
         &self.pools
+    }
+
+    /// The LayerSplit seat, when this worker is a rank of a LayerSplit group.
+    pub fn layer_split(&self) -> Option<&super::LayerSplitSeat> {
+        self.layer_split.as_ref()
+    }
+
+    /// The group that answers AwaitLayer (set once; later calls are ignored).
+    pub fn set_group(&self, group: Arc<dyn LayerGroup>) {
+        let _ = self.group.set(group);
+    }
+
+    /// AwaitLayer (engine.proto): checks the pages, then waits through the group.
+    ///
+    /// # Errors
+    /// `WRONG_ROLE` when this worker is no LayerSplit rank; `MALFORMED` / `PAGE_OUT_OF_RANGE` for
+    /// the pages; the group's errors ([`LayerGroup::await_layer`]).
+    pub fn await_layer(
+        &self,
+        req: &pb::AwaitLayerRequest,
+    ) -> Result<pb::AwaitLayerReply, ApiError> {
+        let (Some(seat), Some(group)) = (&self.layer_split, self.group.get()) else {
+            return Err(ApiError::new(
+                Code::FailedPrecondition,
+                pb::ErrorReason::WrongRole,
+                "this prefill worker is no rank of a LayerSplit group: every layer is its own",
+            ));
+        };
+        let key: RoomKey = req
+            .room
+            .ok_or_else(|| ApiError::malformed("room", "AwaitLayer names no room"))?
+            .into();
+        if req.layer >= seat.model_layers || seat.owned.contains(&req.layer) {
+            return Err(ApiError::new(
+                Code::InvalidArgument,
+                pb::ErrorReason::LayerOutOfRange,
+                format!(
+                    "layer {} is {} (this rank owns {}..{} of {})",
+                    req.layer,
+                    if req.layer >= seat.model_layers {
+                        "not a layer of the model"
+                    } else {
+                        "this rank's own: nobody broadcasts it here"
+                    },
+                    seat.owned.start,
+                    seat.owned.end,
+                    seat.model_layers
+                ),
+            )
+            .field("layer"));
+        }
+        let target = &self.pools[0];
+        let g = target.geometry();
+        if req.pages.is_empty() {
+            return Err(ApiError::malformed("pages", "AwaitLayer names no page"));
+        }
+        super::error::check_pages(&req.pages, g.pages)?;
+        let (pages, already_there) = group.await_layer(key, req.layer, &req.pages, target)?;
+        Ok(pb::AwaitLayerReply {
+            pages,
+            already_there,
+        })
     }
 
     /// The work events, for WatchWork.
@@ -194,6 +293,19 @@ impl PrefillSide {
     /// `MALFORMED` without a room; `NOT_ATTACHED` when no engine is attached (nobody would compute
     /// the room); `ROOM_STATE` when the room is already open.
     pub fn submit_work(&self, work: pb::PrefillWork) -> Result<(), ApiError> {
+        self.open_room(&work)?;
+        self.emit_work(work);
+        Ok(())
+    }
+
+    /// The first half of [`PrefillSide::submit_work`]: the room opens in the sender table and
+    /// belongs to the live attach, but the engine is not asked yet ([`PrefillSide::emit_work`]) —
+    /// a LayerSplit group's leader queues its rooms and starts one at a time. An abort meanwhile
+    /// fails it as any open room.
+    ///
+    /// # Errors
+    /// As [`PrefillSide::submit_work`].
+    pub fn open_room(&self, work: &pb::PrefillWork) -> Result<(), ApiError> {
         let key: RoomKey = work
             .room
             .ok_or_else(|| ApiError::malformed("room", "the work names no room"))?
@@ -225,16 +337,44 @@ impl PrefillSide {
             );
         }
         self.stats.rooms_submitted.fetch_add(1, Ordering::Relaxed);
-        self.work.emit(work);
         Ok(())
+    }
+
+    /// Hands a room opened with [`PrefillSide::open_room`] to the engine (WatchWork).
+    pub fn emit_work(&self, work: pb::PrefillWork) {
+        self.work.emit(work);
+    }
+
+    /// A part of the room written by another process begins (a LayerSplit rank writing its owned
+    /// layers into the decode's pages): it counts as an outstanding write, so the room neither
+    /// succeeds nor sends its abort ack before [`PrefillSide::end_part`] (DESIGN contract 3).
+    ///
+    /// # Errors
+    /// `ROOM_STATE` once the room failed or concluded.
+    pub fn begin_part(&self, key: RoomKey) -> Result<(), ApiError> {
+        lock(&self.state).table.begin_write(key).map_err(|e| {
+            ApiError::new(
+                Code::FailedPrecondition,
+                pb::ErrorReason::RoomState,
+                e.to_string(),
+            )
+        })
+    }
+
+    /// The part begun by [`PrefillSide::begin_part`] is terminal (`ok`: every write of it landed).
+    pub fn end_part(&self, key: RoomKey, ok: bool) {
+        self.write_done(key, ok);
     }
 
     /// PagesReady: validates, begins one write of the room and hands it to the transport. Returns
     /// false when the room failed (the call's pages are returned at once in a SourceFree event).
+    /// Layers are model layer numbers; a LayerSplit rank names its owned ones only. A last call
+    /// without pages ends the room's input without a write.
     ///
     /// # Errors
-    /// `MALFORMED` (no room, no pages, a page listed twice or held by another live room),
-    /// `PAGE_OUT_OF_RANGE`, `LAYER_OUT_OF_RANGE`, `UNKNOWN_ROOM`.
+    /// `MALFORMED` (no room, no pages without `last`, a page listed twice or held by another live
+    /// room), `PAGE_OUT_OF_RANGE`, `LAYER_OUT_OF_RANGE` (outside the model, or outside a LayerSplit
+    /// rank's owned layers), `UNKNOWN_ROOM`.
     pub fn pages_ready(
         self: &Arc<Self>,
         attach: u64,
@@ -246,31 +386,39 @@ impl PrefillSide {
             .into();
         let g = *self.pools[0].geometry();
         if req.pages.is_empty() {
-            return Err(ApiError::malformed("pages", "PagesReady names no page"));
-        }
-        let mut seen = BTreeSet::new();
-        for &p in &req.pages {
-            if p >= g.pages {
-                return Err(ApiError::page_out_of_range(p, g.pages));
+            if req.last {
+                return self.end_input(key);
             }
-            if !seen.insert(p) {
-                return Err(ApiError::malformed(
-                    "pages",
-                    format!("page {p} is listed twice"),
-                ));
-            }
+            return Err(ApiError::malformed(
+                "pages",
+                "PagesReady names no page (only a last one may: it ends the room's input)",
+            ));
         }
-        let layers = match req.layers {
+        super::error::check_pages(&req.pages, g.pages)?;
+        // Model layer numbers; a LayerSplit rank's pool holds its owned ones only.
+        let allowed = match &self.layer_split {
+            Some(seat) => seat.owned.clone(),
             None => 0..g.layers,
+        };
+        let layers = match req.layers {
+            None => allowed.clone(),
             Some(r) => r.start..r.end,
         };
-        if layers.is_empty() || layers.end > g.layers {
+        if layers.is_empty() || layers.start < allowed.start || layers.end > allowed.end {
             return Err(ApiError::new(
                 Code::InvalidArgument,
                 pb::ErrorReason::LayerOutOfRange,
                 format!(
-                    "layers {}..{} is empty or leaves 0..{}",
-                    layers.start, layers.end, g.layers
+                    "layers {}..{} is empty or leaves {}..{}{}",
+                    layers.start,
+                    layers.end,
+                    allowed.start,
+                    allowed.end,
+                    if self.layer_split.is_some() {
+                        " (this LayerSplit rank's owned layers)"
+                    } else {
+                        ""
+                    }
                 ),
             )
             .field("layers"));
@@ -341,6 +489,36 @@ impl PrefillSide {
                 last: req.last,
             },
         );
+        Ok(true)
+    }
+
+    /// A last PagesReady without pages: the room's input ends without a write (a LayerSplit
+    /// rank's layer loop may await layers after its last owned one). `Ok(false)` when the room
+    /// failed meanwhile.
+    ///
+    /// # Errors
+    /// `UNKNOWN_ROOM`.
+    fn end_input(&self, key: RoomKey) -> Result<bool, ApiError> {
+        let effects = {
+            let mut st = lock(&self.state);
+            match st.table.state(key) {
+                None => {
+                    return Err(ApiError::new(
+                        Code::NotFound,
+                        pb::ErrorReason::UnknownRoom,
+                        format!("{key} is not open on this prefill worker"),
+                    )
+                    .field("room"));
+                }
+                Some(SenderState::Failed(_)) => return Ok(false),
+                Some(_) => {}
+            }
+            match st.table.finish_input(key) {
+                Ok(e) => e,
+                Err(_) => return Ok(false),
+            }
+        };
+        self.perform(effects);
         Ok(true)
     }
 
@@ -443,5 +621,196 @@ impl PrefillSide {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::Allocator;
+    use crate::memory::mmap::MmapBackend;
+    use crate::memory::pool::{PoolLayout, PoolRole, PoolSpec};
+    use crate::model::{Attention, ModelIdentity};
+
+    const PAGES: u32 = 8;
+
+    /// A transport that records the writes and reports each landed at once.
+    #[derive(Default)]
+    struct Recorder(Mutex<Vec<PagesSend>>);
+
+    impl KvSink for Recorder {
+        fn send(&self, side: &Arc<PrefillSide>, write: PagesSend) {
+            let key = write.key;
+            lock(&self.0).push(write);
+            side.write_done(key, true);
+        }
+        fn ack(&self, _ack: AbortAck) {}
+    }
+
+    /// A group that answers every wait with the pages named, recording the calls.
+    #[derive(Default)]
+    struct Waits(Mutex<Vec<(RoomKey, u32, Vec<u32>)>>);
+
+    impl LayerGroup for Waits {
+        fn await_layer(
+            &self,
+            key: RoomKey,
+            layer: u32,
+            pages: &[u32],
+            _target: &KvPool,
+        ) -> Result<(u32, bool), ApiError> {
+            lock(&self.0).push((key, layer, pages.to_vec()));
+            Ok((pages.len() as u32, false))
+        }
+    }
+
+    /// Rank 1 of a CP-2 group over 8 layers: owns 4..8, its pool holds them and the receive slot.
+    fn seat() -> super::super::LayerSplitSeat {
+        super::super::LayerSplitSeat {
+            cp_rank: 1,
+            cp_size: 2,
+            model_layers: 8,
+            owned: 4..8,
+        }
+    }
+
+    fn side(sink: Arc<Recorder>) -> Arc<PrefillSide> {
+        let spec = PoolSpec {
+            role: PoolRole::Target,
+            model: ModelIdentity {
+                name: "tiny".into(),
+                layers: seat().pool_layers(),
+                attention: Attention::Gqa {
+                    kv_heads: 1,
+                    head_dim: 8,
+                },
+                dtype_bytes: 2,
+                row_extra_bytes: 0,
+            },
+            page_tokens: 4,
+            pages: PAGES,
+            layout: PoolLayout::PageFirst,
+        };
+        let pool = Arc::new(KvPool::new(spec, &Allocator::new("t", MmapBackend::new())).unwrap());
+        let side = PrefillSide::with_layer_split(vec![pool], sink, PrefillRank(0), Some(seat()));
+        side.set_attach(1);
+        side
+    }
+
+    fn work(room: u64) -> pb::PrefillWork {
+        pb::PrefillWork {
+            room: Some(pb::RoomRef {
+                room_id: room,
+                generation: 1,
+            }),
+            request_id: room,
+            tokens: 8,
+            deadline_ms: 1000,
+            ..pb::PrefillWork::default()
+        }
+    }
+
+    fn ready(
+        room: u64,
+        pages: Vec<u32>,
+        layers: Option<(u32, u32)>,
+        last: bool,
+    ) -> pb::PagesReadyRequest {
+        pb::PagesReadyRequest {
+            attach_id: 1,
+            room: Some(pb::RoomRef {
+                room_id: room,
+                generation: 1,
+            }),
+            pages,
+            first_page: 0,
+            layers: layers.map(|(start, end)| pb::LayerRange { start, end }),
+            last,
+        }
+    }
+
+    /// A LayerSplit rank says PagesReady in model layer numbers, for its owned layers only (no
+    /// range: all of them); a last PagesReady without pages ends the input after its layer loop,
+    /// and the room then succeeds once its writes landed — its pages come back in one SourceFree.
+    #[test]
+    fn a_layer_split_rank_sends_owned_layers_and_ends_its_input_without_a_write() {
+        let sink = Arc::new(Recorder::default());
+        let side = side(sink.clone());
+        let mut freed = side.source_free().watch();
+        side.submit_work(work(7)).unwrap();
+        let key = RoomKey::new(7, 1);
+        for outside in [(0, 4), (3, 5), (8, 9)] {
+            let e = side
+                .pages_ready(1, &ready(7, vec![0, 1], Some(outside), false))
+                .unwrap_err();
+            assert_eq!(e.reason, pb::ErrorReason::LayerOutOfRange, "{outside:?}");
+        }
+        assert!(
+            side.pages_ready(1, &ready(7, vec![0, 1], Some((4, 5)), false))
+                .unwrap()
+        );
+        assert!(
+            side.pages_ready(1, &ready(7, vec![0, 1], None, false))
+                .unwrap()
+        );
+        let layers: Vec<_> = lock(&sink.0).iter().map(|w| w.layers.clone()).collect();
+        assert_eq!(
+            layers,
+            vec![4..5, 4..8],
+            "model layer numbers, owned ones only"
+        );
+        assert_eq!(side.room_state(key), Some(SenderState::Transferring));
+        // No pages and not last: refused. Last without pages: the input ends, no write.
+        let e = side
+            .pages_ready(1, &ready(7, vec![], None, false))
+            .unwrap_err();
+        assert_eq!(e.reason, pb::ErrorReason::Malformed);
+        assert!(side.pages_ready(1, &ready(7, vec![], None, true)).unwrap());
+        assert_eq!(lock(&sink.0).len(), 2, "the last call wrote nothing");
+        let f = freed.try_recv().expect("the room's pages come back");
+        assert!(f.sent);
+        assert_eq!(f.pages, vec![0, 1]);
+        assert_eq!(side.stats().rooms_sent.load(Ordering::Relaxed), 1);
+    }
+
+    /// AwaitLayer: refused for an owned or unknown layer and for bad pages, before the group is
+    /// asked; otherwise the group answers. Without LayerSplit it is the wrong role.
+    #[test]
+    fn await_layer_is_checked_before_the_group_waits() {
+        let side = side(Arc::new(Recorder::default()));
+        let req = |layer: u32, pages: Vec<u32>| pb::AwaitLayerRequest {
+            attach_id: 1,
+            room: Some(pb::RoomRef {
+                room_id: 7,
+                generation: 1,
+            }),
+            layer,
+            pages,
+        };
+        // No group yet: as without LayerSplit.
+        let e = side.await_layer(&req(1, vec![0])).unwrap_err();
+        assert_eq!(e.reason, pb::ErrorReason::WrongRole);
+        let group = Arc::new(Waits::default());
+        side.set_group(group.clone());
+        for layer in [4, 7, 8] {
+            let e = side.await_layer(&req(layer, vec![0])).unwrap_err();
+            assert_eq!(e.reason, pb::ErrorReason::LayerOutOfRange, "layer {layer}");
+        }
+        let e = side.await_layer(&req(1, vec![0, 0])).unwrap_err();
+        assert_eq!(e.reason, pb::ErrorReason::Malformed);
+        let e = side.await_layer(&req(1, vec![PAGES])).unwrap_err();
+        assert_eq!(e.reason, pb::ErrorReason::PageOutOfRange);
+        assert!(lock(&group.0).is_empty(), "nothing reached the group");
+        let r = side.await_layer(&req(3, vec![5, 2])).unwrap();
+        assert_eq!(r.pages, 2);
+        assert_eq!(*lock(&group.0), vec![(RoomKey::new(7, 1), 3, vec![5, 2])]);
+        // A side without LayerSplit refuses the call.
+        let plain = PrefillSide::new(
+            side.pools().to_vec(),
+            Arc::new(Recorder::default()),
+            PrefillRank(0),
+        );
+        let e = plain.await_layer(&req(1, vec![0])).unwrap_err();
+        assert_eq!(e.reason, pb::ErrorReason::WrongRole);
     }
 }

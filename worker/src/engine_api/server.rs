@@ -370,6 +370,23 @@ impl pb::prefill_server::Prefill for Services {
         .map(Response::new)
     }
 
+    async fn await_layer(
+        &self,
+        req: Request<pb::AwaitLayerRequest>,
+    ) -> Result<Response<pb::AwaitLayerReply>, Status> {
+        let b = budget(client_deadline(&req), self.max());
+        let r = req.into_inner();
+        bounded("AwaitLayer", b, async {
+            let p = self.0.prefill(r.attach_id)?;
+            // Blocks on the rank link (bounded by the group's wait deadline): off the runtime.
+            tokio::task::spawn_blocking(move || p.await_layer(&r))
+                .await
+                .map_err(|e| ApiError::internal(format!("AwaitLayer task: {e}")))?
+        })
+        .await
+        .map(Response::new)
+    }
+
     type WatchSourceFreeStream = EventStream<pb::SourceFree>;
 
     async fn watch_source_free(
@@ -384,22 +401,6 @@ impl pb::prefill_server::Prefill for Services {
             deadline,
         )))
     }
-}
-
-fn check_pages(pages: &[u32], count: u32) -> Result<(), ApiError> {
-    let mut seen = std::collections::BTreeSet::new();
-    for &p in pages {
-        if p >= count {
-            return Err(ApiError::page_out_of_range(p, count));
-        }
-        if !seen.insert(p) {
-            return Err(ApiError::malformed(
-                "pages",
-                format!("page {p} is listed twice"),
-            ));
-        }
-    }
-    Ok(())
 }
 
 #[tonic::async_trait]
@@ -441,7 +442,7 @@ impl pb::tiers_server::Tiers for Services {
             )
             .into());
         }
-        check_pages(&r.pages, self.0.pools().pages())?;
+        super::error::check_pages(&r.pages, self.0.pools().pages())?;
         let mut pools = Vec::new();
         for (i, k) in r.pools.iter().enumerate() {
             let role = kind_from_proto(*k).ok_or_else(|| {
@@ -483,7 +484,7 @@ impl pb::tiers_server::Tiers for Services {
             if r.pages.len() != r.prefix_hashes.len() {
                 return Err(ApiError::malformed("pages", "one page per hash"));
             }
-            check_pages(&r.pages, self.0.pools().pages())?;
+            super::error::check_pages(&r.pages, self.0.pools().pages())?;
             let pages = self.0.tiers().store(&r.prefix_hashes, &r.pages)?;
             Ok(pb::StoreReply { pages })
         })

@@ -22,9 +22,9 @@ use super::error::ApiError;
 use super::fd_pass::{ClaimRefused, Claims};
 use super::identity::{self, domain_to_proto, kind_to_proto, layout_to_proto};
 use super::pools::{PoolSet, Registration};
-use super::prefill::{KvSink, PrefillSide};
+use super::prefill::{KvSink, LayerGroup, PrefillSide};
 use super::tiers::TierBackend;
-use super::{EngineApiConfig, pb, role_name};
+use super::{EngineApiConfig, LayerSplitSeat, pb, role_name};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -74,6 +74,8 @@ pub struct EngineApi {
     session: Mutex<SessionState>,
     decode: Mutex<Option<Arc<DecodeSide>>>,
     prefill: Mutex<Option<Arc<PrefillSide>>>,
+    /// The LayerSplit group that answers AwaitLayer (a rank of a LayerSplit group only).
+    layer_group: std::sync::OnceLock<Arc<dyn LayerGroup>>,
     shutting_down: AtomicBool,
     runtime: tokio::runtime::Handle,
     attached: tokio::sync::watch::Sender<Option<u64>>,
@@ -145,6 +147,7 @@ impl EngineApi {
             }),
             decode: Mutex::new(None),
             prefill: Mutex::new(None),
+            layer_group: std::sync::OnceLock::new(),
             shutting_down: AtomicBool::new(false),
             runtime,
             attached: tokio::sync::watch::Sender::new(None),
@@ -180,6 +183,16 @@ impl EngineApi {
     /// The prefill side, once an engine attached to a prefill worker.
     pub fn prefill_side(&self) -> Option<Arc<PrefillSide>> {
         lock(&self.prefill).clone()
+    }
+
+    /// The LayerSplit group that answers the prefill side's AwaitLayer (set once, before or after
+    /// the first attach; later calls are ignored).
+    pub fn set_layer_group(&self, group: Arc<dyn LayerGroup>) {
+        if self.layer_group.set(group.clone()).is_ok()
+            && let Some(side) = lock(&self.prefill).as_ref()
+        {
+            side.set_group(group);
+        }
     }
 
     /// Attaches completed so far.
@@ -266,11 +279,16 @@ impl EngineApi {
             Backend::Prefill(sink) => {
                 let side = lock(&self.prefill)
                     .get_or_insert_with(|| {
-                        PrefillSide::new(
+                        let side = PrefillSide::with_layer_split(
                             arcs.clone(),
                             sink.clone(),
                             PrefillRank(self.api.prefill_rank),
-                        )
+                            self.api.layer_split.clone(),
+                        );
+                        if let Some(g) = self.layer_group.get() {
+                            side.set_group(g.clone());
+                        }
+                        side
                     })
                     .clone();
                 side.set_attach(attach_id);
@@ -323,6 +341,7 @@ impl EngineApi {
             model_fingerprint: identity::fingerprint(&self.cfg.model),
             role: role_name(self.cfg.role).into(),
             claim_deadline_ms: self.api.claim_deadline.as_millis() as u64,
+            layer_split: self.api.layer_split.as_ref().map(LayerSplitSeat::to_proto),
         })
     }
 

@@ -82,7 +82,10 @@ pub struct TcpRankLink {
     cp_size: u32,
     /// Writer queue per peer (`None` at our own index).
     queues: Vec<Option<Sender<Vec<u8>>>>,
-    inbox: Receiver<Vec<u8>>,
+    /// The frames of every peer, in arrival order. Behind a lock so that the link is `Sync`: one
+    /// thread receives at a time while any thread may send (the engine path's broadcasts leave
+    /// while a layer wait receives, `roles::prefill::cp_engine`).
+    inbox: Mutex<Receiver<Vec<u8>>>,
     writers: Vec<JoinHandle<()>>,
     /// A handle on each incoming stream, shut down on drop so its reader ends even when the
     /// peer vanished without closing (no FIN: a dead node, a partition).
@@ -361,7 +364,7 @@ impl TcpRankLink {
             rank,
             cp_size,
             queues,
-            inbox,
+            inbox: Mutex::new(inbox),
             writers,
             incoming: handles,
             readers,
@@ -447,7 +450,11 @@ impl RankLink for TcpRankLink {
     }
 
     fn recv(&self, timeout: Duration) -> Received {
-        match self.inbox.recv_timeout(timeout) {
+        let inbox = self
+            .inbox
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match inbox.recv_timeout(timeout) {
             Ok(f) => Received::Frame(f),
             Err(RecvTimeoutError::Timeout) => Received::Timeout,
             Err(RecvTimeoutError::Disconnected) => Received::Closed,

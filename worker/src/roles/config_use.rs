@@ -44,12 +44,31 @@ pub fn unused(cfg: &WorkerConfig) -> Vec<Unused> {
     let m = &cfg.memory;
     let builtin = cfg.engine.is_none();
     let decode = cfg.role == WorkerRole::Decode;
+    let simulated = cfg
+        .engine
+        .as_ref()
+        .is_some_and(|e| e.kind == crate::config::EngineKind::Simulated);
     note(
-        cfg.layer_split.is_some() && !builtin && !decode,
+        cfg.layer_split.is_some() && !builtin && !simulated && !decode,
         "layerSplit",
-        "LayerSplit with an engine beside the worker is not wired yet (issue 15): the engine \
+        "SGLang and vLLM engines do not compute layer by layer through AwaitLayer yet: each pod \
          stores and sends all layers; only a prefill's L3 shard keys follow the owner map (the \
-         built-in engine runs LayerSplit groups)",
+         built-in and the Simulated engine run LayerSplit groups)",
+    );
+    // A LayerSplit rank with its engine (`prefill::cp_engine`): its pool holds its owned layers,
+    // so the tier calls and the snapshot finalize into them are not served yet.
+    let split_engine = cfg.layer_split.is_some() && simulated && !decode;
+    note(
+        split_engine && cfg.cache.is_some(),
+        "cache.tier, cache.service, cache.replicas, cache.writePolicy",
+        "a LayerSplit rank with an engine serves no tier calls yet (its L2 and L3 would need keys \
+         per owned layer range on the engine path): its engine computes every page",
+    );
+    note(
+        split_engine && m.snapshot_buffer_bytes > 0,
+        "memory.snapshotBufferBytes",
+        "a LayerSplit rank with an engine keeps no snapshot buffer yet: a snapshot is finalized \
+         into the tier L2 its engine loads from, which such a rank does not serve",
     );
     note(
         cfg.layer_split.is_some() && decode,

@@ -221,6 +221,8 @@ struct Ctx {
     base: Summary,
     /// The worker's socket directory (where the summary is published).
     socket_dir: std::path::PathBuf,
+    /// Fault injection `--sync-page-twice-first` ([`sync_session`]).
+    sync_fault: bool,
 }
 
 /// Merges the loop's counts into the caller's summary when the loop's future ends or is dropped
@@ -292,6 +294,7 @@ pub async fn serve_loop(
         acc: Mutex::new(Summary::default()),
         base: total.clone(),
         socket_dir: args.socket_dir.clone(),
+        sync_fault: args.sync_fault(),
     });
     total.decode.get_or_insert_with(DecodeStats::default);
     let _merge = Merge {
@@ -497,6 +500,23 @@ async fn sync_session(
     }
     let layers = pool.geometry().layers;
     let batches: Vec<&[u64]> = w.session_kv_hashes.chunks(pages.len()).collect();
+    if ctx.sync_fault {
+        // Fault injection: a first call naming a page twice, whose refusal is then ignored.
+        let mut c = ctx.client.clone();
+        let r = ctx.client.req(pb::SyncSessionRequest {
+            attach_id: id,
+            request_id: w.request_id,
+            attempt: w.attempt,
+            room,
+            pages: vec![pages[0], pages[0]],
+            last: false,
+        });
+        match c.decode.sync_session(r).await {
+            Ok(_) => return Err("the worker took a page named twice".into()),
+            Err(st) => tracing::warn!(error = %st, "fault injection: a SyncSession naming a page \
+                twice was refused; going on as if it had not been sent"),
+        }
+    }
     let mut taken = 0u64;
     for (i, batch) in batches.iter().enumerate() {
         for (&hash, &page) in batch.iter().zip(pages) {

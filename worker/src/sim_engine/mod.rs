@@ -32,6 +32,7 @@
 //! pages cost no compute time.
 
 pub mod decode;
+mod layer_split;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
@@ -148,6 +149,19 @@ pub struct Args {
     #[cfg(feature = "negative-controls")]
     #[arg(long, hide = true, requires = "load_beyond_hit")]
     pub ignore_load_coverage: bool,
+    /// Fault injection (decode): the first SyncSession call of each session names its first page
+    /// twice (refused), and the engine then hands the session over as if that call had not
+    /// happened — which the worker must refuse, since pages pair with hashes by position. Only
+    /// with the `negative-controls` feature.
+    #[cfg(feature = "negative-controls")]
+    #[arg(long, hide = true)]
+    pub sync_page_twice_first: bool,
+    /// Negative control (a LayerSplit rank): attention reads each non-owned layer's receive slot
+    /// without AwaitLayer (counted as layer reads before ready; the chunks fail verification).
+    /// Only with the `negative-controls` feature.
+    #[cfg(feature = "negative-controls")]
+    #[arg(long, hide = true)]
+    pub skip_layer_wait: bool,
 }
 
 impl Args {
@@ -188,6 +202,31 @@ impl Args {
             }
         }
         tiers::HitUse::LoadAndWait
+    }
+
+    /// Whether LayerSplit attention skips AwaitLayer (always false without the feature).
+    fn skip_layer_wait(&self) -> bool {
+        #[cfg(feature = "negative-controls")]
+        {
+            self.skip_layer_wait
+        }
+        #[cfg(not(feature = "negative-controls"))]
+        {
+            false
+        }
+    }
+
+    /// Whether the first SyncSession call of each session is malformed (always false without
+    /// the feature).
+    fn sync_fault(&self) -> bool {
+        #[cfg(feature = "negative-controls")]
+        {
+            self.sync_page_twice_first
+        }
+        #[cfg(not(feature = "negative-controls"))]
+        {
+            false
+        }
     }
 
     fn corrupt_once(&self) -> bool {
@@ -268,6 +307,22 @@ pub struct Summary {
     /// Prefill: Store calls the worker refused (the room's KV is sent all the same).
     #[serde(default)]
     pub store_failures: u32,
+    /// LayerSplit rank: AwaitLayer calls (one per non-owned layer of each room).
+    #[serde(default)]
+    pub layer_waits: u64,
+    /// LayerSplit rank: AwaitLayer calls whose broadcast had landed before the call.
+    #[serde(default)]
+    pub layer_waits_hidden: u64,
+    /// LayerSplit rank: receive-slot chunks attention read (every page of every awaited layer).
+    #[serde(default)]
+    pub layer_chunks_read: u64,
+    /// LayerSplit rank: receive-slot chunks that did not hold their layer's KV of the request
+    /// (must be 0; only the negative control `--skip-layer-wait` reads them early).
+    #[serde(default)]
+    pub layer_corrupt_chunks: u64,
+    /// LayerSplit rank: receive-slot chunks read without AwaitLayer (the negative control).
+    #[serde(default)]
+    pub layer_reads_before_ready: u64,
     /// Prefill: most rooms computed at once (bounded by `--max-running-rooms`).
     #[serde(default)]
     pub peak_running_rooms: u32,
@@ -297,6 +352,11 @@ impl Summary {
         self.load_failures += d.load_failures;
         self.stored_pages += d.stored_pages;
         self.store_failures += d.store_failures;
+        self.layer_waits += d.layer_waits;
+        self.layer_waits_hidden += d.layer_waits_hidden;
+        self.layer_chunks_read += d.layer_chunks_read;
+        self.layer_corrupt_chunks += d.layer_corrupt_chunks;
+        self.layer_reads_before_ready += d.layer_reads_before_ready;
         self.peak_running_rooms = self.peak_running_rooms.max(d.peak_running_rooms);
         if let Some(theirs) = &d.decode {
             let mine = self.decode.get_or_insert_with(decode::DecodeStats::default);
@@ -863,7 +923,9 @@ async fn prefill_loop(
             // Staging pages for the Store after the compute ([`tiers::store`]), taken with the
             // room's own when the pool can ever hold both (else the room stores nothing).
             let stage = w.prefix_hashes.len().min(need);
-            let stage = if need + stage <= g.pages as usize {
+            // A LayerSplit rank is served no tier calls: nothing to stage.
+            let split = att.reply.layer_split.is_some();
+            let stage = if need + stage <= g.pages as usize && !split {
                 stage
             } else {
                 0
@@ -884,6 +946,7 @@ async fn prefill_loop(
                 corrupt: corrupt.clone(),
                 per_token,
                 hit_use: args.hit_use(),
+                skip_layer_wait: args.skip_layer_wait(),
             };
             running.spawn(room.run());
             s.peak_running_rooms = s.peak_running_rooms.max(running.len() as u32);
@@ -943,6 +1006,8 @@ struct Room {
     corrupt: Arc<AtomicBool>,
     per_token: Duration,
     hit_use: tiers::HitUse,
+    /// The LayerSplit negative control `--skip-layer-wait`.
+    skip_layer_wait: bool,
 }
 
 /// What a room's task did: its counts, and whether the worker refused it.
@@ -957,18 +1022,24 @@ struct RoomDone {
 impl Room {
     async fn run(mut self) -> RoomDone {
         let mut counts = Summary::default();
-        let result = compute_and_send(
-            &mut self.client,
-            &self.att,
-            &self.work,
-            &self.pages,
-            &self.staging,
-            &mut counts,
-            &self.corrupt,
-            self.per_token,
-            self.hit_use,
-        )
-        .await;
+        let result = match self.att.reply.layer_split {
+            // A rank of a LayerSplit group: layer by layer with the group.
+            Some(seat) => layer_split::compute_and_send(&mut self, &seat, &mut counts).await,
+            None => {
+                compute_and_send(
+                    &mut self.client,
+                    &self.att,
+                    &self.work,
+                    &self.pages,
+                    &self.staging,
+                    &mut counts,
+                    &self.corrupt,
+                    self.per_token,
+                    self.hit_use,
+                )
+                .await
+            }
+        };
         RoomDone {
             room: self.work.room,
             pages: self.pages,

@@ -200,6 +200,20 @@ impl World {
         self.publish_names(&[(SERVICE, hosts)]);
     }
 
+    /// The names of a CP-2 prefill group: the prefill Service naming both ranks, and each rank's
+    /// pod DNS name (`p-g0-0`, `p-g0-1` under `group_service`) resolving to its own host.
+    pub fn publish_group(&self, group_service: &str, leader: u8, member: u8) {
+        let (l, m) = (
+            format!("p-g0-0.{group_service}"),
+            format!("p-g0-1.{group_service}"),
+        );
+        self.publish_names(&[
+            (SERVICE, &[leader, member]),
+            (&l, &[leader]),
+            (&m, &[member]),
+        ]);
+    }
+
     /// Makes each name resolve to its hosts.
     pub fn publish_names(&self, names: &[(&str, &[u8])]) {
         let text: String = names
@@ -437,6 +451,15 @@ pub async fn http(
         }
     }
     (status, frames)
+}
+
+/// A free TCP port (a rank link's: each process listens on its own IP).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 pub fn text(frames: &[(Instant, Bytes)]) -> String {

@@ -91,6 +91,7 @@ TierUnavailable = _sub("TierUnavailable", "No cache tier is configured or wired 
 SpecStepInvalid = _sub("SpecStepInvalid", "A speculative step is malformed.")
 ShuttingDown = _sub("ShuttingDown", "The worker is shutting down.")
 Internal = _sub("Internal", "An unexpected internal failure of the worker.")
+GroupBroken = _sub("GroupBroken", "LayerSplit: the CP group's rank link is broken [UNAVAILABLE].")
 
 BY_REASON = {
     "MALFORMED": Malformed,
@@ -115,6 +116,7 @@ BY_REASON = {
     "SPEC_STEP_INVALID": SpecStepInvalid,
     "SHUTTING_DOWN": ShuttingDown,
     "INTERNAL": Internal,
+    "GROUP_BROKEN": GroupBroken,
 }
 
 

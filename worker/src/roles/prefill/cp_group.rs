@@ -305,49 +305,16 @@ impl GroupRank {
         resolver: &Resolver,
         runtime: &tokio::runtime::Handle,
     ) -> Result<GroupRank, String> {
-        let deadline = Instant::now() + opts.connect_timeout;
-        let addrs = resolve_peers(&plan, resolver, runtime, deadline)?;
-        let listener = TcpListener::bind(SocketAddr::new(
-            addrs[plan.cp_rank as usize].ip(),
-            plan.port,
-        ))
-        .or_else(|_| TcpListener::bind(("0.0.0.0", plan.port)))
-        .map_err(|e| format!("binding the rank link on port {}: {e}", plan.port))?;
-        let link_cfg = TcpLinkConfig {
-            connect_timeout: deadline.saturating_duration_since(Instant::now()),
-            ..TcpLinkConfig::default()
-        };
-        let digest = plan.map.as_ref().map_or(0, OwnerMap::digest);
-        // Each peer's name is looked up again (at most every RESOLVE_EVERY) until it is dialled:
-        // a restarted pod's name may still point at the pod it replaces while that one drains.
-        let mut known: Vec<(Option<SocketAddr>, Instant)> =
-            addrs.iter().map(|a| (Some(*a), Instant::now())).collect();
-        let dial = |peer: u32| {
-            let (addr, at) = known.get_mut(peer as usize)?;
-            if at.elapsed() >= RESOLVE_EVERY {
-                let host = &plan.peer_hosts[peer as usize];
-                *addr = runtime
-                    .block_on(resolver.lookup(host, plan.port))
-                    .ok()
-                    .and_then(|a| a.first().copied())
-                    .or(*addr);
-                *at = Instant::now();
-            }
-            *addr
-        };
-        let link =
-            TcpRankLink::connect_with(plan.cp_rank, plan.cp_size, dial, listener, digest, link_cfg)
-                .map_err(|e| format!("connecting the CP group: {e}"))?;
-        let model = crate::roles::sim::layout_model(layout);
         let chunk_bytes = layout.chunk_bytes() as usize;
-        let mut receiver = match &plan.map {
-            Some(m) => LayerReceiver::new(plan.cp_rank, m.clone(), opts.pool_pages, chunk_bytes),
-            None => LayerReceiver::replicated(plan.cp_rank, plan.cp_size),
-        };
-        // R-LS-1: every rank runs the same owner map before anything is allocated.
-        receiver
-            .handshake(&link, deadline.saturating_duration_since(Instant::now()))
-            .map_err(|e| format!("CP group handshake: {e}"))?;
+        let (link, receiver) = connect(
+            &plan,
+            resolver,
+            runtime,
+            opts.connect_timeout,
+            opts.pool_pages,
+            chunk_bytes,
+        )?;
+        let model = crate::roles::sim::layout_model(layout);
         let owners: Vec<u32> = match &plan.map {
             Some(m) => (0..layout.layers)
                 .map(|l| m.owner(l))
@@ -539,6 +506,68 @@ impl GroupRank {
             "negative_control_skip_wait": self.skip_wait,
         })
     }
+}
+
+/// Connects `plan`'s rank link and runs the owner-map handshake (R-LS-1), both within
+/// `connect_timeout`: resolves every rank's pod name, listens on the rank-link port, dials the
+/// peers (looking a name up again while it is not dialled) and exchanges hellos. Returns the link
+/// and a receiver whose scratch holds one layer of `pool_pages` chunks of `chunk_bytes` (no
+/// scratch when replicated). Blocking: call it before anything is allocated. Shared by the
+/// built-in engine's groups and the engine path's ([`super::cp_engine`]).
+///
+/// # Errors
+/// A text reason: a peer never resolved or connected, the port cannot be bound, an owner-map
+/// mismatch (refused before any frame).
+pub fn connect(
+    plan: &GroupPlan,
+    resolver: &Resolver,
+    runtime: &tokio::runtime::Handle,
+    connect_timeout: Duration,
+    pool_pages: u32,
+    chunk_bytes: usize,
+) -> Result<(TcpRankLink, LayerReceiver), String> {
+    let deadline = Instant::now() + connect_timeout;
+    let addrs = resolve_peers(plan, resolver, runtime, deadline)?;
+    let listener = TcpListener::bind(SocketAddr::new(
+        addrs[plan.cp_rank as usize].ip(),
+        plan.port,
+    ))
+    .or_else(|_| TcpListener::bind(("0.0.0.0", plan.port)))
+    .map_err(|e| format!("binding the rank link on port {}: {e}", plan.port))?;
+    let link_cfg = TcpLinkConfig {
+        connect_timeout: deadline.saturating_duration_since(Instant::now()),
+        ..TcpLinkConfig::default()
+    };
+    let digest = plan.map.as_ref().map_or(0, OwnerMap::digest);
+    // Each peer's name is looked up again (at most every RESOLVE_EVERY) until it is dialled:
+    // a restarted pod's name may still point at the pod it replaces while that one drains.
+    let mut known: Vec<(Option<SocketAddr>, Instant)> =
+        addrs.iter().map(|a| (Some(*a), Instant::now())).collect();
+    let dial = |peer: u32| {
+        let (addr, at) = known.get_mut(peer as usize)?;
+        if at.elapsed() >= RESOLVE_EVERY {
+            let host = &plan.peer_hosts[peer as usize];
+            *addr = runtime
+                .block_on(resolver.lookup(host, plan.port))
+                .ok()
+                .and_then(|a| a.first().copied())
+                .or(*addr);
+            *at = Instant::now();
+        }
+        *addr
+    };
+    let link =
+        TcpRankLink::connect_with(plan.cp_rank, plan.cp_size, dial, listener, digest, link_cfg)
+            .map_err(|e| format!("connecting the CP group: {e}"))?;
+    let mut receiver = match &plan.map {
+        Some(m) => LayerReceiver::new(plan.cp_rank, m.clone(), pool_pages, chunk_bytes),
+        None => LayerReceiver::replicated(plan.cp_rank, plan.cp_size),
+    };
+    // R-LS-1: every rank runs the same owner map before anything is allocated.
+    receiver
+        .handshake(&link, deadline.saturating_duration_since(Instant::now()))
+        .map_err(|e| format!("CP group handshake: {e}"))?;
+    Ok((link, receiver))
 }
 
 fn wait_policy(skip: bool) -> WaitPolicy {

@@ -32,6 +32,7 @@
 //!   with per-layer events, stores; contracts 5 and 7);
 //! - here: the CLI ([`Args`], [`run`]) and the server that wires them ([`PrefillServer`]).
 
+pub mod cp_engine;
 pub mod cp_group;
 pub mod l3_report;
 pub mod loadback;
@@ -299,6 +300,7 @@ pub struct PrefillServer {
     layout: crate::control::KvLayout,
     seat: Option<seat::Seat>,
     group: Option<Arc<cp_group::GroupRank>>,
+    engine_group: Option<Arc<cp_engine::EngineGroup>>,
 }
 
 impl PrefillServer {
@@ -345,11 +347,42 @@ impl PrefillServer {
         state.set_section("incarnation", serde_json::json!(node.incarnation()));
         let mut service = PrefillService::new(node.clone());
         service.revision = cfg.revision.clone();
-        // A CP group of the built-in engine (issue 15): pure, from the config and the pod name;
-        // connected below. With an engine beside the worker each pod stays its own prefill.
+        // A CP group (issue 15): pure, from the config and the pod name. The built-in engine's
+        // groups (replicated or LayerSplit) connect below. With an engine beside the worker only a
+        // LayerSplit group runs as a group (`cp_engine`): its ranks connect and agree on the owner
+        // map here, before any pool is allocated (R-LS-1); the pods of a replicated group each
+        // stay their own prefill (`config.unused` says so).
         let group_plan = match &cfg.engine {
             None => cp_group::plan(cfg, &opts.worker_id).map_err(ServeError::CpGroup)?,
             Some(_) => None,
+        };
+        let engine_link = match &cfg.engine {
+            Some(engine)
+                if cfg.layer_split.is_some()
+                    && engine.kind == crate::config::EngineKind::Simulated =>
+            {
+                match cp_group::plan(cfg, &opts.worker_id).map_err(ServeError::CpGroup)? {
+                    Some(plan) => {
+                        state.set_ready(Err("connecting the CP group".into()));
+                        let mut api = crate::engine_api::EngineApiConfig::for_worker(
+                            cfg,
+                            &crate::config::resolve_path(&engine.socket_dir),
+                        );
+                        api.target_token_bytes = target_token_bytes;
+                        let (c, rt) = (cfg.clone(), tokio::runtime::Handle::current());
+                        let resolver = super::resolve::Resolver::from_env();
+                        let connected = tokio::task::spawn_blocking(move || {
+                            cp_engine::connect(plan, api, &c, layout, &resolver, &rt)
+                        })
+                        .await
+                        .map_err(|e| ServeError::CpGroup(e.to_string()))?
+                        .map_err(ServeError::CpGroup)?;
+                        Some(connected)
+                    }
+                    None => None,
+                }
+            }
+            _ => None,
         };
         let page_bytes = layout.page_bytes().max(1);
         let whole_pages =
@@ -391,6 +424,7 @@ impl PrefillServer {
                     counters: state.counters.clone(),
                     admitting: service.admitting.clone(),
                 },
+                engine_link.as_ref().map(|l| l.seat.clone()),
             )?),
             None => {
                 state.set_extra(|| {
@@ -400,6 +434,32 @@ impl PrefillServer {
                 });
                 None
             }
+        };
+        // A LayerSplit rank with its engine: the group's control thread, AwaitLayer, broadcasts.
+        let engine_group = match (engine_link, &seat) {
+            (Some(connected), Some(seat)) => {
+                let group = cp_engine::EngineGroup::start(
+                    connected,
+                    &node,
+                    layout.chunk_bytes() as usize,
+                    cp_group::GroupOptions::default().wait_timeout,
+                    tokio::runtime::Handle::current(),
+                )
+                .map_err(ServeError::CpGroup)?;
+                node.set_engine_group(group.clone());
+                seat.api.set_layer_group(group.clone());
+                service.cp_engine = Some(group.clone());
+                let g = group.clone();
+                state.on_refresh(move |st| {
+                    st.set_section("cp_group", g.report());
+                    match g.broken() {
+                        Some(why) => st.health.degrade("cp_group", "CpGroupBroken", why),
+                        None => st.health.recover("cp_group"),
+                    }
+                });
+                Some(group)
+            }
+            _ => None,
         };
         // The prefix cache and L3 loadback plan the built-in engine's compute; an engine reaches
         // the tiers through the engine API's tier calls instead (the seat's `HostTiers`, whose
@@ -533,12 +593,14 @@ impl PrefillServer {
             let deadline = Instant::now() + opts.loadback_deadline;
             let limit = opts.loadback_pages.unwrap_or(l2_pages).min(l2_pages);
             let streams = opts.loadback_streams;
+            let with_engine = api.is_some();
             tokio::spawn(async move {
                 let started = Instant::now();
-                let with_engine = tiers.is_some();
                 let loaded = tokio::task::spawn_blocking(move || match tiers {
                     // With an engine, L2 holds the bytes: the loadback reads them into it.
                     Some(t) => t.load_back(limit, streams, deadline),
+                    // A LayerSplit rank with an engine serves no tier (`config.unused`).
+                    None if with_engine => 0,
                     None => c.load_back(layout, limit, streams, deadline),
                 })
                 .await
@@ -569,6 +631,7 @@ impl PrefillServer {
         }
         let group = service.cp_group.clone();
         Ok(Self {
+            engine_group,
             state,
             control_addr,
             health_addr,
@@ -587,9 +650,10 @@ impl PrefillServer {
 
     /// Resolves with the reason once this worker's CP group breaks; never without a group.
     pub async fn group_broken(&self) -> String {
-        match &self.group {
-            Some(g) => g.broken_signal().await,
-            None => std::future::pending().await,
+        match (&self.group, &self.engine_group) {
+            (Some(g), _) => g.broken_signal().await,
+            (None, Some(g)) => g.broken_signal().await,
+            (None, None) => std::future::pending().await,
         }
     }
 

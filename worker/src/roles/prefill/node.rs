@@ -60,6 +60,9 @@ struct RoomPlan {
     decode_rank: u32,
     /// The opening decode's incarnation (0: unknown).
     decode_incarnation: u64,
+    /// A LayerSplit member rank's part of its leader's room (`super::cp_engine`): its writes go
+    /// to the decode, its progress and outcome to the leader (no decode stream is told).
+    group_member: bool,
 }
 
 type SignalTx = mpsc::UnboundedSender<Result<pb::PeerMessage, Status>>;
@@ -139,6 +142,8 @@ pub struct PrefillNode {
     engine: std::sync::OnceLock<std::sync::Weak<EngineApi>>,
     /// The engine path's tier backend (L2 bytes, L3), set with the engine.
     tiers: std::sync::OnceLock<Arc<super::tiers::HostTiers>>,
+    /// This pod's rank of a LayerSplit group computing through its engine (issue 15).
+    engine_group: std::sync::OnceLock<Arc<super::cp_engine::EngineGroup>>,
     abort_from: Mutex<HashMap<RoomKey, String>>,
     me: std::sync::Weak<PrefillNode>,
     /// This process's incarnation (issue 18), sent in the hello, heartbeats and room replies.
@@ -190,6 +195,7 @@ impl PrefillNode {
             stats: PrefillStats::default(),
             engine: std::sync::OnceLock::new(),
             tiers: std::sync::OnceLock::new(),
+            engine_group: std::sync::OnceLock::new(),
             abort_from: Mutex::new(HashMap::new()),
             me: me.clone(),
             incarnation: if crate::control::incarnation_ignored() {
@@ -629,6 +635,9 @@ pub struct PrefillService {
     /// This pod's rank of a CP group (issue 15): the leader runs every room through the group;
     /// another rank takes no room, and its hello says where it stands in the group.
     pub cp_group: Option<Arc<super::cp_group::GroupRank>>,
+    /// This pod's rank of a LayerSplit group computing through its engine (issue 15): as
+    /// `cp_group` for the hello and OpenRoom; the rooms run through `super::cp_engine`.
+    pub cp_engine: Option<Arc<super::cp_engine::EngineGroup>>,
 }
 
 impl PrefillService {
@@ -643,6 +652,16 @@ impl PrefillService {
             pages: None,
             snapshots: None,
             cp_group: None,
+            cp_engine: None,
+        }
+    }
+
+    /// This pod's place in its CP group, with the built-in engine or with its own engine.
+    fn group_plan(&self) -> Option<&super::cp_group::GroupPlan> {
+        match (&self.cp_group, &self.cp_engine) {
+            (Some(g), _) => Some(g.plan()),
+            (None, Some(g)) => Some(g.plan()),
+            (None, None) => None,
         }
     }
 
@@ -716,9 +735,9 @@ impl Transfer for PrefillService {
             incarnation: self.node.incarnation,
             // A rank of a CP group names its place (the decode takes rooms to its leader only)
             // and the layers it stores; a prefill of one rank stores every layer.
-            owned_layers: Some(match &self.cp_group {
-                Some(g) => {
-                    let (start, end) = g.plan().owned_range();
+            owned_layers: Some(match self.group_plan() {
+                Some(p) => {
+                    let (start, end) = p.owned_range();
                     pb::LayerRange { start, end }
                 }
                 None => pb::LayerRange {
@@ -726,10 +745,10 @@ impl Transfer for PrefillService {
                     end: self.node.cfg.layout.layers,
                 },
             }),
-            group: self.cp_group.as_ref().map(|g| pb::CpGroup {
-                cp_rank: g.plan().cp_rank,
-                cp_size: g.plan().cp_size,
-                layer_split: g.plan().layer_split(),
+            group: self.group_plan().map(|p| pb::CpGroup {
+                cp_rank: p.cp_rank,
+                cp_size: p.cp_size,
+                layer_split: p.layer_split(),
             }),
             ..Default::default()
         }))
@@ -744,13 +763,18 @@ impl Transfer for PrefillService {
         if !self.admitting.load(Ordering::SeqCst) {
             return Err(Status::unavailable("prefill is draining"));
         }
-        if let Some(group) = &self.cp_group {
-            if !group.is_leader() {
+        if let Some(plan) = self.group_plan() {
+            if plan.cp_rank != 0 {
                 return Err(Status::failed_precondition(
                     "a CP rank other than its group's leader takes no room: rooms go to CP rank 0",
                 ));
             }
-            if let Some(why) = group.broken() {
+            let broken = match (&self.cp_group, &self.cp_engine) {
+                (Some(g), _) => g.broken(),
+                (None, Some(g)) => g.broken(),
+                (None, None) => None,
+            };
+            if let Some(why) = broken {
                 return Err(Status::unavailable(format!("CP group link broken: {why}")));
             }
         }
@@ -802,6 +826,7 @@ impl Transfer for PrefillService {
                 pages_done: 0,
                 decode_rank: r.decode_rank,
                 decode_incarnation: r.decode_incarnation,
+                group_member: false,
             },
         );
         self.node.publish(key);

@@ -358,8 +358,15 @@ pub fn report(seat: Option<(&EngineKind, &Arc<EngineApi>)>, tiers: Option<&HostT
 /// The role behind a seat: what the engine API's calls reach.
 pub enum SeatRole<'a> {
     /// A prefill worker: PrefillWork from the node's rooms, PagesReady moved by its transport, the
-    /// tier calls served by a [`HostTiers`] over the [`TierSeat`].
-    Prefill(&'a Arc<PrefillNode>, Box<TierSeat>),
+    /// tier calls served by a [`HostTiers`] over the [`TierSeat`]. With a LayerSplit seat (a rank
+    /// of a LayerSplit group, `super::cp_engine`) the target pool holds the owned layers and the
+    /// receive slot, and the tier calls answer `TIER_UNAVAILABLE` (its L2 and L3 would need keys
+    /// per owned layer range, not wired on the engine path yet).
+    Prefill(
+        &'a Arc<PrefillNode>,
+        Box<TierSeat>,
+        Option<crate::engine_api::LayerSplitSeat>,
+    ),
     /// A decode worker: Reserve opens rooms through this transport (and it receives EmitTokens).
     /// The role follows the attach in its own readiness and `/report`. With a [`TierSeat`] (an
     /// SGLang or vLLM engine, whose decode takes no rooms through the engine API, so its pool is
@@ -427,11 +434,12 @@ impl Seat {
         metrics: &EngineMetrics,
         target_token_bytes: Option<u64>,
         tier: TierSeat,
+        layer_split: Option<crate::engine_api::LayerSplitSeat>,
     ) -> Result<Self, ServeError> {
         Self::start_role(
             cfg,
             seat,
-            SeatRole::Prefill(node, Box::new(tier)),
+            SeatRole::Prefill(node, Box::new(tier), layer_split),
             state,
             rank,
             metrics,
@@ -459,7 +467,10 @@ impl Seat {
         api_cfg.target_token_bytes = target_token_bytes;
         api_cfg.ranks = cfg.parallelism.ranks_of(rank);
         match &role {
-            SeatRole::Prefill(..) => api_cfg.prefill_rank = rank,
+            SeatRole::Prefill(_, _, layer_split) => {
+                api_cfg.prefill_rank = rank;
+                api_cfg.layer_split = layer_split.clone();
+            }
             SeatRole::Decode(..) => {
                 api_cfg.decode_rank = rank;
                 // Negative control only (feature `negative-controls`, `$TANDEM_NEGATIVE_GATE_BYPASS`).
@@ -524,7 +535,16 @@ impl Seat {
             .map_err(|e| ServeError::Config(format!("engine tiers: {e}")))
         };
         let (backend, node, tiers, admitting) = match role {
-            SeatRole::Prefill(node, tier) => {
+            SeatRole::Prefill(node, tier, Some(_)) => {
+                drop(target);
+                (
+                    Backend::Prefill(node.clone()),
+                    Some(node),
+                    None,
+                    Some(tier.admitting),
+                )
+            }
+            SeatRole::Prefill(node, tier, None) => {
                 let tiers = host_tiers(target, &tier)?;
                 node.set_tiers(tiers.clone());
                 (
@@ -611,11 +631,13 @@ impl Seat {
                 m.source_pages_held.set(i64::from(side.held_pages()));
             }
         });
-        if let (true, Some(t)) = (prefill, tiers.clone()) {
+        if prefill {
+            // A LayerSplit rank's seat serves no tiers (`tiers` is `None`): its report says so.
+            let t = tiers.clone();
             let (kind, a) = (seat.kind, api.clone());
             let (reg, dir) = (metrics.registration.clone(), socket_dir.clone());
             state.set_extra(move || {
-                let mut engine = report(Some((&kind, &a)), Some(&t));
+                let mut engine = report(Some((&kind, &a)), t.as_deref());
                 if let Some(obj) = engine.as_object_mut() {
                     obj.insert("registration".into(), registration_report(&reg));
                     obj.insert("engine_summary".into(), engine_summary(&dir));

@@ -93,6 +93,16 @@ struct SessionKv {
     failed: Option<String>,
 }
 
+impl SessionKv {
+    /// Ends the hand-over for `why` (the first reason stays): the staged copies and their room in
+    /// the sync budget go at once, and every later call of the attempt is refused.
+    fn fail(&mut self, why: String) {
+        self.failed.get_or_insert(why);
+        self.staged.clear();
+        self.held = None;
+    }
+}
+
 #[derive(Debug, Clone)]
 struct EngineRoom {
     peer: String,
@@ -719,7 +729,7 @@ impl KvSource for EngineRooms {
                         s.hashes.len()
                     ),
                 );
-                s.failed = Some(e.message.clone());
+                s.fail(e.message.clone());
                 return Err(e);
             }
             if s.held.is_none() && handed.pages > 0 {
@@ -741,7 +751,7 @@ impl KvSource for EngineRooms {
                              {budget} pages with the syncs in flight now; the turn finishes unsynced"
                         )
                     };
-                    s.failed = Some(why.clone());
+                    s.fail(why.clone());
                     return Err(ApiError::new(
                         Code::ResourceExhausted,
                         api::ErrorReason::Unspecified,
@@ -766,7 +776,7 @@ impl KvSource for EngineRooms {
             let pages = match copied {
                 Ok(p) => p,
                 Err(e) => {
-                    s.failed = Some(e.message.clone());
+                    s.fail(e.message.clone());
                     return Err(e);
                 }
             };
@@ -796,6 +806,19 @@ impl KvSource for EngineRooms {
             pages_taken: taken,
             started: true,
         })
+    }
+
+    fn sync_refused(&self, request_id: u64, attempt: u32, why: &str) {
+        let mut pending = lock(&self.pending);
+        if let Some(p) = pending
+            .get_mut(&request_id)
+            .filter(|p| p.attempt == attempt)
+        {
+            let s = &mut p.session;
+            if !s.hashes.is_empty() && !s.started {
+                s.fail(format!("a SyncSession was refused: {why}"));
+            }
+        }
     }
 
     fn emit_tokens(&self, report: &api::EmitTokensRequest) -> Result<bool, ApiError> {

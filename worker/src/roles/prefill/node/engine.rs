@@ -71,6 +71,59 @@ impl PrefillNode {
         let _ = self.tiers.set(tiers);
     }
 
+    /// This pod's rank of a LayerSplit group computing through its engine (set once, before the
+    /// first room; later calls are ignored).
+    pub fn set_engine_group(&self, group: Arc<super::super::cp_engine::EngineGroup>) {
+        let _ = self.engine_group.set(group);
+    }
+
+    /// The LayerSplit group of the engine path, when this pod is one of its ranks.
+    pub fn engine_group(&self) -> Option<&Arc<super::super::cp_engine::EngineGroup>> {
+        self.engine_group.get()
+    }
+
+    /// A LayerSplit member's part of its leader's step `s` (`super::super::cp_engine`): the room's
+    /// plan from the frame (the decode's address and pages; no decode stream to tell), then the
+    /// work to the engine with the default room deadline. The decode's KV deadline is the
+    /// leader's to enforce; this one bounds the engine.
+    ///
+    /// # Errors
+    /// `ALREADY_EXISTS` for a room open here; `UNAVAILABLE` without an attached engine.
+    pub fn member_open(
+        &self,
+        key: RoomKey,
+        s: &crate::layer_split::wire::StepFrame,
+    ) -> Result<(), Status> {
+        let pages = s.dst_pages.len() as u32;
+        {
+            let mut plans = lock(&self.plans);
+            if plans.contains_key(&key) {
+                return Err(Status::already_exists(format!("{key} is already open")));
+            }
+            plans.insert(
+                key,
+                RoomPlan {
+                    decode_worker: String::new(),
+                    data_addr: s.data_addr.clone(),
+                    region: RegionId(s.region),
+                    pages: s.dst_pages.clone(),
+                    request: s.request,
+                    pages_done: 0,
+                    decode_rank: 0,
+                    decode_incarnation: 0,
+                    group_member: true,
+                },
+            );
+        }
+        if let Err(status) =
+            self.engine_open(key, s.request, pages, DEFAULT_ROOM_DEADLINE, Vec::new(), 0)
+        {
+            lock(&self.plans).remove(&key);
+            return Err(status);
+        }
+        Ok(())
+    }
+
     /// True when the node serves through an engine (`config.engine`).
     pub fn engine_mode(&self) -> bool {
         self.engine.get().is_some()
@@ -105,8 +158,13 @@ impl PrefillNode {
             prefix_hashes,
             hand_off_token,
         };
-        side.submit_work(work)
-            .map_err(|e| Status::unavailable(e.to_string()))?;
+        match self.engine_group() {
+            // A LayerSplit leader's room waits for its step (one room at a time per group).
+            Some(group) if group.is_leader() => group.open(work)?,
+            _ => side
+                .submit_work(work)
+                .map_err(|e| Status::unavailable(e.to_string()))?,
+        }
         let weak = Arc::downgrade(&side);
         tokio::spawn(async move {
             tokio::time::sleep(deadline).await;
@@ -141,11 +199,25 @@ impl PrefillNode {
             side.write_done(key, false);
             return;
         };
-        let ops = match self.engine_ops(side, &write, region, &dst) {
+        // A LayerSplit rank's owned layers also go to the group's other ranks (the pages in use).
+        let broadcast = match (self.engine_group(), side.pools().first()) {
+            (Some(group), Some(pool)) => group.broadcast(
+                key,
+                pool,
+                &write.pages,
+                write.first_page,
+                write.layers.clone(),
+                dst.len(),
+            ),
+            _ => Ok(()),
+        };
+        let ops = broadcast.and_then(|()| self.engine_ops(side, &write, region, &dst));
+        let ops = match ops {
             Ok(ops) => ops,
             Err(e) => {
                 tracing::error!(%key, error = %e, "cannot move the engine's pages");
                 self.send_to(&worker, failed_msg(key, self.cfg.rank, &e));
+                side.fail_with(key, &e);
                 side.write_done(key, false);
                 return;
             }
@@ -213,13 +285,17 @@ impl PrefillNode {
             .ok_or("the engine API has no target pool")?
             .clone();
         let g = *pool.geometry();
-        if g.chunk_bytes() != layout.chunk_bytes() || g.layers != layout.layers {
+        // A LayerSplit rank's pool holds its owned layers (then the receive slot): model layer
+        // `l` is its pool layer `l - owned.start`.
+        let seat = side.layer_split();
+        let pool_layers = seat.map_or(layout.layers, |s| s.pool_layers());
+        if g.chunk_bytes() != layout.chunk_bytes() || g.layers != pool_layers {
             return Err(format!(
                 "the target pool's chunks ({} B, {} layers) are not the transfer layout's ({} B, {} layers)",
                 g.chunk_bytes(),
                 g.layers,
                 layout.chunk_bytes(),
-                layout.layers
+                pool_layers
             ));
         }
         let base = pool.buffer().host_ptr().map_err(|e| e.to_string())? as usize;
@@ -232,9 +308,15 @@ impl PrefillNode {
                     dst.len()
                 )
             })?;
-            for layer in write.layers.start..write.layers.end.min(g.layers) {
+            for layer in write.layers.start..write.layers.end.min(layout.layers) {
+                let pool_layer = match seat {
+                    Some(s) => s
+                        .pool_layer(layer)
+                        .ok_or_else(|| format!("layer {layer} is not this rank's"))?,
+                    None => layer,
+                };
                 let r = pool
-                    .chunk_region(PageId(src), layer)
+                    .chunk_region(PageId(src), pool_layer)
                     .map_err(|e| e.to_string())?;
                 ops.push(WriteOp {
                     key: write.key,
@@ -345,7 +427,9 @@ impl KvSink for PrefillNode {
 
     fn released(&self, key: RoomKey, sent: bool) {
         let plan = lock(&self.plans).remove(&key);
-        if sent {
+        // A LayerSplit member's part reports to its leader, not to the decode.
+        let member = plan.as_ref().is_some_and(|p| p.group_member);
+        if sent && !member {
             self.stats.rooms_completed.fetch_add(1, Ordering::Relaxed);
             if let Some(plan) = &plan {
                 self.send_to(
@@ -365,6 +449,10 @@ impl KvSink for PrefillNode {
             SenderState::Failed(crate::release::sender::SenderFailure::Local)
         };
         self.publish_state(key, Some(state), 0);
+        if let Some(group) = self.engine_group() {
+            // The leader starts its next room; a member reports its part done.
+            group.released(key, sent);
+        }
     }
 }
 
@@ -413,6 +501,7 @@ impl PrefillService {
                     pages_done: 0,
                     decode_rank: r.decode_rank,
                     decode_incarnation: r.decode_incarnation,
+                    group_member: false,
                 },
             );
         }
