@@ -21,7 +21,14 @@
 //! 4. NEGATIVE CONTROL: the same pool with `TANDEM_NEGATIVE_LAYER_SPLIT_SKIP_WAIT=1` in its pods'
 //!    environment (the process runner's pod-env annotation; the worker is built with the
 //!    `negative-controls` feature): the ranks attend without waiting on the layer's event and
-//!    the engine counts the chunks it read that were not the layer's KV.
+//!    the engine counts the chunks it read that were not the layer's KV;
+//! 5. through the engine API: the same pool with `engine: {kind: Simulated}` — each pod's worker
+//!    gives its engine container a pool of its owned layers and a receive slot, the engines
+//!    compute layer by layer (PagesReady per owned layer, AwaitLayer for the others) — serves
+//!    clean, each rank's pages `owned + 1` of 61 layers, one wait per non-owned layer per step,
+//!    0 corrupt receive-slot reads;
+//! 6. NEGATIVE CONTROL through the engine API: the engines run with `--skip-layer-wait` and count
+//!    the receive-slot chunks they read that were not the layer's KV.
 //!
 //! Skips with a printed reason when the control-plane binaries are not built, unless
 //! `TANDEM_E2E_REQUIRE_CLUSTER` is set.
@@ -230,7 +237,111 @@ async fn scenario(h: &Harness) -> Result<(), String> {
             "skip-wait: the ranks must report corrupt chunks read (skipping: {skipping}, corrupt {corrupt})"
         ));
     }
+
+    // 5. Through the engine API: the same group with the Simulated engine beside each worker.
+    patch_prefill(
+        h,
+        json!({"engine": {"kind": "Simulated"},
+            "podTemplate": {"annotations": {POD_ENV_ANNOTATION: null}}}),
+    )?;
+    rolled_out_where(h, "LayerSplit with engines", |pods, reports| {
+        pods.iter()
+            .all(|p| engine_args(p).is_some_and(|a| !a.iter().any(|x| x == "--skip-layer-wait")))
+            && reports.iter().all(|r| r["cp_group"]["engine"] == true)
+    })
+    .await?;
+    complete_within(h, &request(5000), ROLLOUT).await?;
+    println!("{} prefill group restarted with its engines", at());
+    for n in 0..REQUESTS {
+        let v = complete_ok(h, &request(2000 + n)).await?;
+        if v["tandem"]["corrupt_chunks"] != 0 {
+            return Err(format!(
+                "engine request {n}: the decode read corrupt chunks: {v}"
+            ));
+        }
+    }
+    let mut owned_total = 0;
+    for r in &rank_reports(h).await? {
+        let (ls, e) = (&r["cp_group"], &r["engine"]["engine_summary"]);
+        let owned = ls["owned_layers"][0][1].as_u64().unwrap_or(0)
+            - ls["owned_layers"][0][0].as_u64().unwrap_or(0);
+        owned_total += owned;
+        let (steps, waits) = (num(ls, "steps")?, num(ls, "waits")?);
+        println!(
+            "{} engine cp rank {}: layers {} ({owned}), page {} B against replicated {} B; \
+             steps {steps} waits {waits} (hidden {}); engine: {} receive-slot chunks read, {} \
+             corrupt, {} failed steps",
+            at(),
+            ls["cp_rank"],
+            ls["owned_layers"],
+            ls["page_bytes"],
+            ls["replicated_page_bytes"],
+            ls["waits_hidden"],
+            e["layer_chunks_read"],
+            e["layer_corrupt_chunks"],
+            ls["step_failures"],
+        );
+        if ls["engine"] != true
+            || steps < REQUESTS
+            || waits == 0
+            || waits > steps * (LAYERS - owned)
+            || num(e, "layer_corrupt_chunks")? != 0
+            || num(e, "layer_waits")? != waits
+            || num(ls, "page_bytes")? * LAYERS != num(ls, "replicated_page_bytes")? * (owned + 1)
+        {
+            return Err(format!("an engine rank's figures are off: {r}"));
+        }
+    }
+    if owned_total != LAYERS {
+        return Err(format!(
+            "the engine ranks own {owned_total} layers, the model has {LAYERS}"
+        ));
+    }
+
+    // 6. NEGATIVE CONTROL through the engine API: the engines read the receive slot without
+    //    AwaitLayer, and count the chunks that were not their layer's KV.
+    patch_prefill(
+        h,
+        json!({"engine": {"kind": "Simulated", "args": ["--skip-layer-wait"]}}),
+    )?;
+    rolled_out_where(h, "engines skipping the layer wait", |pods, reports| {
+        pods.iter()
+            .all(|p| engine_args(p).is_some_and(|a| a.iter().any(|x| x == "--skip-layer-wait")))
+            && reports.iter().all(|r| r["cp_group"]["engine"] == true)
+    })
+    .await?;
+    complete_within(h, &request(6000), ROLLOUT).await?;
+    for n in 0..4 {
+        complete_ok(h, &request(3000 + n)).await?;
+    }
+    let reports = rank_reports(h).await?;
+    let corrupt: u64 = reports
+        .iter()
+        .map(|r| {
+            r["engine"]["engine_summary"]["layer_corrupt_chunks"]
+                .as_u64()
+                .unwrap_or(0)
+        })
+        .sum();
+    println!(
+        "{} NEGATIVE CONTROL engines skipping the wait: {corrupt} receive-slot chunks read that \
+         were not their layer's KV",
+        at()
+    );
+    if corrupt == 0 {
+        return Err("engines skipping the layer wait must count corrupt receive-slot reads".into());
+    }
     Ok(())
+}
+
+/// The `args` of a pod's engine container; `None` without one.
+fn engine_args(p: &Pod) -> Option<Vec<String>> {
+    p.spec
+        .as_ref()?
+        .containers
+        .iter()
+        .find(|c| c.name == "engine")
+        .map(|c| c.args.clone().unwrap_or_default())
 }
 
 /// A request of 1 to 6 pages of 512 tokens, fresh prefix.
@@ -329,7 +440,21 @@ fn patch_prefill(h: &Harness, spec: Value) -> Result<String, String> {
 /// Waits until the PrefillPool's group runs the patched spec: the pool's status settled and
 /// every live pod Ready, reporting `layout` (`layer_split` or `replicated`); at most [`ROLLOUT`].
 async fn rolled_out(h: &Harness, layout: &str) -> Result<(), String> {
-    poll(ROLLOUT, || async {
+    rolled_out_where(h, layout, |_, reports| {
+        reports.iter().all(|r| r["cp_group"]["layout"] == layout)
+    })
+    .await
+}
+
+/// [`rolled_out`] with `done(pods, reports)` saying whether the pods and their `/report`s show
+/// the patched spec (`what` names it in the error).
+async fn rolled_out_where(
+    h: &Harness,
+    what: &str,
+    done: impl Fn(&[Pod], &[Value]) -> bool,
+) -> Result<(), String> {
+    let done = &done;
+    poll(ROLLOUT, || async move {
         let seen = h
             .kubectl(&[
                 "get",
@@ -346,15 +471,12 @@ async fn rolled_out(h: &Harness, layout: &str) -> Result<(), String> {
             return None;
         }
         let reports = rank_reports(h).await.ok()?;
-        reports
-            .iter()
-            .all(|r| r["cp_group"]["layout"] == layout)
-            .then_some(())
+        done(&pods, &reports).then_some(())
     })
     .await
     .ok_or_else(|| {
         format!(
-            "{PREFILL} did not roll onto layout {layout} in {ROLLOUT:?}; {}",
+            "{PREFILL} did not roll onto {what} in {ROLLOUT:?}; {}",
             rollout_state(h)
         )
     })

@@ -104,18 +104,24 @@ async fn wait_ready(w: &World, host: u8) {
     .await;
 }
 
-/// One request of `input` prompt tokens; the decode's `tandem` section (200 asserted).
-async fn send(w: &World, n: u64, input: u32) -> Value {
-    let body = serde_json::json!({"model": "llama-3-8b", "prompt": "x", "max_tokens": 2,
+/// One request of `input` prompt tokens through the decode at `front`, with `extra` fields: its
+/// status and body.
+async fn complete(front: std::net::SocketAddr, n: u64, input: u32, extra: Value) -> (u16, Value) {
+    let mut body = serde_json::json!({"model": "llama-3-8b", "prompt": "x", "max_tokens": 2,
         "input_tokens": input, "kv_block_hashes": [n * 100 + 1, n * 100 + 2, n * 100 + 3]});
-    let (code, frames) = http(
-        w.addr(DECODE, w.ports.front),
-        "POST",
-        "/v1/completions",
-        Some(body),
+    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+        b.extend(e.clone());
+    }
+    let (code, frames) = http(front, "POST", "/v1/completions", Some(body)).await;
+    (
+        code,
+        serde_json::from_str(&text(&frames)).unwrap_or(Value::Null),
     )
-    .await;
-    let v: Value = serde_json::from_str(&text(&frames)).unwrap_or(Value::Null);
+}
+
+/// [`complete`] that must answer 200: the decode's `tandem` section.
+async fn send(front: std::net::SocketAddr, n: u64, input: u32) -> Value {
+    let (code, v) = complete(front, n, input, Value::Null).await;
     assert_eq!(code, 200, "{v}");
     v["tandem"].clone()
 }
@@ -150,11 +156,18 @@ async fn serve(net: u8, engine_args: &[&str], requests: u64) -> Served {
     for host in [LEADER, MEMBER, DECODE] {
         wait_ready(&w, host).await;
     }
-    let (mut corrupt, mut pages) = (0, 0);
+    // All at once: the leader queues them and runs one room at a time.
+    let front = w.addr(DECODE, w.ports.front);
+    let mut tasks = Vec::new();
+    let mut pages = 0;
     for i in 0..requests {
         let input = 400 + (i as u32 % 4) * 512;
         pages += u64::from(input.div_ceil(512));
-        corrupt += send(&w, i, input).await["corrupt_chunks"].as_u64().unwrap();
+        tasks.push(tokio::spawn(send(front, i, input)));
+    }
+    let mut corrupt = 0;
+    for t in tasks {
+        corrupt += t.await.unwrap()["corrupt_chunks"].as_u64().unwrap();
     }
     // Every rank's engine published every room it computed.
     let end = Instant::now() + Duration::from_secs(15);
@@ -269,4 +282,119 @@ async fn negative_control_engines_that_skip_the_layer_wait_read_stale_kv() {
         );
         assert_eq!(n(&rank["cp_group"], "waits"), 0);
     }
+}
+
+/// A group of two with slow engines (`us_per_token` of compute per prompt token, spread over the
+/// layers) and a decode, ready: the processes (ranks, engines, decode) and the front door.
+async fn slow_group(w: &World, us_per_token: &str) -> ([Proc; 2], [Proc; 2], Proc) {
+    w.publish_group(GROUP_SERVICE, LEADER, MEMBER);
+    let cfg = rank_cfg(w, free_port());
+    let ranks = start_group(w, &cfg);
+    let args = ["--prefill-us-per-token", us_per_token];
+    let engines = [
+        spawn_engine(w, LEADER, 0, &args),
+        spawn_engine(w, MEMBER, 1, &args),
+    ];
+    let decode = w.spawn(
+        DECODE,
+        &config(WorkerRole::Decode, "r1", w.ports),
+        &[("TANDEM_DECODE_KV_DEADLINE_MS", "60000")],
+    );
+    for host in [LEADER, MEMBER, DECODE] {
+        wait_ready(w, host).await;
+    }
+    (ranks, engines, decode)
+}
+
+/// Waits until the member runs a step (its engine is computing a room).
+async fn member_running(w: &World) {
+    until(Duration::from_secs(20), || async {
+        !report(w, MEMBER).await["cp_group"]["running_step"].is_null()
+    })
+    .await;
+}
+
+/// Neither rank nor the decode keeps a page: the ranks' sources all back with their engines, the
+/// decode's pages free.
+async fn nothing_held(w: &World) {
+    until(Duration::from_secs(20), || async {
+        let (l, m, d) = (
+            report(w, LEADER).await,
+            report(w, MEMBER).await,
+            report(w, DECODE).await,
+        );
+        let k = &d["kv_pages"];
+        [&l, &m]
+            .iter()
+            .all(|r| r["engine"]["rooms_open"] == 0 && r["engine"]["source_pages_held"] == 0)
+            && k["free"] == k["total"]
+            && k["quarantined"] == 0
+    })
+    .await;
+}
+
+/// A member's engine dies while the group computes a room: the member's room fails at once (its
+/// engine detached), its `StepDone` fails the leader's room, and the request ends with an error
+/// long before its 60 s KV deadline; no rank or decode keeps a page. A new engine attaches and the
+/// group serves again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_engine_that_dies_mid_step_fails_the_room_and_a_new_one_serves() {
+    let w = World::new(164);
+    // 10 ms per token: a 1,000-token room computes for 10 s.
+    let (_ranks, [_leader_engine, mut member_engine], _decode) = slow_group(&w, "10000").await;
+    let front = w.addr(DECODE, w.ports.front);
+    let request = tokio::spawn(complete(front, 1, 1000, Value::Null));
+    member_running(&w).await;
+    member_engine.0.kill().unwrap();
+    let killed = Instant::now();
+    let _ = member_engine.0.wait();
+    let (code, v) = tokio::time::timeout(Duration::from_secs(30), request)
+        .await
+        .expect("the request hung after the member's engine died")
+        .unwrap();
+    assert_ne!(code, 200, "{v}");
+    assert!(
+        killed.elapsed() < Duration::from_secs(15),
+        "the room failed {:?} after the kill (KV deadline 60 s)",
+        killed.elapsed()
+    );
+    nothing_held(&w).await;
+    let l = report(&w, LEADER).await;
+    assert!(n(&l["cp_group"], "step_failures") >= 1, "{}", l["cp_group"]);
+    assert!(!l["cp_group"]["link_broken"].as_bool().unwrap());
+    // A new engine on the member's pool: the group serves again, every chunk clean.
+    let _fresh = spawn_engine(&w, MEMBER, 1, &["--prefill-us-per-token", "0"]);
+    wait_ready(&w, MEMBER).await;
+    let t = send(front, 2, 700).await;
+    assert_eq!(t["corrupt_chunks"], 0, "{t}");
+}
+
+/// The decode aborts a room mid-step (its KV deadline passes while the group computes it): the
+/// leader tells the member (`StepAbort`), the member's room fails at once, the abort's ack leaves
+/// once both ranks' writes are terminal, and no page is kept anywhere. The next room serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_room_the_decode_aborts_mid_step_stops_on_every_rank() {
+    let w = World::new(166);
+    let (_ranks, _engines, _decode) = slow_group(&w, "10000").await;
+    let front = w.addr(DECODE, w.ports.front);
+    // A 1,000-token room computes for 10 s; its KV deadline is 1.5 s.
+    let sent = Instant::now();
+    let (code, v) = complete(front, 1, 1000, serde_json::json!({"kv_deadline_ms": 1500})).await;
+    assert_ne!(code, 200, "{v}");
+    assert!(
+        sent.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        sent.elapsed()
+    );
+    // The member stopped its part when told, not at its own 30 s room deadline.
+    until(Duration::from_secs(8), || async {
+        n(&report(&w, MEMBER).await["cp_group"], "steps_aborted") >= 1
+    })
+    .await;
+    nothing_held(&w).await;
+    let l = report(&w, LEADER).await;
+    assert!(n(&l["cp_group"], "steps_aborted") >= 1, "{}", l["cp_group"]);
+    assert_eq!(report(&w, DECODE).await["counters"]["pages_quarantined"], 0);
+    let t = send(front, 2, 300).await;
+    assert_eq!(t["corrupt_chunks"], 0, "{t}");
 }

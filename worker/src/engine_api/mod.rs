@@ -161,17 +161,21 @@ pub struct LayerSplitSeat {
     pub model_layers: u32,
     /// The model layers this rank owns (contiguous).
     pub owned: std::ops::Range<u32>,
+    /// The most layers any rank of the group owns: every rank's pool has that many layers and the
+    /// receive slot, so every rank has the same page count (a room that fits one fits all).
+    pub max_owned: u32,
 }
 
 impl LayerSplitSeat {
-    /// Layers of the target pool: the owned ones and the receive slot.
+    /// Layers of the target pool: the group's largest owned range and the receive slot (a rank
+    /// owning fewer leaves the layers between its owned ones and the slot unused).
     pub fn pool_layers(&self) -> u32 {
-        self.owned.len() as u32 + 1
+        self.max_owned.max(self.owned.len() as u32) + 1
     }
 
-    /// Pool layer index of the receive slot (after the owned layers).
+    /// Pool layer index of the receive slot (the pool's last layer).
     pub fn receive_slot(&self) -> u32 {
-        self.owned.len() as u32
+        self.pool_layers() - 1
     }
 
     /// The pool layer index of model layer `layer`, when this rank owns it.

@@ -66,6 +66,9 @@ pub trait KvSink: Send + Sync + 'static {
 struct Held {
     attach: u64,
     pages: BTreeSet<u32>,
+    /// Model layers the room's accepted PagesReady covered (a pageless last call needs them all
+    /// on a LayerSplit rank, and at least one write elsewhere).
+    layers: BTreeSet<u32>,
 }
 
 #[derive(Debug)]
@@ -96,20 +99,22 @@ pub struct PrefillStats {
 /// The CP group a LayerSplit rank's rooms are computed with (DESIGN contract 6; seed 004): the
 /// worker's rank link, which answers AwaitLayer (`roles::prefill::cp_engine`).
 pub trait LayerGroup: Send + Sync + 'static {
-    /// Blocks (bounded by the group's wait deadline) until the owner's broadcast of model layer
-    /// `layer` for room `key` has landed, then writes room page k's chunk into the receive slot of
-    /// `pages[k]` of `target` (validated: in the pool, none twice). Returns the room pages written
-    /// and whether the broadcast had landed before the call.
+    /// Blocks — at most `within` (the call's budget) and the group's own wait deadline — until the
+    /// owner's broadcast of model layer `layer` for room `key` has landed, then writes room page
+    /// k's chunk into the receive slot of `pages[k]` of `target` (validated: in the pool, none
+    /// twice). Returns the room pages written and whether the broadcast had landed before the
+    /// call. A wait that fails fails the room: it cannot go on without the layer.
     ///
     /// # Errors
-    /// `UNKNOWN_ROOM` (not the group's current room), `LAYER_OUT_OF_RANGE` (an owned or unknown
-    /// layer), `MALFORMED` (fewer pages than the owner's), `DEADLINE_EXCEEDED`, `GROUP_BROKEN`.
+    /// `UNKNOWN_ROOM` (not running here as a step), `ROOM_STATE` (the room failed or ended while
+    /// waiting), `MALFORMED` (fewer pages than the owner's), `DEADLINE_EXCEEDED`, `GROUP_BROKEN`.
     fn await_layer(
         &self,
         key: RoomKey,
         layer: u32,
         pages: &[u32],
         target: &KvPool,
+        within: std::time::Duration,
     ) -> Result<(u32, bool), ApiError>;
 }
 
@@ -182,14 +187,17 @@ impl PrefillSide {
         let _ = self.group.set(group);
     }
 
-    /// AwaitLayer (engine.proto): checks the pages, then waits through the group.
+    /// AwaitLayer (engine.proto): checks the layer and the pages, then waits through the group,
+    /// at most `within`.
     ///
     /// # Errors
-    /// `WRONG_ROLE` when this worker is no LayerSplit rank; `MALFORMED` / `PAGE_OUT_OF_RANGE` for
-    /// the pages; the group's errors ([`LayerGroup::await_layer`]).
+    /// `WRONG_ROLE` when this worker is no LayerSplit rank; `LAYER_OUT_OF_RANGE` for an owned or
+    /// unknown layer; `MALFORMED` / `PAGE_OUT_OF_RANGE` for the pages; the group's errors
+    /// ([`LayerGroup::await_layer`]).
     pub fn await_layer(
         &self,
         req: &pb::AwaitLayerRequest,
+        within: std::time::Duration,
     ) -> Result<pb::AwaitLayerReply, ApiError> {
         let (Some(seat), Some(group)) = (&self.layer_split, self.group.get()) else {
             return Err(ApiError::new(
@@ -227,7 +235,8 @@ impl PrefillSide {
             return Err(ApiError::malformed("pages", "AwaitLayer names no page"));
         }
         super::error::check_pages(&req.pages, g.pages)?;
-        let (pages, already_there) = group.await_layer(key, req.layer, &req.pages, target)?;
+        let (pages, already_there) =
+            group.await_layer(key, req.layer, &req.pages, target, within)?;
         Ok(pb::AwaitLayerReply {
             pages,
             already_there,
@@ -333,6 +342,7 @@ impl PrefillSide {
                 Held {
                     attach,
                     pages: BTreeSet::new(),
+                    layers: BTreeSet::new(),
                 },
             );
         }
@@ -466,8 +476,10 @@ impl PrefillSide {
             let held = st.held.entry(key).or_insert_with(|| Held {
                 attach,
                 pages: BTreeSet::new(),
+                layers: BTreeSet::new(),
             });
             held.pages.extend(req.pages.iter().copied());
+            held.layers.extend(layers.clone());
             for &p in &req.pages {
                 st.busy.insert(p, key);
             }
@@ -497,7 +509,9 @@ impl PrefillSide {
     /// failed meanwhile.
     ///
     /// # Errors
-    /// `UNKNOWN_ROOM`.
+    /// `UNKNOWN_ROOM`; `ROOM_STATE` when the room's KV was not all sent: on a LayerSplit rank an
+    /// owned layer no PagesReady covered, elsewhere no PagesReady at all (the room would succeed
+    /// without its KV).
     fn end_input(&self, key: RoomKey) -> Result<bool, ApiError> {
         let effects = {
             let mut st = lock(&self.state);
@@ -512,6 +526,30 @@ impl PrefillSide {
                 }
                 Some(SenderState::Failed(_)) => return Ok(false),
                 Some(_) => {}
+            }
+            let sent = st
+                .held
+                .get(&key)
+                .map(|h| h.layers.clone())
+                .unwrap_or_default();
+            let missing: Vec<u32> = match &self.layer_split {
+                Some(seat) => seat.owned.clone().filter(|l| !sent.contains(l)).collect(),
+                None if sent.is_empty() => vec![0],
+                None => Vec::new(),
+            };
+            if !missing.is_empty() {
+                return Err(ApiError::new(
+                    Code::FailedPrecondition,
+                    pb::ErrorReason::RoomState,
+                    match &self.layer_split {
+                        Some(_) => format!(
+                            "{key}: the input cannot end before every owned layer was sent; \
+                             layers {missing:?} were not"
+                        ),
+                        None => format!("{key}: the input cannot end before any page was sent"),
+                    },
+                )
+                .field("last"));
             }
             match st.table.finish_input(key) {
                 Ok(e) => e,
@@ -658,6 +696,7 @@ mod tests {
             layer: u32,
             pages: &[u32],
             _target: &KvPool,
+            _within: std::time::Duration,
         ) -> Result<(u32, bool), ApiError> {
             lock(&self.0).push((key, layer, pages.to_vec()));
             Ok((pages.len() as u32, false))
@@ -671,6 +710,7 @@ mod tests {
             cp_size: 2,
             model_layers: 8,
             owned: 4..8,
+            max_owned: 4,
         }
     }
 
@@ -760,13 +800,24 @@ mod tests {
             "model layer numbers, owned ones only"
         );
         assert_eq!(side.room_state(key), Some(SenderState::Transferring));
-        // No pages and not last: refused. Last without pages: the input ends, no write.
+        // No pages and not last: refused. Last without pages: the input ends, no write — but
+        // not before every owned layer was sent (the room would succeed without its KV).
         let e = side
             .pages_ready(1, &ready(7, vec![], None, false))
             .unwrap_err();
         assert_eq!(e.reason, pb::ErrorReason::Malformed);
+        side.submit_work(work(8)).unwrap();
+        assert!(
+            side.pages_ready(1, &ready(8, vec![2], Some((4, 7)), false))
+                .unwrap()
+        );
+        let e = side
+            .pages_ready(1, &ready(8, vec![], None, true))
+            .unwrap_err();
+        assert_eq!(e.reason, pb::ErrorReason::RoomState, "{e}");
+        assert!(e.message.contains("[7]"), "{e}");
         assert!(side.pages_ready(1, &ready(7, vec![], None, true)).unwrap());
-        assert_eq!(lock(&sink.0).len(), 2, "the last call wrote nothing");
+        assert_eq!(lock(&sink.0).len(), 3, "the last call wrote nothing");
         let f = freed.try_recv().expect("the room's pages come back");
         assert!(f.sent);
         assert_eq!(f.pages, vec![0, 1]);
@@ -788,20 +839,30 @@ mod tests {
             pages,
         };
         // No group yet: as without LayerSplit.
-        let e = side.await_layer(&req(1, vec![0])).unwrap_err();
+        let e = side
+            .await_layer(&req(1, vec![0]), std::time::Duration::from_secs(1))
+            .unwrap_err();
         assert_eq!(e.reason, pb::ErrorReason::WrongRole);
         let group = Arc::new(Waits::default());
         side.set_group(group.clone());
         for layer in [4, 7, 8] {
-            let e = side.await_layer(&req(layer, vec![0])).unwrap_err();
+            let e = side
+                .await_layer(&req(layer, vec![0]), std::time::Duration::from_secs(1))
+                .unwrap_err();
             assert_eq!(e.reason, pb::ErrorReason::LayerOutOfRange, "layer {layer}");
         }
-        let e = side.await_layer(&req(1, vec![0, 0])).unwrap_err();
+        let e = side
+            .await_layer(&req(1, vec![0, 0]), std::time::Duration::from_secs(1))
+            .unwrap_err();
         assert_eq!(e.reason, pb::ErrorReason::Malformed);
-        let e = side.await_layer(&req(1, vec![PAGES])).unwrap_err();
+        let e = side
+            .await_layer(&req(1, vec![PAGES]), std::time::Duration::from_secs(1))
+            .unwrap_err();
         assert_eq!(e.reason, pb::ErrorReason::PageOutOfRange);
         assert!(lock(&group.0).is_empty(), "nothing reached the group");
-        let r = side.await_layer(&req(3, vec![5, 2])).unwrap();
+        let r = side
+            .await_layer(&req(3, vec![5, 2]), std::time::Duration::from_secs(1))
+            .unwrap();
         assert_eq!(r.pages, 2);
         assert_eq!(*lock(&group.0), vec![(RoomKey::new(7, 1), 3, vec![5, 2])]);
         // A side without LayerSplit refuses the call.
@@ -810,7 +871,9 @@ mod tests {
             Arc::new(Recorder::default()),
             PrefillRank(0),
         );
-        let e = plain.await_layer(&req(1, vec![0])).unwrap_err();
+        let e = plain
+            .await_layer(&req(1, vec![0]), std::time::Duration::from_secs(1))
+            .unwrap_err();
         assert_eq!(e.reason, pb::ErrorReason::WrongRole);
     }
 }

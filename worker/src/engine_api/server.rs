@@ -378,8 +378,10 @@ impl pb::prefill_server::Prefill for Services {
         let r = req.into_inner();
         bounded("AwaitLayer", b, async {
             let p = self.0.prefill(r.attach_id)?;
-            // Blocks on the rank link (bounded by the group's wait deadline): off the runtime.
-            tokio::task::spawn_blocking(move || p.await_layer(&r))
+            // Blocks (within the call's budget, less a margin so that the typed answer comes
+            // first): off the runtime.
+            let within = b.saturating_sub(b / 10);
+            tokio::task::spawn_blocking(move || p.await_layer(&r, within))
                 .await
                 .map_err(|e| ApiError::internal(format!("AwaitLayer task: {e}")))?
         })

@@ -227,6 +227,43 @@ impl LayerReceiver {
         }
     }
 
+    /// Takes one frame someone else read from the link (`bytes`, as [`RankLink::recv`] gave them):
+    /// a layer frame waits for its [`LayerReceiver::take_layer`], a `Step` or `StepDone` for
+    /// [`LayerReceiver::pop_control`]. For a reader thread that owns the link's receiving side
+    /// while waiters only look here (the engine path, `roles::prefill::cp_engine`).
+    ///
+    /// # Errors
+    /// Frame decoding and validation errors (the frame is dropped).
+    pub fn accept_bytes(&mut self, bytes: &[u8]) -> Result<(), LayerSplitError> {
+        self.accept(Frame::decode(bytes)?)
+    }
+
+    /// The per-layer event without reading the link: when the frame of `(step, layer)` has been
+    /// accepted, copies it into the scratch and returns true; false while it has not come.
+    ///
+    /// # Errors
+    /// [`LayerSplitError::NeverBroadcast`] when `layer` is this rank's own (nobody broadcasts it
+    /// here); [`LayerSplitError::BadFrame`] under replication.
+    pub fn take_layer(&mut self, step: u64, layer: u32) -> Result<bool, LayerSplitError> {
+        let owner = self.owner(layer)?;
+        if owner == self.rank {
+            return Err(LayerSplitError::NeverBroadcast { step, layer, owner });
+        }
+        match self.pending.remove(&(step, layer)) {
+            Some(frame) => {
+                self.deliver(frame);
+                self.delivered[layer as usize] = Some(step);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// The oldest `Step` or `StepDone` frame accepted and not taken yet.
+    pub fn pop_control(&mut self) -> Option<Frame> {
+        self.control.pop_front()
+    }
+
     /// Drops layer frames kept for steps before `step`: a step that failed (or whose wait was
     /// skipped) leaves its later layers' frames behind, and nobody will wait for them.
     pub fn forget_before(&mut self, step: u64) {
@@ -328,7 +365,7 @@ impl LayerReceiver {
                 self.pending.insert((f.step, f.layer), f);
                 Ok(())
             }
-            Frame::Step(_) | Frame::StepDone(_) => {
+            Frame::Step(_) | Frame::StepDone(_) | Frame::StepAbort { .. } => {
                 self.control.push_back(frame);
                 Ok(())
             }

@@ -12,6 +12,10 @@
 //!   your owned layers into the decode's pages.
 //! - `StepDone` (kind 4, a rank → the leader): `from u32 | step u64 | ok u8 | kv_bytes u64 |
 //!   reason_len u16 | reason (UTF-8)` — every write of the rank's part of the step is terminal.
+//! - `StepAbort` (kind 5, leader → the other ranks on the engine path): `step u64 | reason_len u16
+//!   | reason (UTF-8)` — the leader's room of this step failed (an abort, its deadline, the
+//!   leader's engine went away): stop the step; its `StepDone` still follows once the rank's
+//!   writes are terminal.
 
 /// Frame magic.
 const MAGIC: &[u8; 4] = b"TLS1";
@@ -19,6 +23,7 @@ const KIND_HELLO: u8 = 1;
 const KIND_LAYER: u8 = 2;
 const KIND_STEP: u8 = 3;
 const KIND_STEP_DONE: u8 = 4;
+const KIND_STEP_ABORT: u8 = 5;
 /// Bytes of a `Layer` frame before its page list.
 pub const LAYER_HEADER_BYTES: usize = 4 + 1 + 4 + 8 + 8 + 4 + 4 + 4;
 
@@ -127,6 +132,13 @@ pub enum Frame {
     Step(StepFrame),
     /// A rank's part of a step is over.
     StepDone(StepDoneFrame),
+    /// The leader's room of a step failed: the other ranks stop it (the engine path).
+    StepAbort {
+        /// The step.
+        step: u64,
+        /// Why, for the ranks' logs.
+        reason: String,
+    },
 }
 
 fn put_text(out: &mut Vec<u8>, text: &str) {
@@ -183,6 +195,11 @@ impl Frame {
                 out.push(u8::from(f.ok));
                 out.extend_from_slice(&f.kv_bytes.to_le_bytes());
                 put_text(&mut out, &f.reason);
+            }
+            Frame::StepAbort { step, reason } => {
+                out.push(KIND_STEP_ABORT);
+                out.extend_from_slice(&step.to_le_bytes());
+                put_text(&mut out, reason);
             }
         }
         out
@@ -265,6 +282,12 @@ impl Frame {
                     kv_bytes,
                     reason,
                 }))
+            }
+            KIND_STEP_ABORT => {
+                let step = r.u64()?;
+                let reason = r.text()?;
+                r.end()?;
+                Ok(Frame::StepAbort { step, reason })
             }
             k => Err(WireError::UnknownKind(k)),
         }
@@ -359,7 +382,11 @@ mod tests {
             kv_bytes: 4096,
             reason: "write to 127.0.3.2:7001 timed out".into(),
         });
-        for f in [step, done] {
+        let abort = Frame::StepAbort {
+            step: 3,
+            reason: "the decode aborted the room".into(),
+        };
+        for f in [step, done, abort] {
             let bytes = f.encode();
             assert_eq!(Frame::decode(&bytes), Ok(f.clone()));
             for cut in 0..bytes.len() {

@@ -3,35 +3,47 @@
 //! engine's groups are [`super::cp_group`]; this is the same protocol with the compute in the
 //! engine beside each worker.
 //!
-//! A prefill pod of a pool with `parallelism.context` C > 1, `layerSplit` and an `engine` is one CP
-//! rank of a group. At start its ranks connect the rank link and agree on the owner map
-//! ([`super::cp_group::connect`], R-LS-1) **before any pool is allocated**; then each worker
-//! allocates a target pool of only its owned layers and one receive slot and tells its engine so
-//! at Attach ([`crate::engine_api::LayerSplitSeat`]): the same host memory holds `layers / (owned
-//! + 1)` times the pages of a replicated pool (seed 004's token-capacity gain).
+//! A prefill pod of a pool with `parallelism.context` C > 1, `layerSplit` and a Simulated `engine`
+//! is one CP rank of a group. At start its ranks connect the rank link and agree on the owner map
+//! ([`connect`], R-LS-1) **before any pool is allocated**; then each worker allocates a target pool
+//! of the group's largest owned range and one receive slot and tells its engine so at Attach
+//! ([`crate::engine_api::LayerSplitSeat`]): the same host memory holds `layers / (max owned + 1)`
+//! times the pages of a replicated pool (seed 004's token-capacity gain), the same on every rank.
 //!
 //! Rooms run one at a time per group, in the same order on every rank:
 //! 1. The leader (CP rank 0, the group's one room peer) opens each room its decodes send in the
 //!    sender table ([`PrefillSide::open_room`]) and queues it. It starts the next one once the
-//!    running one is released: one outstanding part per member ([`PrefillSide::begin_part`]), so
-//!    that neither success nor an abort ack leaves before every rank's writes are terminal (DESIGN
-//!    contract 3); then the `Step` (room, request, the decode's data address and pages) to every
-//!    member; then the work to its own engine.
+//!    running one is released — the slot is taken under one lock with the pop, so two rooms never
+//!    run at once: one outstanding part per member ([`PrefillSide::begin_part`]), so that neither
+//!    success nor an abort ack leaves before every rank's writes are terminal (DESIGN contract 3);
+//!    then the `Step` (room, request, the decode's data address and pages) to every member; then
+//!    the work to its own engine.
 //! 2. Every rank's engine goes through the model's layers in order. An owned layer: it writes the
 //!    layer's chunks and says PagesReady for it; the worker writes them into the decode's pages and
 //!    broadcasts them to the other ranks — the chunks of the room's pages only, the pages in use,
 //!    never the whole layer ([`EngineGroup::broadcast`]). Another layer: the engine calls
-//!    AwaitLayer, answered once the owner's frame has landed and been copied into the receive slot
-//!    of the engine's pages ([`EngineGroup`]'s [`LayerGroup::await_layer`]); only then does it read
-//!    the slot. At the end, a PagesReady with `last` and no pages ends the room's input.
+//!    AwaitLayer, answered once the owner's frame has been accepted and copied into the receive
+//!    slot of the engine's pages ([`LayerGroup::await_layer`]); only then does it read the slot.
+//!    At the end, a PagesReady with `last` and no pages ends the room's input (refused until every
+//!    owned layer was sent).
 //! 3. A member's room is released once its writes are terminal; its `StepDone` then closes its part
 //!    at the leader ([`PrefillSide::end_part`]), failing the room first when that part failed. The
 //!    leader's room succeeds — its decode gets the last `ChunkDone` — only once its own writes and
-//!    every part landed; the decode verifies every chunk it received from every rank.
+//!    every part landed; the decode verifies every chunk it received from every rank. A part closes
+//!    only on its `StepDone`, however late (until then that rank's writes may still land).
+//! 4. When the leader's room fails mid-step (the decode aborts it, its deadline, its engine went
+//!    away) the leader sends `StepAbort`: each member fails its room at once (its engine's next
+//!    call is refused), and its `StepDone` follows when its writes are terminal. A member whose
+//!    AwaitLayer fails (the broadcast did not come in time) fails its room the same way.
 //!
-//! A rank link that closes (a rank went away) breaks the group: the running and queued rooms fail
-//! and the worker stops, so the group re-forms when its pods restart (as with the built-in
-//! engine). Every wait is bounded: a layer by the group's wait deadline, a room by its deadline.
+//! One thread per rank reads the rank link ([`EngineGroup::tick`]): layer frames wait in the
+//! receiver for their AwaitLayer (woken through a condition variable, never by reading the link
+//! themselves), `Step`, `StepDone` and `StepAbort` are handled as they come. A link that closes (a
+//! rank went away) breaks the group: the running and queued rooms fail — the running room's open
+//! parts stay open, since a member still alive may still write — and the worker stops, so the group
+//! re-forms when its pods restart (as with the built-in engine). Waits are bounded: a layer by the
+//! group's wait deadline and the call's, a member's room by its deadline, a room's parts by the
+//! members' rooms.
 //!
 //! Reported in `/report.cp_group` ([`EngineGroup::report`]): the rank, its owned layers, the pool's
 //! pages and page bytes against the replicated layout's, broadcast bytes against a whole-layer
@@ -40,10 +52,10 @@
 //! `layer_corrupt_chunks`, 0 unless its negative control `--skip-layer-wait` reads the slot without
 //! waiting).
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -53,11 +65,11 @@ use crate::engine_api::LayerSplitSeat;
 use crate::engine_api::error::ApiError;
 use crate::engine_api::pb;
 use crate::engine_api::prefill::{LayerGroup, PrefillSide};
-use crate::layer_split::receive::{Arrival, LayerReceiver};
+use crate::layer_split::OwnerMap;
+use crate::layer_split::receive::LayerReceiver;
 use crate::layer_split::tcp_link::TcpRankLink;
-use crate::layer_split::transport::RankLink;
+use crate::layer_split::transport::{RankLink, Received};
 use crate::layer_split::wire::{Frame, LayerFrame, StepDoneFrame, StepFrame};
-use crate::layer_split::{LayerSplitError, OwnerMap};
 use crate::memory::pool::{KvPool, PageId};
 use crate::release::RoomKey;
 use crate::release::sender::SenderState;
@@ -68,32 +80,36 @@ use super::node::PrefillNode;
 /// Rooms queued at the leader beyond the running one: more are refused with `UNAVAILABLE` (the
 /// decode retries another peer) rather than queued without bound.
 const QUEUE_DEPTH: usize = 256;
-/// How long the control thread waits for a frame before it looks at the link again.
+/// How long the reader thread waits for a frame before it looks at the link's health again.
 const IDLE_POLL: Duration = Duration::from_millis(20);
-/// One slice of a layer wait: the receiver's lock is given up between slices, so the control
-/// thread takes `Step`/`StepDone` frames while a wait goes on.
-const WAIT_SLICE: Duration = Duration::from_millis(5);
+/// Longest a layer wait sleeps before it looks at its room and the group again.
+const WAIT_SLICE: Duration = Duration::from_millis(50);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// The room a group runs now.
+/// The leader's running step.
 #[derive(Debug, Clone)]
 struct Current {
     step: u64,
     key: RoomKey,
-    request: u64,
-    /// Leader: the members whose `StepDone` has not come (their parts are open).
+    /// The members whose `StepDone` has not come (their parts are open).
     parts: BTreeSet<u32>,
+    /// `StepAbort` went to the members.
+    aborted: bool,
 }
 
 #[derive(Debug, Default)]
 struct Steps {
     /// Leader: rooms opened and waiting for their step, in arrival order.
     queue: VecDeque<(RoomKey, pb::PrefillWork)>,
+    /// Leader: the running step (the slot is taken in the same critical section as the pop).
     current: Option<Current>,
     next_step: u64,
+    /// Every rank: the rooms running here as a step, `room → (step, request)` (AwaitLayer, the
+    /// broadcasts, a member's `StepDone`).
+    rooms: HashMap<RoomKey, (u64, u64)>,
 }
 
 /// Counters of this rank (monotonic), read by `/report`.
@@ -101,12 +117,14 @@ struct Steps {
 struct Stats {
     steps: AtomicU64,
     step_failures: AtomicU64,
+    steps_aborted: AtomicU64,
     frames_sent: AtomicU64,
     broadcast_payload_bytes: AtomicU64,
     broadcast_frame_bytes: AtomicU64,
     whole_layer_broadcast_bytes: AtomicU64,
     waits: AtomicU64,
     waits_hidden: AtomicU64,
+    wait_failures: AtomicU64,
     link_broken: AtomicBool,
     last_error: Mutex<Option<String>>,
 }
@@ -116,15 +134,19 @@ pub struct EngineGroup {
     plan: GroupPlan,
     seat: LayerSplitSeat,
     link: TcpRankLink,
+    /// Layer frames kept for their waits, control frames for the reader thread; only the reader
+    /// thread reads the link.
     receiver: Mutex<LayerReceiver>,
+    /// Signalled whenever the reader thread accepted a frame (a layer wait looks again).
+    arrived: Condvar,
     node: Weak<PrefillNode>,
     steps: Mutex<Steps>,
     stats: Stats,
     wait_timeout: Duration,
     chunk_bytes: usize,
     broken_tx: tokio::sync::watch::Sender<Option<String>>,
-    /// The worker's runtime: a member's room opens from the control thread inside it (its
-    /// deadline is a runtime timer).
+    /// The worker's runtime: a member's room opens from the reader thread inside it (its deadline
+    /// is a runtime timer).
     runtime: tokio::runtime::Handle,
 }
 
@@ -139,7 +161,7 @@ impl std::fmt::Debug for EngineGroup {
 }
 
 /// The LayerSplit seat of `plan`'s rank: its owned layers, which must be one contiguous range (the
-/// engine's pool holds them in order before the receive slot).
+/// engine's pool holds them in order before the receive slot), and the group's largest share.
 ///
 /// # Errors
 /// A text reason for a replicated plan or an owner map that gives this rank several ranges.
@@ -157,11 +179,16 @@ pub fn seat_of(plan: &GroupPlan) -> Result<LayerSplitSeat, String> {
             ranges.len()
         ));
     };
+    let max_owned = (0..plan.cp_size)
+        .map(|r| map.owned(r).len() as u32)
+        .max()
+        .unwrap_or(0);
     Ok(LayerSplitSeat {
         cp_rank: plan.cp_rank,
         cp_size: plan.cp_size,
         model_layers: plan.layers,
         owned: owned.clone(),
+        max_owned,
     })
 }
 
@@ -215,12 +242,12 @@ pub fn connect(
 }
 
 impl EngineGroup {
-    /// The group over a [`Connected`] link, with its control thread started. `chunk_bytes` is one
+    /// The group over a [`Connected`] link, with its reader thread started. `chunk_bytes` is one
     /// (page, layer) chunk of the transfer layout; `wait_timeout` bounds each layer wait; a
     /// member's rooms open inside `runtime`.
     ///
     /// # Errors
-    /// A text reason when the control thread cannot start.
+    /// A text reason when the reader thread cannot start.
     pub fn start(
         connected: Connected,
         node: &Arc<PrefillNode>,
@@ -240,6 +267,7 @@ impl EngineGroup {
             seat,
             link,
             receiver: Mutex::new(receiver),
+            arrived: Condvar::new(),
             node: Arc::downgrade(node),
             steps: Mutex::new(Steps::default()),
             stats: Stats::default(),
@@ -258,7 +286,7 @@ impl EngineGroup {
                     }
                 }
             })
-            .map_err(|e| format!("starting the CP group's control thread: {e}"))?;
+            .map_err(|e| format!("starting the CP group's reader thread: {e}"))?;
         tracing::info!(cp_rank = group.plan.cp_rank, cp_size = group.plan.cp_size,
             owned = ?group.seat.owned, "CP group connected; its ranks compute through their engines");
         Ok(group)
@@ -308,13 +336,9 @@ impl EngineGroup {
             .collect()
     }
 
-    /// The running room's step, when it is `key`.
+    /// The step and request of `key`, while it runs here.
     fn step_of(&self, key: RoomKey) -> Option<(u64, u64)> {
-        lock(&self.steps)
-            .current
-            .as_ref()
-            .filter(|c| c.key == key)
-            .map(|c| (c.step, c.request))
+        lock(&self.steps).rooms.get(&key).copied()
     }
 
     /// Leader: a decode opened `work.room` (its plan is recorded at the node): the room opens in
@@ -323,9 +347,6 @@ impl EngineGroup {
     /// # Errors
     /// `UNAVAILABLE`: the group is broken, no engine is attached, or the queue is full.
     pub fn open(&self, work: pb::PrefillWork) -> Result<(), Status> {
-        if let Some(why) = self.broken() {
-            return Err(Status::unavailable(format!("CP group broken: {why}")));
-        }
         let side = self
             .side()
             .ok_or_else(|| Status::unavailable("no engine has attached to this prefill worker"))?;
@@ -333,50 +354,73 @@ impl EngineGroup {
             .room
             .ok_or_else(|| Status::invalid_argument("work without room"))?
             .into();
-        if lock(&self.steps).queue.len() >= QUEUE_DEPTH {
-            return Err(Status::unavailable(format!(
-                "{QUEUE_DEPTH} rooms already queued for the CP group"
-            )));
+        {
+            // Under the lock that `broke` drains the queue under: a room is either refused here
+            // or failed there, never left in a queue nobody serves.
+            let mut st = lock(&self.steps);
+            if let Some(why) = self.broken() {
+                return Err(Status::unavailable(format!("CP group broken: {why}")));
+            }
+            if st.queue.len() >= QUEUE_DEPTH {
+                return Err(Status::unavailable(format!(
+                    "{QUEUE_DEPTH} rooms already queued for the CP group"
+                )));
+            }
+            side.open_room(&work)
+                .map_err(|e| Status::unavailable(e.to_string()))?;
+            st.queue.push_back((key, work));
         }
-        side.open_room(&work)
-            .map_err(|e| Status::unavailable(e.to_string()))?;
-        lock(&self.steps).queue.push_back((key, work));
         self.start_next(&side);
         Ok(())
     }
 
-    /// Leader: starts the next queued room that is still live, unless one runs.
+    /// Leader: starts the next queued room that is still live, unless one runs. The slot is taken
+    /// together with the pop, so concurrent callers (OpenRoom handlers, release callbacks) never
+    /// start two rooms.
     fn start_next(&self, side: &Arc<PrefillSide>) {
+        let members = self.members();
         loop {
-            let (key, work) = {
+            let (key, work, step) = {
                 let mut st = lock(&self.steps);
-                if st.current.is_some() {
+                if st.current.is_some() || self.stats.link_broken.load(Ordering::SeqCst) {
                     return;
                 }
-                let Some(next) = st.queue.pop_front() else {
+                let Some((key, work)) = st.queue.pop_front() else {
                     return;
                 };
-                next
+                st.next_step += 1;
+                let step = st.next_step;
+                st.current = Some(Current {
+                    step,
+                    key,
+                    parts: members.iter().copied().collect(),
+                    aborted: false,
+                });
+                st.rooms.insert(key, (step, work.request_id));
+                (key, work, step)
             };
-            // A room that failed while it queued (an abort, its deadline): nothing to compute.
-            if !matches!(
+            // Gives the slot back when the room cannot start (it failed while it queued).
+            let abandon = || {
+                let mut st = lock(&self.steps);
+                if st.current.as_ref().is_some_and(|c| c.step == step) {
+                    st.current = None;
+                }
+                st.rooms.remove(&key);
+            };
+            let live = matches!(
                 side.room_state(key),
                 Some(
                     SenderState::Bootstrapping
                         | SenderState::WaitingForInput
                         | SenderState::Transferring
                 )
-            ) {
-                continue;
-            }
-            let Some(node) = self.node.upgrade() else {
-                return;
-            };
-            let Some((data_addr, region, dst_pages)) = node.room_destination(key) else {
+            );
+            let dest = self.node.upgrade().and_then(|n| n.room_destination(key));
+            let Some((data_addr, region, dst_pages)) = dest.filter(|_| live) else {
+                abandon();
                 continue;
             };
             // 1. One open part per member before any of them can write.
-            let members = self.members();
             let mut begun = 0;
             for _ in &members {
                 if side.begin_part(key).is_err() {
@@ -385,24 +429,13 @@ impl EngineGroup {
                 begun += 1;
             }
             if begun < members.len() {
-                // The room failed meanwhile: nothing was sent for it.
+                // The room failed meanwhile: no Step left for it.
                 for _ in 0..begun {
                     side.end_part(key, true);
                 }
+                abandon();
                 continue;
             }
-            let step = {
-                let mut st = lock(&self.steps);
-                st.next_step += 1;
-                let step = st.next_step;
-                st.current = Some(Current {
-                    step,
-                    key,
-                    request: work.request_id,
-                    parts: members.iter().copied().collect(),
-                });
-                step
-            };
             lock(&self.receiver).forget_before(step);
             self.stats.steps.fetch_add(1, Ordering::Relaxed);
             // 2. The step order.
@@ -416,9 +449,24 @@ impl EngineGroup {
                 data_addr,
             })
             .encode();
-            for m in &members {
+            for (i, m) in members.iter().enumerate() {
                 if let Err(e) = self.link.send(*m, frame.clone()) {
-                    self.broke(&format!("the step order did not reach CP rank {m}: {e}"));
+                    // The members from this one on have no Step: their parts close now (they
+                    // write nothing); those that have it close on their StepDone.
+                    let why = format!("the step order did not reach CP rank {m}: {e}");
+                    {
+                        let mut st = lock(&self.steps);
+                        if let Some(c) = st.current.as_mut().filter(|c| c.step == step) {
+                            for unsent in &members[i..] {
+                                c.parts.remove(unsent);
+                            }
+                        }
+                    }
+                    side.fail_with(key, &why);
+                    for _ in &members[i..] {
+                        side.end_part(key, false);
+                    }
+                    self.broke(&why);
                     return;
                 }
             }
@@ -431,28 +479,30 @@ impl EngineGroup {
     /// The room `key` is released on this rank (terminal, no write of it can still land; `sent`
     /// when it succeeded). The leader starts its next room; a member reports its part done.
     pub fn released(&self, key: RoomKey, sent: bool) {
-        let current = {
+        let (step, was_current) = {
             let mut st = lock(&self.steps);
-            match &st.current {
-                Some(c) if c.key == key => st.current.take(),
-                _ => None,
+            let step = st.rooms.remove(&key);
+            let was_current = st.current.as_ref().is_some_and(|c| c.key == key);
+            if was_current {
+                st.current = None;
             }
+            (step, was_current)
         };
-        let Some(current) = current else {
-            return;
-        };
-        if !sent {
+        if step.is_some() && !sent {
             self.stats.step_failures.fetch_add(1, Ordering::Relaxed);
         }
         if self.is_leader() {
-            if let Some(side) = self.side() {
+            if was_current && let Some(side) = self.side() {
                 self.start_next(&side);
             }
             return;
         }
+        let Some((step, _)) = step else {
+            return;
+        };
         let done = StepDoneFrame {
             from: self.plan.cp_rank,
-            step: current.step,
+            step,
             ok: sent,
             kv_bytes: 0,
             reason: if sent {
@@ -469,25 +519,51 @@ impl EngineGroup {
         }
     }
 
+    /// Leader: the room `key` failed here (`why`): when it is the running step, the members are
+    /// told once (`StepAbort`) to stop theirs; their `StepDone`s still close their parts.
+    pub fn abort_members(&self, key: RoomKey, why: &str) {
+        if !self.is_leader() {
+            return;
+        }
+        let step = {
+            let mut st = lock(&self.steps);
+            match st.current.as_mut() {
+                Some(c) if c.key == key && !c.aborted => {
+                    c.aborted = true;
+                    c.step
+                }
+                _ => return,
+            }
+        };
+        self.stats.steps_aborted.fetch_add(1, Ordering::Relaxed);
+        let frame = Frame::StepAbort {
+            step,
+            reason: why.to_owned(),
+        }
+        .encode();
+        for m in self.members() {
+            if let Err(e) = self.link.send(m, frame.clone()) {
+                self.broke(&format!("the step abort did not reach CP rank {m}: {e}"));
+                return;
+            }
+        }
+    }
+
     /// Member: the leader's order to run a step. The room opens at the node (its plan from the
     /// frame) and goes to the engine; a room that cannot open is reported failed at once.
     fn member_step(&self, s: StepFrame) {
         let key = RoomKey::new(s.room, s.generation);
         {
             let mut st = lock(&self.steps);
-            if let Some(c) = &st.current {
+            if let Some(other) = st.rooms.values().find(|(step, _)| *step >= s.step) {
                 tracing::warn!(
-                    running = c.step,
-                    next = s.step,
-                    "a step came while another runs here; the running one is dropped"
+                    step = s.step,
+                    running = other.0,
+                    "a step not newer than one running here; dropped"
                 );
+                return;
             }
-            st.current = Some(Current {
-                step: s.step,
-                key,
-                request: s.request,
-                parts: BTreeSet::new(),
-            });
+            st.rooms.insert(key, (s.step, s.request));
         }
         lock(&self.receiver).forget_before(s.step);
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
@@ -499,7 +575,7 @@ impl EngineGroup {
             None => Err(Status::unavailable("the prefill node is gone")),
         };
         if let Err(status) = opened {
-            lock(&self.steps).current = None;
+            lock(&self.steps).rooms.remove(&key);
             self.note_error(format!("step {} ({key}): {}", s.step, status.message()));
             let done = StepDoneFrame {
                 from: self.plan.cp_rank,
@@ -516,6 +592,23 @@ impl EngineGroup {
                 self.broke(&format!("the step report did not reach the leader: {e}"));
             }
         }
+    }
+
+    /// Member: the leader's room of `step` failed: this rank's room of it fails too (its engine's
+    /// next call is refused); its `StepDone` follows once its writes are terminal.
+    fn member_abort(&self, step: u64, reason: &str) {
+        let key = lock(&self.steps)
+            .rooms
+            .iter()
+            .find(|(_, (s, _))| *s == step)
+            .map(|(k, _)| *k);
+        let (Some(key), Some(side)) = (key, self.side()) else {
+            return;
+        };
+        self.stats.steps_aborted.fetch_add(1, Ordering::Relaxed);
+        side.fail_with(key, &format!("the leader's room failed: {reason}"));
+        // A waiting AwaitLayer of it sees the failure at its next look.
+        self.arrived.notify_all();
     }
 
     /// Leader: a member's part of the running step is terminal.
@@ -549,13 +642,13 @@ impl EngineGroup {
 
     /// Broadcasts the owned `layers` of the room's pages, read from `pool` (`pages`: the engine's
     /// source pages, room page k at index k), to every other rank: one frame per layer, tagged with
-    /// the running step. Called for each accepted PagesReady of a LayerSplit room, before its pages
+    /// the room's step. Called for each accepted PagesReady of a LayerSplit room, before its pages
     /// go to the decode.
     ///
     /// # Errors
-    /// A text reason: `key` is not the running room, the call does not name every page of the room
-    /// from page 0 (each owned layer is broadcast once), a layer is not owned, a chunk cannot be
-    /// read, or a peer's stream is gone (the group breaks).
+    /// A text reason: `key` is not running here as a step, the call does not name every page of
+    /// the room from page 0 (each owned layer is broadcast once), a layer is not owned, a chunk
+    /// cannot be read, or a peer's stream is gone (the group breaks).
     pub fn broadcast(
         &self,
         key: RoomKey,
@@ -567,7 +660,7 @@ impl EngineGroup {
     ) -> Result<(), String> {
         let (step, request) = self
             .step_of(key)
-            .ok_or_else(|| format!("{key} is not the CP group's running room"))?;
+            .ok_or_else(|| format!("{key} is not running as a step of the CP group"))?;
         if first_page != 0 || pages.len() != room_pages {
             return Err(format!(
                 "a LayerSplit rank says PagesReady for an owned layer once, naming every page of \
@@ -628,8 +721,8 @@ impl EngineGroup {
         Ok(())
     }
 
-    /// One turn of the control thread: the link's health, then one `Step` or `StepDone` frame if
-    /// one came. Returns false once the thread should end (the group broke).
+    /// One turn of the reader thread: the link's health, then at most one frame from the link
+    /// (kept for its wait, or handled). Returns false once the thread should end (the group broke).
     fn tick(&self) -> bool {
         let closed = self.link.closed_peers();
         if !closed.is_empty() {
@@ -638,14 +731,33 @@ impl EngineGroup {
         if self.stats.link_broken.load(Ordering::SeqCst) {
             return false;
         }
-        let next = lock(&self.receiver).next_control(&self.link, IDLE_POLL);
-        match next {
-            Ok(Some(Frame::Step(s))) if !self.is_leader() => self.member_step(s),
-            Ok(Some(Frame::StepDone(d))) if self.is_leader() => self.part_done(d),
-            Ok(Some(f)) => tracing::debug!(?f, "unexpected frame on the rank link; dropped"),
-            Ok(None) => {}
-            Err(LayerSplitError::Transport { reason, .. }) => self.broke(&reason),
-            Err(e) => tracing::warn!(error = %e, "bad frame on the rank link; dropped"),
+        match self.link.recv(IDLE_POLL) {
+            Received::Frame(bytes) => {
+                if let Err(e) = lock(&self.receiver).accept_bytes(&bytes) {
+                    // A peer's bug must not stop this rank: the frame is dropped.
+                    tracing::warn!(error = %e, "bad frame on the rank link; dropped");
+                }
+                self.arrived.notify_all();
+            }
+            Received::Timeout => {}
+            Received::Closed => {
+                self.broke("every peer link closed");
+                return false;
+            }
+        }
+        // Control frames (also those the handshake kept), handled without the receiver's lock.
+        loop {
+            let Some(frame) = lock(&self.receiver).pop_control() else {
+                break;
+            };
+            match frame {
+                Frame::Step(s) if !self.is_leader() => self.member_step(s),
+                Frame::StepAbort { step, reason } if !self.is_leader() => {
+                    self.member_abort(step, &reason);
+                }
+                Frame::StepDone(d) if self.is_leader() => self.part_done(d),
+                f => tracing::debug!(?f, "unexpected frame on the rank link; dropped"),
+            }
         }
         true
     }
@@ -656,8 +768,10 @@ impl EngineGroup {
         *lock(&self.stats.last_error) = Some(what);
     }
 
-    /// The group is broken (once): the running and queued rooms fail, open parts close failed, and
-    /// the server is told (it stops the worker so that the group re-forms).
+    /// The group is broken (once): the running and queued rooms fail and the server is told (it
+    /// stops the worker so that the group re-forms). The running room's open parts stay open: a
+    /// member still alive may still write into the decode's pages, and its `StepDone` (or the
+    /// decode's ack timeout) ends them.
     fn broke(&self, why: &str) {
         if self.stats.link_broken.swap(true, Ordering::SeqCst) {
             return;
@@ -665,19 +779,18 @@ impl EngineGroup {
         tracing::error!(error = %why, "CP group broken; rooms fail until the group re-forms");
         *lock(&self.stats.last_error) = Some(why.to_owned());
         let _ = self.broken_tx.send(Some(why.to_owned()));
-        let (current, queued) = {
+        let (running, queued) = {
             let mut st = lock(&self.steps);
-            (st.current.take(), std::mem::take(&mut st.queue))
+            let running: Vec<RoomKey> = st.rooms.keys().copied().collect();
+            (running, std::mem::take(&mut st.queue))
         };
+        self.arrived.notify_all();
         let Some(side) = self.side() else {
             return;
         };
         let reason = format!("the CP group is broken ({why}); restarting");
-        if let Some(c) = current {
-            side.fail_with(c.key, &reason);
-            for _ in &c.parts {
-                side.end_part(c.key, false);
-            }
+        for key in running {
+            side.fail_with(key, &reason);
         }
         for (key, _) in queued {
             side.fail_with(key, &reason);
@@ -686,7 +799,7 @@ impl EngineGroup {
 
     /// `/report.cp_group`: the rank and layout, the pool's pages and page bytes against the
     /// replicated layout's, the receive slot, broadcast bytes against a whole-layer broadcast,
-    /// waits (and how many the engine's work hid), steps and failures.
+    /// waits (and how many the engine's work hid), steps, aborts and failures.
     pub fn report(&self) -> Value {
         let s = &self.stats;
         let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -698,7 +811,10 @@ impl EngineGroup {
         let owned = u64::from(self.seat.owned.end - self.seat.owned.start);
         let (queued, running) = {
             let st = lock(&self.steps);
-            (st.queue.len(), st.current.as_ref().map(|c| c.step))
+            (
+                st.queue.len(),
+                st.rooms.values().map(|(step, _)| *step).max(),
+            )
         };
         json!({
             "cp_rank": self.plan.cp_rank,
@@ -710,13 +826,14 @@ impl EngineGroup {
             "owned_layers": [[self.seat.owned.start, self.seat.owned.end]],
             "owner_map_digest": format!("{:016x}", self.plan.map.as_ref().map_or(0, OwnerMap::digest)),
             "pool_pages": pool_pages,
-            "page_bytes": (owned + 1) * chunk,
+            "page_bytes": u64::from(self.seat.pool_layers()) * chunk,
             "replicated_page_bytes": u64::from(self.seat.model_layers) * chunk,
             "stored_kv_bytes": u64::from(pool_pages) * owned * chunk,
             "replicated_kv_bytes": u64::from(pool_pages) * u64::from(self.seat.model_layers) * chunk,
             "receive_slot_bytes": u64::from(pool_pages) * chunk,
             "steps": n(&s.steps),
             "step_failures": n(&s.step_failures),
+            "steps_aborted": n(&s.steps_aborted),
             "rooms_queued": queued,
             "running_step": running,
             "frames_sent": n(&s.frames_sent),
@@ -725,9 +842,91 @@ impl EngineGroup {
             "whole_layer_broadcast_bytes": n(&s.whole_layer_broadcast_bytes),
             "waits": n(&s.waits),
             "waits_hidden": n(&s.waits_hidden),
+            "wait_failures": n(&s.wait_failures),
             "link_broken": s.link_broken.load(Ordering::SeqCst),
             "last_error": *lock(&s.last_error),
         })
+    }
+
+    /// The wait of [`LayerGroup::await_layer`], without failing the room (the caller does, outside
+    /// every lock): until `deadline`, for the frame of (`step`, `layer`), then the copy into the
+    /// receive slot of `pages`.
+    fn wait_layer(
+        &self,
+        key: RoomKey,
+        step: u64,
+        layer: u32,
+        pages: &[u32],
+        target: &KvPool,
+        deadline: Instant,
+    ) -> Result<(u32, bool), ApiError> {
+        let slot = self.seat.receive_slot();
+        let mut rx = lock(&self.receiver);
+        let mut first = true;
+        loop {
+            if let Some(why) = self.broken() {
+                return Err(ApiError::new(
+                    Code::Unavailable,
+                    pb::ErrorReason::GroupBroken,
+                    format!("CP group broken: {why}"),
+                ));
+            }
+            // The room may have failed or ended meanwhile (an abort, its deadline).
+            let running = self.step_of(key).map(|(s, _)| s) == Some(step)
+                && self.side().is_some_and(|s| {
+                    matches!(
+                        s.room_state(key),
+                        Some(
+                            SenderState::Bootstrapping
+                                | SenderState::WaitingForInput
+                                | SenderState::Transferring
+                        )
+                    )
+                });
+            if !running {
+                return Err(ApiError::new(
+                    Code::FailedPrecondition,
+                    pb::ErrorReason::RoomState,
+                    format!("{key} failed or ended while waiting for layer {layer}"),
+                )
+                .field("room"));
+            }
+            match rx.take_layer(step, layer) {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(e) => return Err(ApiError::internal(e.to_string())),
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ApiError::new(
+                    Code::DeadlineExceeded,
+                    pb::ErrorReason::DeadlineExceeded,
+                    format!("layer {layer} of {key} (step {step}) was not broadcast in time"),
+                ));
+            }
+            first = false;
+            rx = self
+                .arrived
+                .wait_timeout(rx, left.min(WAIT_SLICE))
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        let room_pages = rx.scratch_pages().to_vec();
+        if let Some(k) = room_pages.iter().find(|k| **k as usize >= pages.len()) {
+            return Err(ApiError::malformed(
+                "pages",
+                format!(
+                    "the owner broadcast room page {k}; the call names {} pages",
+                    pages.len()
+                ),
+            ));
+        }
+        for &k in &room_pages {
+            let chunk = rx.chunk(k).map_err(|e| ApiError::internal(e.to_string()))?;
+            write_engine_chunk(target, pages[k as usize], slot, chunk)
+                .map_err(ApiError::internal)?;
+        }
+        Ok((room_pages.len() as u32, first))
     }
 }
 
@@ -763,10 +962,6 @@ fn write_engine_chunk(pool: &KvPool, page: u32, layer: u32, src: &[u8]) -> Resul
     Ok(())
 }
 
-fn group_error(code: Code, reason: pb::ErrorReason, message: String) -> ApiError {
-    ApiError::new(code, reason, message)
-}
-
 impl LayerGroup for EngineGroup {
     fn await_layer(
         &self,
@@ -774,81 +969,34 @@ impl LayerGroup for EngineGroup {
         layer: u32,
         pages: &[u32],
         target: &KvPool,
+        within: Duration,
     ) -> Result<(u32, bool), ApiError> {
         let (step, _) = self.step_of(key).ok_or_else(|| {
-            group_error(
+            ApiError::new(
                 Code::NotFound,
                 pb::ErrorReason::UnknownRoom,
-                format!("{key} is not the CP group's running room"),
+                format!("{key} is not running as a step of the CP group"),
             )
             .field("room")
         })?;
-        let slot = self.seat.receive_slot();
-        let deadline = Instant::now() + self.wait_timeout;
-        let mut first = true;
-        loop {
-            if let Some(why) = self.broken() {
-                return Err(group_error(
-                    Code::Unavailable,
-                    pb::ErrorReason::GroupBroken,
-                    format!("CP group broken: {why}"),
-                ));
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(group_error(
-                    Code::DeadlineExceeded,
-                    pb::ErrorReason::DeadlineExceeded,
-                    format!(
-                        "layer {layer} of {key} (step {step}) was not broadcast within {} ms",
-                        self.wait_timeout.as_millis()
-                    ),
-                ));
-            }
-            let mut rx = lock(&self.receiver);
-            match rx.wait(&self.link, step, layer, left.min(WAIT_SLICE)) {
-                Ok(arrival) => {
-                    let room_pages = rx.scratch_pages().to_vec();
-                    if let Some(k) = room_pages.iter().find(|k| **k as usize >= pages.len()) {
-                        return Err(ApiError::malformed(
-                            "pages",
-                            format!(
-                                "the owner broadcast room page {k}; the call names {} pages",
-                                pages.len()
-                            ),
-                        ));
-                    }
-                    for &k in &room_pages {
-                        let chunk = rx.chunk(k).map_err(|e| ApiError::internal(e.to_string()))?;
-                        write_engine_chunk(target, pages[k as usize], slot, chunk)
-                            .map_err(ApiError::internal)?;
-                    }
-                    drop(rx);
-                    let hidden = first && arrival == Arrival::AlreadyThere;
-                    self.stats.waits.fetch_add(1, Ordering::Relaxed);
-                    if hidden {
-                        self.stats.waits_hidden.fetch_add(1, Ordering::Relaxed);
-                    }
-                    return Ok((room_pages.len() as u32, hidden));
-                }
-                Err(LayerSplitError::BroadcastTimeout { .. }) => {}
-                Err(e @ LayerSplitError::NeverBroadcast { .. }) => {
-                    drop(rx);
-                    let why = e.to_string();
-                    self.broke(&why);
-                    return Err(group_error(
-                        Code::Unavailable,
-                        pb::ErrorReason::GroupBroken,
-                        why,
-                    ));
-                }
-                Err(e) => {
-                    // A bad frame of a peer (dropped by the receiver): keep waiting for the one
-                    // this call needs.
-                    tracing::warn!(error = %e, step, layer, "bad frame while waiting for a layer");
+        let deadline = Instant::now() + self.wait_timeout.min(within);
+        let out = self.wait_layer(key, step, layer, pages, target, deadline);
+        match &out {
+            Ok((_, hidden)) => {
+                self.stats.waits.fetch_add(1, Ordering::Relaxed);
+                if *hidden {
+                    self.stats.waits_hidden.fetch_add(1, Ordering::Relaxed);
                 }
             }
-            first = false;
+            Err(e) => {
+                // The room cannot go on without the layer: it fails here (outside every lock),
+                // so that its part ends once its writes are terminal instead of at its deadline.
+                self.stats.wait_failures.fetch_add(1, Ordering::Relaxed);
+                if let Some(side) = self.side() {
+                    side.fail_with(key, &format!("waiting for layer {layer}: {}", e.message));
+                }
+            }
         }
+        out
     }
 }

@@ -373,6 +373,10 @@ impl PrefillNode {
             // `KvSink::ack` on the signal stream.
             lock(&self.abort_from).insert(key, from_worker.to_owned());
             side.abort(key, decode_rank);
+            // A LayerSplit leader's members stop their part of it too.
+            if let Some(group) = self.engine_group.get() {
+                group.abort_members(key, "the decode aborted the room");
+            }
             self.publish(key);
             return Vec::new();
         }

@@ -423,6 +423,10 @@ impl KvSink for PrefillNode {
         if let Some(w) = worker {
             self.send_to(&w, failed_msg(key, self.cfg.rank, reason));
         }
+        // A LayerSplit leader's members stop their part of it too.
+        if let Some(group) = self.engine_group() {
+            group.abort_members(key, reason);
+        }
     }
 
     fn released(&self, key: RoomKey, sent: bool) {
