@@ -146,7 +146,7 @@ struct Served {
 async fn serve(net: u8, engine_args: &[&str], requests: u64) -> Served {
     let w = World::new(net);
     w.publish_group(GROUP_SERVICE, LEADER, MEMBER);
-    let cfg = rank_cfg(&w, free_port());
+    let cfg = rank_cfg(&w, w.free_port());
     let _ranks = start_group(&w, &cfg);
     let _engines = [
         spawn_engine(&w, LEADER, 0, engine_args),
@@ -288,7 +288,7 @@ async fn negative_control_engines_that_skip_the_layer_wait_read_stale_kv() {
 /// layers) and a decode, ready: the processes (ranks, engines, decode) and the front door.
 async fn slow_group(w: &World, us_per_token: &str) -> ([Proc; 2], [Proc; 2], Proc) {
     w.publish_group(GROUP_SERVICE, LEADER, MEMBER);
-    let cfg = rank_cfg(w, free_port());
+    let cfg = rank_cfg(w, w.free_port());
     let ranks = start_group(w, &cfg);
     let args = ["--prefill-us-per-token", us_per_token];
     let engines = [

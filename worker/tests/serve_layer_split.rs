@@ -111,7 +111,7 @@ struct Served {
 async fn serve(net: u8, map: Map, env: &[(&str, &str)], requests: u64) -> Served {
     let w = World::new(net);
     w.publish_group(GROUP_SERVICE, LEADER, MEMBER);
-    let cfg = rank_cfg(&w, free_port(), map);
+    let cfg = rank_cfg(&w, w.free_port(), map);
     let [leader, member] = start_group(&w, [&cfg, &cfg], env, Duration::from_secs(90));
     let (_leader, _member) = (leader.unwrap(), member.unwrap());
     let _decode = w.spawn(DECODE, &config(WorkerRole::Decode, "r1", w.ports), &[]);
@@ -223,7 +223,7 @@ async fn a_replicated_group_computes_together_and_its_leader_writes_whole_pages(
 async fn ranks_on_different_owner_maps_refuse_each_other_before_any_store() {
     let w = World::new(175);
     w.publish_group(GROUP_SERVICE, LEADER, MEMBER);
-    let port = free_port();
+    let port = w.free_port();
     let contiguous = rank_cfg(&w, port, Map::Contiguous);
     let shifted = rank_cfg(&w, port, Map::Owners(vec![0, 0, 0, 1, 1, 1, 1, 1]));
     let started = std::time::Instant::now();
@@ -247,7 +247,7 @@ async fn ranks_on_different_owner_maps_refuse_each_other_before_any_store() {
 async fn a_rank_that_goes_away_breaks_the_group_and_the_leader_stops() {
     let w = World::new(178);
     w.publish_group(GROUP_SERVICE, LEADER, MEMBER);
-    let cfg = rank_cfg(&w, free_port(), Map::Contiguous);
+    let cfg = rank_cfg(&w, w.free_port(), Map::Contiguous);
     let [leader, member] = start_group(&w, [&cfg, &cfg], &[], Duration::from_secs(90));
     let (mut leader, member) = (leader.unwrap(), member.unwrap());
     let _decode = w.spawn(DECODE, &config(WorkerRole::Decode, "r1", w.ports), &[]);

@@ -214,6 +214,23 @@ impl World {
         ]);
     }
 
+    /// A free TCP port none of this world's [`PortSet`] uses (a rank link's; each process listens
+    /// on its own IP). The world's ports were released after they were picked, so the kernel may
+    /// hand one of them out again: a rank link on the health port did not start (CI).
+    pub fn free_port(&self) -> u16 {
+        let p = &self.ports;
+        loop {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            if ![p.control, p.data, p.health, p.front].contains(&port) {
+                return port;
+            }
+        }
+    }
+
     /// Makes each name resolve to its hosts.
     pub fn publish_names(&self, names: &[(&str, &[u8])]) {
         let text: String = names
@@ -451,15 +468,6 @@ pub async fn http(
         }
     }
     (status, frames)
-}
-
-/// A free TCP port (a rank link's: each process listens on its own IP).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 pub fn text(frames: &[(Instant, Bytes)]) -> String {
