@@ -98,6 +98,10 @@ struct ScaleArgs {
     /// the samples' pools place by: the baseline of a placement run.
     #[arg(long)]
     placement_key: Option<String>,
+    /// Stacks applied per second, open loop (default: a burst, as fast as the API server takes
+    /// them). A rate the control plane sustains measures each stack's own apply→Ready.
+    #[arg(long)]
+    apply_rate: Option<f64>,
 }
 
 /// Workload flags shared by `replay` and `demo`.
@@ -420,6 +424,7 @@ async fn scale(args: ScaleArgs) -> anyhow::Result<ExitCode> {
         },
         phase_timeout: Duration::from_secs(args.wait_timeout_s),
         placement_key: args.placement_key,
+        apply_rate: args.apply_rate,
     };
     let report = tandem_e2e::scale::run_scale(&opts).await?;
     println!("{}", report.markdown());

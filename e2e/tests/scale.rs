@@ -48,6 +48,7 @@ async fn five_stacks_and_one_pool_scaled_to_eight_on_kwok() {
         },
         phase_timeout: Duration::from_secs(120),
         placement_key: None,
+        apply_rate: None,
     };
     let started = Instant::now();
     let report = match run_scale(&opts).await {
@@ -196,6 +197,7 @@ async fn required_zone_placement_packs_groups_and_pairs_decode_with_prefill_on_k
             },
             phase_timeout: Duration::from_secs(120),
             placement_key: Some(zone.into()),
+            apply_rate: None,
         };
         let report = match run_scale(&opts).await {
             Ok(r) => r,

@@ -52,7 +52,7 @@ use kube::{Api, CustomResourceExt, Resource, ResourceExt};
 use serde::Serialize;
 use tandem_crds::{CacheTier, DecodePool, PrefillPool};
 
-use self::probe::{ProcSampler, ReadyTimes, ServingPoint, ServingTracker};
+use self::probe::{ProcSampler, ReadyTimes, ServingPoint, ServingTracker, StackPhases};
 use self::report::{RunFigures, ScaleFigures, ScaleReport};
 use self::stacks::{Samples, Stack};
 use crate::cluster::down::down;
@@ -98,6 +98,11 @@ pub struct ScaleOptions {
     /// Report where the pods went by this node label, whatever the pools' own
     /// `placement.topologyKey` (a baseline); `None`: by the pools' key, if any.
     pub placement_key: Option<String>,
+    /// Stacks applied per second, open loop (stack i at i / rate s after the first); `None`: as
+    /// fast as the API server takes them (4 in flight). A burst measures how long N stacks queue
+    /// behind each other; a rate the control plane sustains measures each stack's own latency,
+    /// which is what "apply→Ready flat in N" asks of the operator (issue 17).
+    pub apply_rate: Option<f64>,
 }
 
 impl Default for ScaleOptions {
@@ -116,6 +121,7 @@ impl Default for ScaleOptions {
             build: BuildMode::BuildIfMissing,
             phase_timeout: Duration::from_secs(900),
             placement_key: None,
+            apply_rate: None,
         }
     }
 }
@@ -460,6 +466,37 @@ fn stack_ready_at(ready: &ReadyTimes, s: &Stack) -> Option<Instant> {
     Some(a.max(b).max(c))
 }
 
+/// apply→Ready of every stack split at its first StatefulSet and its last pod Ready, over the
+/// stacks whose three instants were all seen. The parts add up to first apply sent → stack Ready.
+fn phase_split(
+    phases: &StackPhases,
+    ready: &ReadyTimes,
+    all: &[Stack],
+    apply_began: &[Instant],
+    pods: u32,
+) -> report::PhaseSplit {
+    let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
+    let mut parts: [Vec<f64>; 3] = Default::default();
+    for (s, t0) in all.iter().zip(apply_began) {
+        let (Some(child), Some(pods_ready), Some(done)) = (
+            phases.first_child(&s.namespace),
+            phases.pods_ready(&s.namespace, pods as usize),
+            stack_ready_at(ready, s),
+        ) else {
+            continue;
+        };
+        parts[0].push(ms(*t0, child));
+        parts[1].push(ms(child, pods_ready));
+        parts[2].push(ms(pods_ready, done));
+    }
+    let [a, b, c] = parts;
+    report::PhaseSplit {
+        operator_pickup_ms: percentile::summarize(a),
+        control_plane_ms: percentile::summarize(b),
+        operator_ready_ms: percentile::summarize(c),
+    }
+}
+
 /// Operator counters read from one scrape.
 #[derive(Debug, Clone, Copy, Default)]
 struct OpCounters {
@@ -608,26 +645,39 @@ async fn measure_with(
         .ok_or_else(|| ScaleError::Operator("GET apiserver /metrics failed".into()))?;
     let op_before = scrape_op(op).await?;
 
-    // Apply N stacks, recording when each one's last apply returned.
+    // Apply N stacks (in a burst, or at the asked rate), recording when each one's first apply
+    // was sent and when its last apply returned.
     let all: Vec<Stack> = (0..n)
         .map(|i| stacks::stack(samples, &stacks::stack_namespace(i)))
         .collect();
+    let phases = StackPhases::start(client);
     let load_at_apply = report::load_avg();
     let apply_started = Instant::now();
-    let applied: Vec<Result<(usize, Instant), kube::Error>> = futures::stream::iter(0..n)
-        .map(|i| {
-            let s = &all[i];
-            async move {
-                apply_stack(client, s).await?;
-                Ok((i, Instant::now()))
-            }
-        })
-        .buffer_unordered(4)
-        .collect()
-        .await;
+    let rate = opts.apply_rate.filter(|r| r.is_finite() && *r > 0.0);
+    // Paced: enough in flight that a slow apply does not hold the schedule back.
+    let in_flight = if rate.is_some() { 32 } else { 4 };
+    let applied: Vec<Result<(usize, Instant, Instant), kube::Error>> =
+        futures::stream::iter(0..n)
+            .map(|i| {
+                let s = &all[i];
+                let at = rate.map(|r| apply_started + Duration::from_secs_f64(i as f64 / r));
+                async move {
+                    if let Some(at) = at {
+                        tokio::time::sleep_until(at.into()).await;
+                    }
+                    let began = Instant::now();
+                    apply_stack(client, s).await?;
+                    Ok((i, began, Instant::now()))
+                }
+            })
+            .buffer_unordered(in_flight)
+            .collect()
+            .await;
     let mut applied_at = vec![apply_started; n];
+    let mut apply_began = vec![apply_started; n];
     for r in applied {
-        let (i, t) = r?;
+        let (i, began, t) = r?;
+        apply_began[i] = began;
         applied_at[i] = t;
     }
     let apply_s = apply_started.elapsed().as_secs_f64();
@@ -662,6 +712,9 @@ async fn measure_with(
             })
         })
         .collect();
+
+    let split = phase_split(&phases, &ready, &all, &apply_began, samples.pods_per_stack());
+    phases.stop();
 
     // Settled: no operator write for 5 s. (Reconciles keep running — resyncs, and the 5 s
     // requeue of anything still moving — so the in-flight gauge is no settle signal at large N.)
@@ -783,6 +836,8 @@ async fn measure_with(
         settled_s,
         apply_to_ready_ms: percentile::summarize(apply_to_ready_ms.iter().copied()),
         stacks_ready: apply_to_ready_ms.iter().filter(|v| v.is_finite()).count(),
+        apply_rate: rate,
+        phases: split,
         reconciles_busy: busy.last().map_or(0.0, |b| b.1),
         reconcile_p50_le_s: prom::quantile_bound(&busy, 0.5),
         reconcile_p99_le_s: prom::quantile_bound(&busy, 0.99),

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
@@ -180,6 +181,84 @@ impl ReadyTimes {
     /// Objects seen Ready so far.
     pub fn count(&self) -> usize {
         self.seen.lock().map(|m| m.len()).unwrap_or(0)
+    }
+
+    /// Stops the watches.
+    pub fn stop(&self) {
+        if let Ok(mut t) = self.tasks.lock() {
+            for task in t.drain(..) {
+                task.abort();
+            }
+        }
+    }
+}
+
+/// When each stack's children appeared and when its pods became Ready, by namespace (one stack
+/// per namespace): what splits apply→Ready into the operator's part and the control plane's
+/// (issue 17). Instants are when this process saw the event on its watches.
+#[derive(Clone, Default)]
+pub struct StackPhases {
+    first_child: Arc<Mutex<HashMap<String, Instant>>>,
+    pod_ready: Arc<Mutex<HashMap<String, HashMap<String, Instant>>>>,
+    tasks: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+}
+
+impl StackPhases {
+    /// Watches StatefulSets (the operator's first child of every stack) and pods in every
+    /// namespace.
+    pub fn start(client: &kube::Client) -> Self {
+        let this = Self::default();
+        let first = this.first_child.clone();
+        let sts: Api<StatefulSet> = Api::all(client.clone());
+        let a = tokio::spawn(async move {
+            let mut events = watcher(sts, watcher::Config::default())
+                .default_backoff()
+                .applied_objects()
+                .boxed();
+            while let Some(ev) = events.next().await {
+                let Ok(obj) = ev else { continue };
+                if let (Some(ns), Ok(mut m)) = (obj.namespace(), first.lock()) {
+                    m.entry(ns).or_insert_with(Instant::now);
+                }
+            }
+        });
+        let ready = this.pod_ready.clone();
+        let pods: Api<Pod> = Api::all(client.clone());
+        let b = tokio::spawn(async move {
+            let mut events = watcher(pods, watcher::Config::default())
+                .default_backoff()
+                .applied_objects()
+                .boxed();
+            while let Some(ev) = events.next().await {
+                let Ok(p) = ev else { continue };
+                if !pod_serving(&p) {
+                    continue;
+                }
+                if let (Some(ns), Ok(mut m)) = (p.namespace(), ready.lock()) {
+                    m.entry(ns)
+                        .or_default()
+                        .entry(p.name_any())
+                        .or_insert_with(Instant::now);
+                }
+            }
+        });
+        if let Ok(mut t) = this.tasks.lock() {
+            t.extend([a, b]);
+        }
+        this
+    }
+
+    /// When the first StatefulSet of `namespace` was seen.
+    pub fn first_child(&self, namespace: &str) -> Option<Instant> {
+        self.first_child.lock().ok()?.get(namespace).copied()
+    }
+
+    /// When the last of `pods` pods of `namespace` was first seen Ready; `None` until `pods` of
+    /// them have been.
+    pub fn pods_ready(&self, namespace: &str, pods: usize) -> Option<Instant> {
+        let m = self.pod_ready.lock().ok()?;
+        let seen = m.get(namespace)?;
+        (seen.len() >= pods).then(|| seen.values().max().copied())?
     }
 
     /// Stops the watches.

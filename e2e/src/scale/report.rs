@@ -40,6 +40,10 @@ pub struct RunFigures {
     pub apply_to_ready_ms: Option<Percentiles>,
     /// Stacks seen Ready.
     pub stacks_ready: usize,
+    /// Stacks applied per second (`None`: a burst, as fast as the API server took them).
+    pub apply_rate: Option<f64>,
+    /// Where each stack's apply→Ready went.
+    pub phases: PhaseSplit,
     /// Reconciles from the first apply until settled.
     pub reconciles_busy: f64,
     /// Reconcile latency p50 over apply → settled: at most this (histogram bucket bound, s).
@@ -88,6 +92,21 @@ pub struct RunFigures {
     /// Where the pods went, when the sample pools carry `spec.placement` (issue 17).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub placement: Option<super::placement::PlacementFigures>,
+}
+
+/// A stack's apply→Ready in three parts (ms, over the stacks whose three instants were seen):
+/// from its first apply sent to its first StatefulSet (the operator picked it up and wrote), from
+/// there to its last pod Ready (the StatefulSet controller, scheduler and kubelet — kwok here), and
+/// from there to the stack Ready (the operator saw the pods and wrote the pools' status). The
+/// operator's parts are the ones that must stay flat in N; the middle one is the control plane's.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct PhaseSplit {
+    /// First apply sent → first StatefulSet seen.
+    pub operator_pickup_ms: Option<Percentiles>,
+    /// First StatefulSet → last pod Ready.
+    pub control_plane_ms: Option<Percentiles>,
+    /// Last pod Ready → every object of the stack Ready.
+    pub operator_ready_ms: Option<Percentiles>,
 }
 
 /// `/proc/loadavg`'s three averages (zeros when unreadable).
@@ -298,6 +317,31 @@ impl ScaleReport {
                 r.load_avg[1][0]
             );
         }
+        m.push_str(
+            "\n## Where apply→Ready goes (ms, p50 / p99)\n\nOperator pickup: a stack's first \
+             apply sent → its first StatefulSet seen. Control plane: → its last pod Ready \
+             (StatefulSet controller, scheduler, kwok). Operator ready: → every object of the stack \
+             Ready. The operator's two parts must stay flat in N; a burst of N stacks makes the \
+             control plane's part grow with N on any machine of fixed size.\n\n\
+             | N | applied | operator pickup | control plane | operator ready | apply→Ready |\n\
+             |---|---|---|---|---|---|\n",
+        );
+        for r in &self.runs {
+            let pq = |p: Option<Percentiles>| {
+                p.map_or_else(|| "-".into(), |p| format!("{:.0} / {:.0}", p.p50, p.p99))
+            };
+            let _ = writeln!(
+                m,
+                "| {} | {} | {} | {} | {} | {} |",
+                r.n,
+                r.apply_rate
+                    .map_or_else(|| "burst".into(), |v| format!("{v} stacks/s")),
+                pq(r.phases.operator_pickup_ms),
+                pq(r.phases.control_plane_ms),
+                pq(r.phases.operator_ready_ms),
+                pq(r.apply_to_ready_ms),
+            );
+        }
         m.push_str("\n## API requests, first apply → settled (all clients), by verb\n\n");
         for r in &self.runs {
             let verbs: Vec<String> = r
@@ -366,7 +410,7 @@ impl ScaleReport {
             let _ = writeln!(m, "- [{}] {name}: {detail}", if *ok { "x" } else { " " });
         }
         m.push_str(
-            "\nPlots: `apply_to_ready.svg`, `reconcile.svg`, `rss.svg`, `serving.svg` (when the \
+            "\nPlots: `apply_to_ready.svg`, `apply_to_ready_split.svg`, `reconcile.svg`, `rss.svg`, `serving.svg` (when the \
              scale experiment ran).\n",
         );
         m
@@ -402,6 +446,28 @@ impl ScaleReport {
                 &[
                     ("p50", BLUE, pick(&|r| r.apply_to_ready_ms.map(|a| a.p50))),
                     ("p99", RED, pick(&|r| r.apply_to_ready_ms.map(|a| a.p99))),
+                ],
+            )?;
+            xy_plot(
+                &dir.join("apply_to_ready_split.svg"),
+                text,
+                ("apply-to-Ready split, p99 per part", "stacks (N)", "ms"),
+                &[
+                    (
+                        "operator pickup",
+                        BLUE,
+                        pick(&|r| r.phases.operator_pickup_ms.map(|a| a.p99)),
+                    ),
+                    (
+                        "control plane",
+                        GREEN,
+                        pick(&|r| r.phases.control_plane_ms.map(|a| a.p99)),
+                    ),
+                    (
+                        "operator ready",
+                        RED,
+                        pick(&|r| r.phases.operator_ready_ms.map(|a| a.p99)),
+                    ),
                 ],
             )?;
             xy_plot(
@@ -585,6 +651,12 @@ mod tests {
             load_avg: [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]],
             process: vec![],
             placement: None,
+            apply_rate: Some(2.0),
+            phases: PhaseSplit {
+                operator_pickup_ms: crate::report::percentile::summarize([10.0, 20.0]),
+                control_plane_ms: crate::report::percentile::summarize([50.0, 150.0]),
+                operator_ready_ms: crate::report::percentile::summarize([30.0, 40.0]),
+            },
         }
     }
 
@@ -598,6 +670,10 @@ mod tests {
         ok.write(dir.path()).unwrap();
         let md = std::fs::read_to_string(dir.path().join("scale.md")).unwrap();
         assert!(md.contains("| 10 | cached | 8 |"), "{md}");
+        assert!(
+            md.contains("| 10 | 2 stacks/s | 10 / 20 | 50 / 150 | 30 / 40 | 100 / 200 |"),
+            "{md}"
+        );
         let svg = std::fs::read_to_string(dir.path().join("apply_to_ready.svg")).unwrap();
         assert!(svg.starts_with("<svg"), "{}", &svg[..40.min(svg.len())]);
         assert!(dir.path().join("scale.json").exists());
