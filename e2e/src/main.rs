@@ -231,8 +231,8 @@ struct DemoArgs {
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=99))]
     restart_at: usize,
     /// Prefill routing A/B (issue 16 item 2): the whole demo twice, each on a fresh cluster and
-    /// stack, first with `TANDEM_DECODE_ROUTING=round-robin`, then `affinity`; reports in
-    /// `--out`/round-robin and `--out`/affinity, the side-by-side table on stdout and in
+    /// stack, first with `TANDEM_DECODE_ROUTING=round-robin`, then `least-work` (the default); reports
+    /// in `--out`/round-robin and `--out`/least-work, the side-by-side table on stdout and in
     /// `--out`/routing-ab.md (and .json).
     #[arg(long, conflicts_with = "snapshot_ab")]
     routing_ab: bool,
@@ -246,7 +246,7 @@ struct DemoArgs {
 
 #[derive(Args)]
 struct RoutingTableArgs {
-    /// The `--out` of a `demo --routing-ab` run (holding round-robin/ and affinity/).
+    /// The `--out` of a `demo --routing-ab` run (holding round-robin/ and least-work/).
     #[arg(long, default_value = "tandem-demo-out")]
     out: PathBuf,
 }

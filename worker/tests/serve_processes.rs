@@ -398,7 +398,7 @@ async fn decode_refuses_a_prefill_of_another_revision() {
 }
 
 /// `TANDEM_DECODE_ROUTING` (issue 16 item 2): a decode reports the routing policy it was started
-/// with in `/report.routing` (affinity by default), and a bad value refuses the start, naming the
+/// with in `/report.routing` (least-work by default), and a bad value refuses the start, naming the
 /// variable and the values it takes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decode_reports_its_routing_policy_and_refuses_a_bad_one() {
@@ -407,11 +407,7 @@ async fn decode_reports_its_routing_policy_and_refuses_a_bad_one() {
     let _p = w.spawn(2, &config(WorkerRole::Prefill, "r1", w.ports), &[]);
     let mut decodes = Vec::new();
     for (host, value, want) in [
-        (
-            7,
-            None,
-            serde_json::json!({"policy": "affinity", "max_skew": 0}),
-        ),
+        (7, None, serde_json::json!({"policy": "least-work"})),
         (
             8,
             Some("round-robin"),

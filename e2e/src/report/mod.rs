@@ -9,7 +9,7 @@
 //! * [`summary`]: the pure aggregation into [`summary::Summary`] (`results.json`).
 //! * [`plots`]: the PNGs.
 //! * [`routing`]: rooms per prefill pod, the decodes' routing policy, and the round-robin /
-//!   affinity A/B table (`tandem-e2e demo --routing-ab`).
+//!   least-work A/B table (`tandem-e2e demo --routing-ab`).
 //! * [`session`]: one replay with sampling and the report (`tandem-e2e replay`).
 
 pub mod events;

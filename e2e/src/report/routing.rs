@@ -1,7 +1,7 @@
 //! Prefill routing in the report (issue 16 item 2): how evenly the decodes spread rooms over the
 //! prefill pods ([`PrefillBalance`], in `results.json`), which policy the decodes reported
-//! ([`decode_routing`]), and the side-by-side table of two demo runs, round-robin against prefix
-//! affinity ([`RoutingAb`], `tandem-e2e demo --routing-ab`).
+//! ([`decode_routing`]), and the side-by-side table of two demo runs, round-robin against the
+//! prefix-aware default, least-work ([`RoutingAb`], `tandem-e2e demo --routing-ab`).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -92,8 +92,8 @@ pub fn prefill_balance(results: &[RequestResult]) -> PrefillBalance {
     b
 }
 
-/// The routing policies the decode workers reported in `/report.routing` (`round-robin`,
-/// `affinity:SKEW`), each once, sorted; empty when no decode reported one.
+/// The routing policies the decode workers reported in `/report.routing` (`least-work`,
+/// `round-robin`, `affinity:SKEW`), each once, sorted; empty when no decode reported one.
 pub fn decode_routing(samples: &[Sample]) -> Vec<String> {
     let mut out: Vec<String> = samples
         .iter()
@@ -116,9 +116,15 @@ pub fn decode_routing(samples: &[Sample]) -> Vec<String> {
 /// The decode worker's routing knob (`worker/src/roles/decode/routing.rs`, `ROUTING_ENV`).
 pub const ROUTING_ENV: &str = "TANDEM_DECODE_ROUTING";
 
-/// The two policies of the A/B, in run order: (label, `TANDEM_DECODE_ROUTING` value).
+/// The two policies of the A/B, in run order: (label, `TANDEM_DECODE_ROUTING` value): the
+/// baseline, then the decode's default.
 pub const AB_POLICIES: [(&str, &str); 2] =
-    [("round-robin", "round-robin"), ("affinity", "affinity")];
+    [("round-robin", "round-robin"), ("least-work", "least-work")];
+
+/// The baseline's label in [`AB_POLICIES`].
+const BASELINE: &str = AB_POLICIES[0].0;
+/// The prefix-aware policy's label in [`AB_POLICIES`].
+const AWARE: &str = AB_POLICIES[1].0;
 
 /// One run's figures in the A/B table.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -176,7 +182,7 @@ impl AbRow {
     }
 }
 
-/// Round-robin and affinity side by side (`routing-ab.json`; its `Display` is `routing-ab.md`).
+/// Round-robin and the prefix-aware policy side by side (`routing-ab.json`; its `Display` is `routing-ab.md`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RoutingAb {
     /// What was run (workload, samples), one line.
@@ -197,9 +203,9 @@ impl RoutingAb {
         self.rows.iter().find(|r| r.policy == policy)
     }
 
-    /// affinity / round-robin of `f`, when both ran.
+    /// prefix-aware / round-robin of `f`, when both ran.
     pub fn ratio_of(&self, f: fn(&AbRow) -> f64) -> Option<f64> {
-        let (rr, af) = (self.row("round-robin")?, self.row("affinity")?);
+        let (rr, af) = (self.row(BASELINE)?, self.row(AWARE)?);
         Some(ratio(f(af), f(rr)))
     }
 }
@@ -239,10 +245,10 @@ impl fmt::Display for RoutingAb {
                 if r.passed { "pass" } else { "FAIL" }
             )?;
         }
-        if let (Some(rr), Some(af)) = (self.row("round-robin"), self.row("affinity")) {
+        if let (Some(rr), Some(af)) = (self.row(BASELINE), self.row(AWARE)) {
             writeln!(
                 f,
-                "| affinity / round-robin | | | | {:.2} | {:.2} | {:.2} | | | {:.2} | {:.2} | {:.2} | |",
+                "| {AWARE} / {BASELINE} | | | | {:.2} | {:.2} | {:.2} | | | {:.2} | {:.2} | {:.2} | |",
                 ratio(af.l2, rr.l2),
                 ratio(af.l3, rr.l3),
                 ratio(af.total, rr.total),
@@ -253,7 +259,7 @@ impl fmt::Display for RoutingAb {
             writeln!(f)?;
             writeln!(
                 f,
-                "goal when L3 holds the working set: affinity's total hit ratio within 10 % of the \
+                "goal when L3 holds the working set: {AWARE}'s total hit ratio within 10 % of the \
                  ceiling: {:.3} / {:.3} = {:.2} (≥ 0.90 {})",
                 af.total,
                 af.ceiling,
@@ -266,7 +272,7 @@ impl fmt::Display for RoutingAb {
             )?;
             writeln!(
                 f,
-                "goal when it does not: affinity's total hit ratio ≥ 1.3 × round-robin's: {:.2} × \
+                "goal when it does not: {AWARE}'s total hit ratio ≥ 1.3 × {BASELINE}'s: {:.2} × \
                  ({})",
                 ratio(af.total, rr.total),
                 if ratio(af.total, rr.total) >= 1.3 {
@@ -295,7 +301,7 @@ impl fmt::Display for RoutingAb {
 }
 
 impl RoutingAb {
-    /// The A/B of the runs under `dir` (`dir/round-robin/results.json`, `dir/affinity/results.json`);
+    /// The A/B of the runs under `dir` (`dir/round-robin/results.json`, `dir/least-work/results.json`);
     /// a run whose file is missing or unreadable is listed in `missing`.
     pub fn load(dir: &std::path::Path, setting: &str) -> Self {
         let mut ab = RoutingAb {
@@ -420,11 +426,7 @@ mod tests {
     fn row(policy: &str, l2: f64, l3: f64, p99: f64) -> AbRow {
         AbRow {
             policy: policy.into(),
-            reported: vec![if policy == "affinity" {
-                "affinity:0".into()
-            } else {
-                policy.into()
-            }],
+            reported: vec![policy.into()],
             completed: 100,
             failed: 0,
             l2,
@@ -445,7 +447,7 @@ mod tests {
             setting: "trace x, 600 requests".into(),
             rows: vec![
                 row("round-robin", 0.05, 0.05, 1000.0),
-                row("affinity", 0.12, 0.03, 900.0),
+                row("least-work", 0.12, 0.03, 900.0),
             ],
             missing: Vec::new(),
         };
@@ -457,10 +459,10 @@ mod tests {
             ),
             "{text}"
         );
-        assert!(text.contains("| affinity | affinity:0 | 100 | 0 | 0.120 | 0.030 | 0.150 |"));
+        assert!(text.contains("| least-work | least-work | 100 | 0 | 0.120 | 0.030 | 0.150 |"));
         assert!(
             text.contains(
-                "| affinity / round-robin | | | | 2.40 | 0.60 | 1.50 | | | 1.00 | 0.90 | 1.00 | |"
+                "| least-work / round-robin | | | | 2.40 | 0.60 | 1.50 | | | 1.00 | 0.90 | 1.00 | |"
             ),
             "{text}"
         );
@@ -475,11 +477,11 @@ mod tests {
         // One run missing: no ratio row, the reason named.
         let half = RoutingAb {
             rows: vec![row("round-robin", 0.05, 0.05, 1000.0)],
-            missing: vec!["affinity: demo phase `replay` failed".into()],
+            missing: vec!["least-work: demo phase `replay` failed".into()],
             ..ab
         };
         let text = half.to_string();
-        assert!(!text.contains("affinity / round-robin") && text.contains("missing: affinity"));
+        assert!(!text.contains("least-work / round-robin") && text.contains("missing: least-work"));
         assert!(half.ratio_of(|r| r.total).is_none());
     }
 
@@ -517,7 +519,7 @@ mod tests {
         });
         // A results.json written before this field still reads (no balance, no policy).
         let s: Summary = serde_json::from_value(json).unwrap();
-        let r = AbRow::of("affinity", &s);
+        let r = AbRow::of("least-work", &s);
         assert_eq!((r.completed, r.failed), (3, 0));
         assert_eq!((r.l2, r.l3, r.total, r.ceiling), (0.1, 0.05, 0.15, 0.2));
         assert_eq!((r.ttft_p50_ms, r.ttft_p99_ms), (2.0, 3.0));

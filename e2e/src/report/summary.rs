@@ -372,7 +372,7 @@ pub struct Summary {
     /// Rooms per prefill pod and their imbalance ([`PrefillBalance`]).
     #[serde(default)]
     pub prefill_balance: PrefillBalance,
-    /// Routing policies the decodes reported (`/report.routing`: `round-robin`, `affinity:SKEW`).
+    /// Routing policies the decodes reported (`/report.routing`: `least-work`, `round-robin`, `affinity:SKEW`).
     #[serde(default)]
     pub decode_routing: Vec<String>,
     /// Prefill incarnations that served through the engine API.

@@ -211,8 +211,9 @@ pub struct WorkerReport {
     /// simulated engine's `engine_summary`; README §4), kept as sent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub engine: Option<serde_json::Value>,
-    /// Decode workers: the routing policy over prefill peers in use (`{"policy": "round-robin"}`
-    /// or `{"policy": "affinity", "max_skew": N}`; `TANDEM_DECODE_ROUTING`).
+    /// Decode workers: the routing policy over prefill peers in use (`{"policy": "least-work"}`,
+    /// `{"policy": "round-robin"}` or `{"policy": "affinity", "max_skew": N}`;
+    /// `TANDEM_DECODE_ROUTING`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub routing: Option<serde_json::Value>,
 }

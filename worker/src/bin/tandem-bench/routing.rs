@@ -1,4 +1,4 @@
-//! `tandem-bench routing`: prefix-affine prefill selection against round-robin on the Mooncake
+//! `tandem-bench routing`: prefix-aware prefill selection against round-robin on the Mooncake
 //! conversation trace, in the same run (issue 16 item 2).
 //!
 //! A trace-driven model of the demo's serving path, with the worker's own pieces where they
@@ -11,9 +11,11 @@
 //! decode workers in turn, each with its own affinity table and its own count of rooms in flight
 //! per prefill (what a decode worker knows).
 //!
-//! Three settings, each with both policies: L2 only (no CacheTier), the demo's L3 capacity, and an
-//! L3 that holds the whole working set; plus the ceiling — one unbounded cache that sees every
-//! request. Printed per row: token hit ratio by tier, the ratio to the ceiling, TTFT p50/p99
+//! Three settings, each with round-robin, `affinity` and `least-work` (the decode's default): L2
+//! only (no CacheTier), the demo's L3 capacity, and an L3 that holds the whole working set; plus
+//! the ceiling — one unbounded cache that sees every request. Each decode counts, per prefill, its
+//! rooms in flight and the blocks they compute (their blocks the prefill did not hold by its
+//! table), as the worker's `PeerSet` does. Printed per row: token hit ratio by tier, the ratio to the ceiling, TTFT p50/p99
 //! (model), and the prefill queue imbalance (busiest prefill's compute time / the mean).
 //!
 //! Defaults are the demo's: 4 prefills, 1 decode; L2 1 GiB per prefill at the demo's 1,024 KV bytes
@@ -73,7 +75,7 @@ pub struct RoutingArgs {
 pub struct Row {
     /// `L2 only`, `demo L3`, `L3 holds all`.
     pub setting: &'static str,
-    /// `round-robin` or `affinity`.
+    /// `round-robin`, `affinity` or `least-work`.
     pub policy: &'static str,
     /// Hit tokens / prompt tokens, L2.
     pub l2: f64,
@@ -94,7 +96,7 @@ pub struct RoutingReport {
     pub requests: usize,
     /// The unbounded single cache's token hit ratio.
     pub ceiling: f64,
-    /// Rows, round-robin then affinity per setting.
+    /// Rows, round-robin, affinity, then least-work per setting.
     pub rows: Vec<Row>,
 }
 
@@ -132,14 +134,18 @@ impl RoutingReport {
                 r.imbalance
             ));
         }
-        for pair in self.rows.chunks(2) {
-            if let [rr, aff] = pair {
-                let (t_rr, t_aff) = (rr.l2 + rr.l3, aff.l2 + aff.l3);
+        for rr in self.rows.iter().filter(|r| r.policy == "round-robin") {
+            for other in self
+                .rows
+                .iter()
+                .filter(|r| r.setting == rr.setting && r.policy != rr.policy)
+            {
                 out.push(format!(
-                    "{}: affinity / round-robin hit ratio {:.2}, TTFT p99 {:.2} × round-robin's",
+                    "{}: {} / round-robin hit ratio {:.2}, TTFT p99 {:.2} × round-robin's",
                     rr.setting,
-                    t_aff / t_rr.max(f64::MIN_POSITIVE),
-                    aff.ttft_p99_ms / rr.ttft_p99_ms.max(f64::MIN_POSITIVE)
+                    other.policy,
+                    (other.l2 + other.l3) / (rr.l2 + rr.l3).max(f64::MIN_POSITIVE),
+                    other.ttft_p99_ms / rr.ttft_p99_ms.max(f64::MIN_POSITIVE)
                 ));
             }
         }
@@ -203,6 +209,7 @@ pub fn run(args: &RoutingArgs) -> Result<RoutingReport, RoutingBenchError> {
                     max_skew: args.max_skew,
                 },
             ),
+            ("least-work", Routing::LeastWork),
         ] {
             rows.push(simulate(args, &requests, setting, policy, routing, l3));
         }
@@ -213,6 +220,9 @@ pub fn run(args: &RoutingArgs) -> Result<RoutingReport, RoutingBenchError> {
         rows,
     })
 }
+
+/// A decode's rooms open on one prefill: (finish time µs, blocks to compute), soonest first.
+type OpenRooms = BinaryHeap<Reverse<(u64, u64)>>;
 
 /// One replay: `l3` is the L3 capacity in pages (`Some(0)`: no CacheTier, `None`: unbounded).
 fn simulate(
@@ -237,9 +247,8 @@ fn simulate(
     let mut tables: Vec<AffinityTable> = (0..args.decodes)
         .map(|_| AffinityTable::new(args.l2_pages.max(1)))
         .collect();
-    // Finish times (µs) of the rooms each decode has open on each prefill.
-    let mut open: Vec<Vec<BinaryHeap<Reverse<u64>>>> =
-        vec![vec![BinaryHeap::new(); p]; args.decodes];
+    // Finish times (µs) and blocks to compute of the rooms each decode has open on each prefill.
+    let mut open: Vec<Vec<OpenRooms>> = vec![vec![BinaryHeap::new(); p]; args.decodes];
     let mut free_at = vec![0f64; p];
     let mut busy = vec![0f64; p];
     let (mut lookup, mut hit_l2, mut hit_l3) = (0u64, 0u64, 0u64);
@@ -249,7 +258,7 @@ fn simulate(
         let d = n % args.decodes;
         let now = arrival as u64;
         for heap in &mut open[d] {
-            while heap.peek().is_some_and(|Reverse(t)| *t <= now) {
+            while heap.peek().is_some_and(|Reverse((t, _))| *t <= now) {
                 heap.pop();
             }
         }
@@ -257,10 +266,12 @@ fn simulate(
             .map(|i| Candidate {
                 addr: &addrs[i],
                 in_flight: u32::try_from(open[d][i].len()).unwrap_or(u32::MAX),
+                pending_blocks: open[d][i].iter().map(|Reverse((_, b))| b).sum(),
             })
             .collect();
         let hashes = &req.hash_ids;
         let i = routing::choose(routing, &candidates, hashes, &tables[d], n).unwrap_or(0);
+        let own = (hashes.len() - tables[d].leading_match(&addrs[i], hashes)) as u64;
         let keys = req.page_keys();
         let tokens = u64::from(req.input_length);
         let in_l2 = l2[i].leading_present(Tier::L2Host, &keys);
@@ -284,7 +295,7 @@ fn simulate(
         free_at[i] = finish;
         busy[i] += service;
         ttft_ms.push((finish - arrival) / 1000.0);
-        open[d][i].push(Reverse(finish as u64));
+        open[d][i].push(Reverse((finish as u64, own)));
         l2[i].insert(Tier::L2Host, &keys, Residency::Present);
         if let Some(s) = store.as_mut() {
             s.insert(Tier::L3Store, &keys, Residency::Present);
@@ -343,7 +354,8 @@ mod tests {
     }
 
     /// Three sessions taking turns on two prefills: round-robin moves each session's next turn
-    /// to the other prefill, affinity keeps each session on one, so only affinity hits in L2.
+    /// to the other prefill, affinity and least-work keep each session on one, so only they hit
+    /// in L2.
     #[test]
     fn affinity_keeps_alternating_sessions_where_their_prefix_is() {
         let dir = std::env::temp_dir().join(format!("tandem-routing-{}", std::process::id()));
@@ -371,8 +383,17 @@ mod tests {
             .iter()
             .filter(|r| r.setting == "L2 only")
             .collect();
-        let (rr, aff) = (l2_only[0], l2_only[1]);
-        assert_eq!(rr.policy, "round-robin");
+        let (rr, aff, lw) = (l2_only[0], l2_only[1], l2_only[2]);
+        assert_eq!(
+            [rr.policy, aff.policy, lw.policy],
+            ["round-robin", "affinity", "least-work"]
+        );
+        assert!(
+            (lw.l2 - report.ceiling).abs() < 1e-9,
+            "least-work {} vs ceiling {}",
+            lw.l2,
+            report.ceiling
+        );
         // Each session on one prefill sees all its earlier turns: the ceiling, from L2 alone.
         assert!(
             (aff.l2 - report.ceiling).abs() < 1e-9,

@@ -150,8 +150,10 @@ pub struct DecodeOptions {
     /// [`snapshot_push::SYNC_BUDGET_BYTES`].
     pub snapshot_sync_budget: u64,
     /// How rooms are spread over the prefill peers (issue 16 item 2): `TANDEM_DECODE_ROUTING`
-    /// `affinity` (default: prefix affinity within [`routing::DEFAULT_MAX_SKEW`] rooms of the
-    /// least-loaded peer), `affinity:SKEW` or `round-robin`; read by [`run`], which refuses a bad
+    /// `least-work` (default: the peer with the fewest blocks to compute before the request's KV
+    /// is ready, its prefix counted), `affinity` (prefix affinity within
+    /// [`routing::DEFAULT_MAX_SKEW`] rooms of the least-loaded peer), `affinity:SKEW` or
+    /// `round-robin`; read by [`run`], which refuses a bad
     /// value. `/report` shows it as `routing`.
     pub routing: routing::Routing,
 }

@@ -4,12 +4,13 @@
 //! each new address's control port with a hello that carries this decode's revision, keeps the
 //! links that answer with the same revision, and skips — logs once, counts in
 //! `peer_revision_refusals`, reports in `/report` — those of another revision. Rooms go where
-//! their prefix is, balanced against the rooms in flight per link ([`super::routing`]); a request
+//! their prefix is, balanced against the work in flight per link — rooms, and the blocks they
+//! compute there ([`super::routing`]); a request
 //! whose peer failed is retried on another one by the caller ([`PeerSet::pick`] takes the
 //! addresses already tried).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -54,14 +55,48 @@ pub struct PeerSet {
     next: AtomicUsize,
     routing: Routing,
     affinity: Mutex<AffinityTable>,
-    in_flight: Arc<Mutex<BTreeMap<String, u32>>>,
+    in_flight: Arc<Mutex<BTreeMap<String, InFlight>>>,
 }
 
-/// A link chosen for one room: counts as in flight on its peer until dropped (the room's
-/// transfer ended), which is the load [`super::routing::choose`] balances.
+/// What this decode has open on one peer: rooms, and the blocks they had to compute there.
+#[derive(Debug, Clone, Copy, Default)]
+struct InFlight {
+    rooms: u32,
+    blocks: u64,
+}
+
+/// A link chosen for one room: counts as in flight on its peer — one room and the blocks it
+/// computes there, the load [`super::routing::choose`] balances — until [`RoutedLink::settle`]
+/// (the room's KV is complete or the room ended) or until dropped.
 pub struct RoutedLink {
     link: PrefillLink,
-    in_flight: Arc<Mutex<BTreeMap<String, u32>>>,
+    blocks: u64,
+    settled: AtomicBool,
+    in_flight: Arc<Mutex<BTreeMap<String, InFlight>>>,
+}
+
+impl RoutedLink {
+    /// The room no longer loads its peer's prefill (its last chunk landed, or it ended): its room
+    /// and blocks leave the peer's count. Idempotent; dropping the link does it too. The engine
+    /// paths keep the link until the request ends, so they settle when the KV is in.
+    pub fn settle(&self) {
+        if self.settled.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let mut counts = lock(&self.in_flight);
+        if let Some(n) = counts.get_mut(self.link.addr()) {
+            n.rooms = n.rooms.saturating_sub(1);
+            n.blocks = n.blocks.saturating_sub(self.blocks);
+            if n.rooms == 0 {
+                counts.remove(self.link.addr());
+            }
+        }
+    }
+
+    /// Blocks of the room's prompt this peer computes (not held there by the decode's table).
+    pub fn blocks(&self) -> u64 {
+        self.blocks
+    }
 }
 
 impl std::ops::Deref for RoutedLink {
@@ -73,13 +108,7 @@ impl std::ops::Deref for RoutedLink {
 
 impl Drop for RoutedLink {
     fn drop(&mut self) {
-        let mut counts = lock(&self.in_flight);
-        if let Some(n) = counts.get_mut(self.link.addr()) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                counts.remove(self.link.addr());
-            }
-        }
+        self.settle();
     }
 }
 
@@ -216,9 +245,10 @@ impl PeerSet {
     }
 
     /// The live link for a room whose prompt pages are `hashes` (the request's `kv_block_hashes`,
-    /// possibly empty), skipping `tried` addresses; `None` when none is left. Prefix affinity
-    /// balanced against rooms in flight ([`super::routing`]); the room counts as in flight on the
-    /// link until the returned value is dropped.
+    /// possibly empty), skipping `tried` addresses; `None` when none is left. Chosen by the
+    /// decode's [`Routing`] ([`super::routing`]); the room and the blocks of it the peer computes
+    /// (its blocks the peer does not hold by this decode's table) count as in flight on the link
+    /// until [`RoutedLink::settle`] or until the returned value is dropped.
     pub fn pick(&self, tried: &[String], hashes: &[u64]) -> Option<RoutedLink> {
         let links = lock(&self.links);
         let live: Vec<&PrefillLink> = links
@@ -228,17 +258,28 @@ impl PeerSet {
         let mut counts = lock(&self.in_flight);
         let candidates: Vec<Candidate<'_>> = live
             .iter()
-            .map(|l| Candidate {
-                addr: l.addr(),
-                in_flight: counts.get(l.addr()).copied().unwrap_or(0),
+            .map(|l| {
+                let n = counts.get(l.addr()).copied().unwrap_or_default();
+                Candidate {
+                    addr: l.addr(),
+                    in_flight: n.rooms,
+                    pending_blocks: n.blocks,
+                }
             })
             .collect();
         let rr = self.next.fetch_add(1, Ordering::Relaxed);
-        let i = routing::choose(self.routing, &candidates, hashes, &lock(&self.affinity), rr)?;
+        let table = lock(&self.affinity);
+        let i = routing::choose(self.routing, &candidates, hashes, &table, rr)?;
+        let blocks = (hashes.len() - table.leading_match(live[i].addr(), hashes)) as u64;
+        drop(table);
         let link = live[i].clone();
-        *counts.entry(link.addr().to_owned()).or_insert(0) += 1;
+        let n = counts.entry(link.addr().to_owned()).or_default();
+        n.rooms += 1;
+        n.blocks += blocks;
         Some(RoutedLink {
             link,
+            blocks,
+            settled: AtomicBool::new(false),
             in_flight: Arc::clone(&self.in_flight),
         })
     }

@@ -430,6 +430,7 @@ impl EngineRooms {
             Some(Body::Chunk(c)) => {
                 side.on_chunk(key);
                 if c.last {
+                    self.settle_link(key);
                     let now = lock(&self.rooms).get_mut(&key).is_some_and(|r| {
                         r.complete = true;
                         r.complete_on_open = !r.opened;
@@ -448,6 +449,17 @@ impl EngineRooms {
             _ => {}
         }
         true
+    }
+
+    /// The attempt whose room is `key` no longer loads its prefill peer (its KV is in, or the room
+    /// ended): its link leaves the peer's routing load ([`RoutedLink::settle`]); the link itself
+    /// stays with the attempt until the request ends.
+    fn settle_link(&self, key: RoomKey) {
+        for p in lock(&self.pending).values() {
+            if p.room == Some(key) {
+                p.link.settle();
+            }
+        }
     }
 
     /// The prefill peer at `addr` is gone: every engine room it could still write fails through the
@@ -701,6 +713,7 @@ impl KvSource for EngineRooms {
 
     fn released(&self, key: RoomKey) {
         lock(&self.rooms).remove(&key);
+        self.settle_link(key);
         // Closing never waits here (deadline now): the gate proved no write can land.
         let _ = self.node.receiver.fence(key, Instant::now());
         self.node.receiver.forget_room(key.room);
