@@ -656,23 +656,22 @@ async fn measure_with(
     let rate = opts.apply_rate.filter(|r| r.is_finite() && *r > 0.0);
     // Paced: enough in flight that a slow apply does not hold the schedule back.
     let in_flight = if rate.is_some() { 32 } else { 4 };
-    let applied: Vec<Result<(usize, Instant, Instant), kube::Error>> =
-        futures::stream::iter(0..n)
-            .map(|i| {
-                let s = &all[i];
-                let at = rate.map(|r| apply_started + Duration::from_secs_f64(i as f64 / r));
-                async move {
-                    if let Some(at) = at {
-                        tokio::time::sleep_until(at.into()).await;
-                    }
-                    let began = Instant::now();
-                    apply_stack(client, s).await?;
-                    Ok((i, began, Instant::now()))
+    let applied: Vec<Result<(usize, Instant, Instant), kube::Error>> = futures::stream::iter(0..n)
+        .map(|i| {
+            let s = &all[i];
+            let at = rate.map(|r| apply_started + Duration::from_secs_f64(i as f64 / r));
+            async move {
+                if let Some(at) = at {
+                    tokio::time::sleep_until(at.into()).await;
                 }
-            })
-            .buffer_unordered(in_flight)
-            .collect()
-            .await;
+                let began = Instant::now();
+                apply_stack(client, s).await?;
+                Ok((i, began, Instant::now()))
+            }
+        })
+        .buffer_unordered(in_flight)
+        .collect()
+        .await;
     let mut applied_at = vec![apply_started; n];
     let mut apply_began = vec![apply_started; n];
     for r in applied {
@@ -713,7 +712,13 @@ async fn measure_with(
         })
         .collect();
 
-    let split = phase_split(&phases, &ready, &all, &apply_began, samples.pods_per_stack());
+    let split = phase_split(
+        &phases,
+        &ready,
+        &all,
+        &apply_began,
+        samples.pods_per_stack(),
+    );
     phases.stop();
 
     // Settled: no operator write for 5 s. (Reconciles keep running — resyncs, and the 5 s
