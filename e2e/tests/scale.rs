@@ -80,6 +80,16 @@ async fn five_stacks_and_one_pool_scaled_to_eight_on_kwok() {
             run.operator_writes_by_verb
         );
     }
+    // Its events were listed from the API server: every stack's children were Created.
+    assert!(
+        run.operator_events_by_reason
+            .get("Created")
+            .copied()
+            .unwrap_or(0.0)
+            >= 5.0,
+        "the operator's events by reason: {:?}",
+        run.operator_events_by_reason
+    );
     // ... and stays put across a full resync of every object.
     assert!(
         run.steady_reconciles >= 15.0,

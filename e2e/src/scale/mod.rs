@@ -497,6 +497,36 @@ fn phase_split(
     }
 }
 
+/// The operator's component name in its events (`reportingController`; the operator's field
+/// manager, `operator/src/labels.rs`).
+pub const OPERATOR_COMPONENT: &str = "tandem-operator";
+
+/// The operator's events so far by reason, every occurrence of a series counted
+/// (events.k8s.io/v1, listed 500 at a time).
+async fn operator_events_by_reason(
+    client: &kube::Client,
+) -> Result<std::collections::BTreeMap<String, f64>, kube::Error> {
+    use k8s_openapi::api::events::v1::Event;
+    let api: Api<Event> = Api::all(client.clone());
+    let mut out = std::collections::BTreeMap::new();
+    let mut lp = ListParams::default().limit(500);
+    loop {
+        let page = api.list(&lp).await?;
+        for e in &page.items {
+            if e.reporting_controller.as_deref() != Some(OPERATOR_COMPONENT) {
+                continue;
+            }
+            let n = e.series.as_ref().map_or(1, |s| s.count.max(1));
+            *out.entry(e.reason.clone().unwrap_or_default())
+                .or_insert(0.0) += f64::from(n);
+        }
+        match page.metadata.continue_.filter(|c| !c.is_empty()) {
+            Some(c) => lp.continue_token = Some(c),
+            None => return Ok(out),
+        }
+    }
+}
+
 /// Operator counters read from one scrape.
 #[derive(Debug, Clone, Copy, Default)]
 struct OpCounters {
@@ -745,6 +775,7 @@ async fn measure_with(
         }
     }
     let settled_s = apply_started.elapsed().as_secs_f64();
+    let operator_events = operator_events_by_reason(client).await?;
     let api_after = probe::scrape_apiserver(client)
         .await
         .ok_or_else(|| ScaleError::Operator("GET apiserver /metrics failed".into()))?;
@@ -866,6 +897,7 @@ async fn measure_with(
         api_requests_by_verb_resource: by_verb_resource,
         api_request_mean_ms_by_verb: api_latency,
         operator_writes_by_verb: op_writes,
+        operator_events_by_reason: operator_events,
         steady_window_s: window_s,
         steady_reconciles: resync_reconciles,
         steady_writes,

@@ -76,6 +76,10 @@ pub struct RunFigures {
     pub api_request_mean_ms_by_verb: BTreeMap<String, f64>,
     /// The operator's own writes over the same span, by verb.
     pub operator_writes_by_verb: BTreeMap<String, f64>,
+    /// The operator's events from its start until settled, by reason (series counted): what its
+    /// writes were for — e.g. `RollingRestart` on a fresh apply means groups replaced right after
+    /// they were created.
+    pub operator_events_by_reason: BTreeMap<String, f64>,
     /// Length of the steady window (s).
     pub steady_window_s: f64,
     /// Reconciles in the steady window (at least 3N: every object resynced).
@@ -368,6 +372,13 @@ impl ScaleReport {
                 lat.join(", ")
             );
         }
+        m.push_str("\nThe operator's events by reason, its start → settled:\n\n");
+        for r in &self.runs {
+            let mut ev: Vec<(&String, &f64)> = r.operator_events_by_reason.iter().collect();
+            ev.sort_by(|a, b| b.1.total_cmp(a.1).then(a.0.cmp(b.0)));
+            let ev: Vec<String> = ev.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();
+            let _ = writeln!(m, "- N = {}: {}", r.n, ev.join(", "));
+        }
         m.push_str("\nTop verb/resource pairs:\n\n");
         for r in &self.runs {
             let mut top: Vec<(&String, &f64)> = r.api_requests_by_verb_resource.iter().collect();
@@ -644,6 +655,7 @@ mod tests {
             api_requests_by_verb_resource: BTreeMap::from([("LIST/pods".into(), 10.0)]),
             api_request_mean_ms_by_verb: BTreeMap::from([("LIST".into(), 3.0)]),
             operator_writes_by_verb: BTreeMap::from([("apply".into(), 5.0)]),
+            operator_events_by_reason: BTreeMap::from([("Created".into(), 3.0)]),
             steady_window_s: 20.0,
             steady_reconciles: 3.0 * n as f64,
             steady_writes: writes,
@@ -670,6 +682,7 @@ mod tests {
         ok.write(dir.path()).unwrap();
         let md = std::fs::read_to_string(dir.path().join("scale.md")).unwrap();
         assert!(md.contains("| 10 | cached | 8 |"), "{md}");
+        assert!(md.contains("- N = 10: Created 3\n"), "{md}");
         assert!(
             md.contains("| 10 | 2 stacks/s | 10 / 20 | 50 / 150 | 30 / 40 | 100 / 200 |"),
             "{md}"
