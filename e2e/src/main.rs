@@ -100,8 +100,20 @@ struct ScaleArgs {
     placement_key: Option<String>,
     /// Stacks applied per second, open loop (default: a burst, as fast as the API server takes
     /// them). A rate the control plane sustains measures each stack's own apply→Ready.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_apply_rate)]
     apply_rate: Option<f64>,
+}
+
+/// `--apply-rate`: a finite rate of at least one stack per hour.
+fn parse_apply_rate(s: &str) -> Result<f64, String> {
+    let r: f64 = s.trim().parse().map_err(|e| format!("{s:?}: {e}"))?;
+    if r.is_finite() && r >= 1.0 / 3600.0 {
+        Ok(r)
+    } else {
+        Err(format!(
+            "{s:?}: stacks per second, at least 1/3600 (omit the flag for a burst)"
+        ))
+    }
 }
 
 /// Workload flags shared by `replay` and `demo`.

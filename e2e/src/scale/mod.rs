@@ -477,7 +477,9 @@ fn phase_split(
 ) -> report::PhaseSplit {
     let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
     let mut parts: [Vec<f64>; 3] = Default::default();
+    let mut replaced = 0;
     for (s, t0) in all.iter().zip(apply_began) {
+        replaced += phases.replaced(&s.namespace);
         let (Some(child), Some(pods_ready), Some(done)) = (
             phases.first_child(&s.namespace),
             phases.pods_ready(&s.namespace, pods as usize),
@@ -494,6 +496,7 @@ fn phase_split(
         operator_pickup_ms: percentile::summarize(a),
         control_plane_ms: percentile::summarize(b),
         operator_ready_ms: percentile::summarize(c),
+        pods_replaced: replaced,
     }
 }
 
@@ -775,7 +778,11 @@ async fn measure_with(
         }
     }
     let settled_s = apply_started.elapsed().as_secs_f64();
-    let operator_events = operator_events_by_reason(client).await?;
+    // Informational: a failed listing is reported empty, not a failed run.
+    let operator_events = operator_events_by_reason(client).await.unwrap_or_else(|e| {
+        eprintln!("[scale] N = {n}: listing the operator's events failed: {e}");
+        Default::default()
+    });
     let api_after = probe::scrape_apiserver(client)
         .await
         .ok_or_else(|| ScaleError::Operator("GET apiserver /metrics failed".into()))?;

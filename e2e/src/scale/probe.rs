@@ -199,8 +199,36 @@ impl ReadyTimes {
 #[derive(Clone, Default)]
 pub struct StackPhases {
     first_child: Arc<Mutex<HashMap<String, Instant>>>,
-    pod_ready: Arc<Mutex<HashMap<String, HashMap<String, Instant>>>>,
+    pods: Arc<Mutex<HashMap<String, HashMap<String, PodSeen>>>>,
     tasks: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+}
+
+/// One pod name of a stack as the watch last saw it: a pod replaced under the same name (a new
+/// UID) starts over, so its replacement's Ready time is the one that counts.
+#[derive(Debug, Clone, Default)]
+struct PodSeen {
+    uid: String,
+    ready_at: Option<Instant>,
+    /// Incarnations seen before this one.
+    replaced: usize,
+}
+
+impl PodSeen {
+    /// Folds in one observation of the pod.
+    fn observe(&mut self, uid: &str, serving: bool) {
+        if self.uid != uid {
+            if !self.uid.is_empty() {
+                self.replaced += 1;
+            }
+            self.uid = uid.to_owned();
+            self.ready_at = None;
+        }
+        if !serving {
+            self.ready_at = None;
+        } else if self.ready_at.is_none() {
+            self.ready_at = Some(Instant::now());
+        }
+    }
 }
 
 impl StackPhases {
@@ -222,7 +250,7 @@ impl StackPhases {
                 }
             }
         });
-        let ready = this.pod_ready.clone();
+        let seen = this.pods.clone();
         let pods: Api<Pod> = Api::all(client.clone());
         let b = tokio::spawn(async move {
             let mut events = watcher(pods, watcher::Config::default())
@@ -231,14 +259,13 @@ impl StackPhases {
                 .boxed();
             while let Some(ev) = events.next().await {
                 let Ok(p) = ev else { continue };
-                if !pod_serving(&p) {
-                    continue;
-                }
-                if let (Some(ns), Ok(mut m)) = (p.namespace(), ready.lock()) {
+                let uid = p.uid().unwrap_or_default();
+                if let (Some(ns), Ok(mut m)) = (p.namespace(), seen.lock()) {
                     m.entry(ns)
                         .or_default()
                         .entry(p.name_any())
-                        .or_insert_with(Instant::now);
+                        .or_default()
+                        .observe(&uid, pod_serving(&p));
                 }
             }
         });
@@ -253,12 +280,28 @@ impl StackPhases {
         self.first_child.lock().ok()?.get(namespace).copied()
     }
 
-    /// When the last of `pods` pods of `namespace` was first seen Ready; `None` until `pods` of
-    /// them have been.
+    /// When the last of `pods` pods of `namespace` became Ready (each pod name's current
+    /// incarnation, Ready now); `None` while fewer than `pods` are.
     pub fn pods_ready(&self, namespace: &str, pods: usize) -> Option<Instant> {
-        let m = self.pod_ready.lock().ok()?;
-        let seen = m.get(namespace)?;
-        (seen.len() >= pods).then(|| seen.values().max().copied())?
+        let m = self.pods.lock().ok()?;
+        let ready: Vec<Instant> = m
+            .get(namespace)?
+            .values()
+            .filter_map(|p| p.ready_at)
+            .collect();
+        (ready.len() >= pods).then(|| ready.iter().max().copied())?
+    }
+
+    /// Pods of `namespace` replaced under the same name (a new UID) so far.
+    pub fn replaced(&self, namespace: &str) -> usize {
+        self.pods
+            .lock()
+            .ok()
+            .and_then(|m| {
+                m.get(namespace)
+                    .map(|p| p.values().map(|s| s.replaced).sum())
+            })
+            .unwrap_or(0)
     }
 
     /// Stops the watches.
@@ -433,6 +476,32 @@ impl Drop for ServingTracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pod_replaced_under_its_name_counts_its_replacements_ready_time() {
+        let mut p = PodSeen::default();
+        p.observe("u1", false);
+        assert_eq!((p.ready_at, p.replaced), (None, 0));
+        p.observe("u1", true);
+        let first = p.ready_at.expect("ready");
+        p.observe("u1", true);
+        assert_eq!(
+            p.ready_at,
+            Some(first),
+            "a later event keeps the first Ready time"
+        );
+        // Deleted (terminating: not serving), then recreated under the same name.
+        p.observe("u1", false);
+        assert_eq!(p.ready_at, None);
+        p.observe("u2", false);
+        assert_eq!((p.ready_at, p.replaced), (None, 1));
+        p.observe("u2", true);
+        assert!(p.ready_at.is_some_and(|t| t >= first));
+        // A new UID that is already Ready when first seen.
+        p.observe("u3", true);
+        assert_eq!(p.replaced, 2);
+        assert!(p.ready_at.is_some());
+    }
 
     #[test]
     fn reads_this_process() {

@@ -111,6 +111,10 @@ pub struct PhaseSplit {
     pub control_plane_ms: Option<Percentiles>,
     /// Last pod Ready → every object of the stack Ready.
     pub operator_ready_ms: Option<Percentiles>,
+    /// Pods replaced under the same name (a new UID) by the time every stack was Ready, over all
+    /// stacks: the operator restarting a group it had just created, which the control-plane part
+    /// then holds.
+    pub pods_replaced: usize,
 }
 
 /// `/proc/loadavg`'s three averages (zeros when unreadable).
@@ -323,12 +327,15 @@ impl ScaleReport {
         }
         m.push_str(
             "\n## Where apply→Ready goes (ms, p50 / p99)\n\nOperator pickup: a stack's first \
-             apply sent → its first StatefulSet seen. Control plane: → its last pod Ready \
-             (StatefulSet controller, scheduler, kwok). Operator ready: → every object of the stack \
-             Ready. The operator's two parts must stay flat in N; a burst of N stacks makes the \
-             control plane's part grow with N on any machine of fixed size.\n\n\
-             | N | applied | operator pickup | control plane | operator ready | apply→Ready |\n\
-             |---|---|---|---|---|---|\n",
+             apply sent (its namespace; the tier's apply follows) → its first StatefulSet seen. \
+             Control plane: → its last pod Ready (StatefulSet controller, scheduler, kwok — and \
+             the operator's later children: the prefill groups the DecodePool's ratio adds, the \
+             decode's StatefulSet, pods it replaces). Operator ready: → every object of the stack \
+             Ready. The parts add up to first apply sent → Ready; apply→Ready counts from the \
+             last apply returned. A burst of N stacks makes the middle part grow with N on any \
+             machine of fixed size.\n\n\
+             | N | applied | operator pickup | control plane | operator ready | apply→Ready | pods replaced |\n\
+             |---|---|---|---|---|---|---|\n",
         );
         for r in &self.runs {
             let pq = |p: Option<Percentiles>| {
@@ -336,7 +343,7 @@ impl ScaleReport {
             };
             let _ = writeln!(
                 m,
-                "| {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} |",
                 r.n,
                 r.apply_rate
                     .map_or_else(|| "burst".into(), |v| format!("{v} stacks/s")),
@@ -344,6 +351,7 @@ impl ScaleReport {
                 pq(r.phases.control_plane_ms),
                 pq(r.phases.operator_ready_ms),
                 pq(r.apply_to_ready_ms),
+                r.phases.pods_replaced,
             );
         }
         m.push_str("\n## API requests, first apply → settled (all clients), by verb\n\n");
@@ -668,6 +676,7 @@ mod tests {
                 operator_pickup_ms: crate::report::percentile::summarize([10.0, 20.0]),
                 control_plane_ms: crate::report::percentile::summarize([50.0, 150.0]),
                 operator_ready_ms: crate::report::percentile::summarize([30.0, 40.0]),
+                pods_replaced: 1,
             },
         }
     }
@@ -684,7 +693,7 @@ mod tests {
         assert!(md.contains("| 10 | cached | 8 |"), "{md}");
         assert!(md.contains("- N = 10: Created 3\n"), "{md}");
         assert!(
-            md.contains("| 10 | 2 stacks/s | 10 / 20 | 50 / 150 | 30 / 40 | 100 / 200 |"),
+            md.contains("| 10 | 2 stacks/s | 10 / 20 | 50 / 150 | 30 / 40 | 100 / 200 | 1 |"),
             "{md}"
         );
         let svg = std::fs::read_to_string(dir.path().join("apply_to_ready.svg")).unwrap();

@@ -9,8 +9,8 @@
 //!   request's KV is ready — its backlog from this decode plus the request's blocks it does not
 //!   hold ([`least_work`]; the cost NVIDIA Dynamo's KV router scores workers by). On the
 //!   conversation trace with the demo's capacities and no L3 (`tandem-bench routing`, one run)
-//!   it raised the hit ratio 1.78 × round-robin's with one decode and 1.52 × with two, at 0.75 ×
-//!   and 0.93 × round-robin's model p99 TTFT; `affinity` gave 1.47 × and 1.35 × at 0.99 × and
+//!   it raised the hit ratio 1.75 × round-robin's with one decode and 1.50 × with two, at 0.75 ×
+//!   and 0.92 × round-robin's model p99 TTFT; `affinity` gave 1.47 × and 1.35 × at 0.99 × and
 //!   0.98 ×.
 //! - [`Routing::PrefixAffinity`]: the rule SGLang's cache-aware router uses (`sgl-router`
 //!   `cache_aware`: an approximate radix tree per worker, fed by the router's own routing

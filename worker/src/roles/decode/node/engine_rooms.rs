@@ -379,6 +379,8 @@ impl EngineRooms {
                 return;
             };
             p.refused = Some(why.to_owned());
+            // No room of this attempt will compute on that peer.
+            p.link.settle();
             p.room
         };
         self.stats.prefill_refused.fetch_add(1, Ordering::Relaxed);
@@ -677,6 +679,8 @@ impl KvSource for EngineRooms {
         let Some(peer) = lock(&self.rooms).get(&key).map(|r| r.peer.clone()) else {
             return;
         };
+        // The room failed: it no longer loads the peer's prefill, whenever its pages come back.
+        self.settle_link(key);
         let link = lock(&self.node.state).links.get(&peer).cloned();
         let Some(link) = link else {
             // The peer is gone: its link's loss failed the room; the fence or the ack deadline
