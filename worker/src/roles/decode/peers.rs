@@ -92,11 +92,6 @@ impl RoutedLink {
             }
         }
     }
-
-    /// Blocks of the room's prompt this peer computes (not held there by the decode's table).
-    pub fn blocks(&self) -> u64 {
-        self.blocks
-    }
 }
 
 impl std::ops::Deref for RoutedLink {
